@@ -1,0 +1,465 @@
+"""Causal varlen core-attention backends with one signature.
+
+Every backend computes, for a packed batch of B sequences (CA-task shards)::
+
+    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             softmax_scale) -> (dq, dk, dv)
+
+Tensors (T_q = total query rows, T_k = total key rows, H_q % H_kv == 0):
+    q, out, dout, dq: [T_q, H_q, D], dtype of q.        k, v, dk, dv: [T_k, H_kv, D], dtype of q.
+    lse: [T_q, H_q], float32 (float64 when q is float64): lse = logsumexp_j(softmax_scale * q . k_j).
+    cu_seqlens_q, cu_seqlens_k: int32 [B + 1], cumulative offsets; max_seqlen_*: python ints.
+    Query head h reads kv head h // (H_q // H_kv) (GQA); dk, dv are summed over that group.
+
+Causal mask, bottom-right aligned (flash-attn >= 2.1): in a sequence with Lq query rows and Lk keys,
+row r sees key j iff j <= r + (Lk - Lq). With Lq = 2, Lk = 5 (1 = visible)::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+A row that sees no key (only possible when Lq > Lk) gets out = 0, lse = -inf and zero gradients.
+
+Forward and backward follow FlashAttention-2 (Dao 2023, arXiv 2307.08691), Algorithm 1 (forward
+returning the LSE) and Algorithm 2 (backward recomputing P = exp(S - lse) and D = rowsum(dO * O)).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+
+import torch
+
+__all__ = [
+    "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
+    "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends",
+]
+
+_NEG_INF = float("-inf")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The LSE dtype that goes with activations of `dtype`: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    # Shape-only checks: nothing here reads device memory, so GPU calls stay sync-free.
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"expected q [T_q, H_q, D] and k, v [T_k, H_kv, D]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"num_heads_q={q.shape[1]} is not a multiple of num_heads_kv={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v differ in dtype/device: {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
+                         f"{v.dtype}/{v.device}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.numel() < 1:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                         f"{tuple(cu_seqlens_k.shape)} must both be [B + 1]")
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) per sequence, validated (host copy: CPU paths only)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if cq[0] < 0 or ck[0] < 0 or cq[-1] > total_q or ck[-1] > total_k or any(
+            a > b for a, b in zip(cq, cq[1:])) or any(a > b for a, b in zip(ck, ck[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing within [0, T]: cu_seqlens_q={cq} "
+                         f"(T_q={total_q}), cu_seqlens_k={ck} (T_k={total_k})")
+    return list(zip(cq, cq[1:], ck, ck[1:]))
+
+
+class AttentionBackend:
+    """Base class: validation, dtype fallback and the shared contract.
+
+    Subclasses implement `_forward`/`_backward` for the dtypes `_kernel_handles` accepts; other
+    dtypes go to the reference math (correct, but O(Lq * Lk) memory per sequence and head group).
+    """
+
+    name: str = ""
+    device_types: tuple[str, ...] | None = None  # None: any device
+
+    def is_available(self) -> bool:
+        return True
+
+    def supports(self, device) -> bool:
+        dev = torch.device(device)
+        return (self.device_types is None or dev.type in self.device_types) and self.is_available()
+
+    def _kernel_handles(self, q: torch.Tensor) -> bool:
+        return True
+
+    def _check(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if not self.supports(q.device):
+            raise ValueError(f"backend {self.name!r} cannot run on {q.device} "
+                             f"(available there: {available_backends(q.device)})")
+        return self if self._kernel_handles(q) else BACKENDS["reference"]
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+        """Causal varlen attention forward (FlashAttention-2, Algorithm 1).
+
+        Args: q [T_q, H_q, D]; k, v [T_k, H_kv, D] (same dtype and device as q); cu_seqlens_q,
+        cu_seqlens_k int32 [B + 1]; max_seqlen_q, max_seqlen_k: int; softmax_scale: float.
+        Returns: out [T_q, H_q, D] in q's dtype; lse [T_q, H_q] float32 (float64 for float64 q),
+        lse = logsumexp over visible keys of softmax_scale * q . k (-inf where no key is visible).
+        """
+        impl = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return impl._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             float(softmax_scale))
+
+    def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale):
+        """Causal varlen attention backward (FlashAttention-2, Algorithm 2).
+
+        Args: dout, out [T_q, H_q, D] and lse [T_q, H_q] as returned by `forward` (any backend);
+        the rest as in `forward`. Returns dq [T_q, H_q, D], dk, dv [T_k, H_kv, D] in q's dtype,
+        dk/dv summed over the query heads that share a kv head; zero for rows outside cu_seqlens.
+        """
+        impl = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
+            raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be "
+                             f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {tuple(q.shape[:2])}")
+        return impl._backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, float(softmax_scale))
+
+    def __repr__(self) -> str:
+        return f"<attention backend {self.name}>"
+
+
+class ReferenceBackend(AttentionBackend):
+    """Plain torch math in the input dtype, one sequence at a time; the oracle for other backends.
+
+    Materialises S = scale * q k^T ([H_kv, G * Lq, Lk] per sequence, G = H_q // H_kv), so memory is
+    O(Lq * Lk): for tests and small fallbacks, not for long documents.
+    """
+
+    name = "reference"
+
+    @staticmethod
+    def _scores(qs, ks, scale):
+        # Query heads of one kv head are stacked along rows, so one batched matmul per kv head
+        # serves the whole GQA group and dk/dv come out already summed over it.
+        lq, hq, d = qs.shape
+        lk, hkv = ks.shape[0], ks.shape[1]
+        g = hq // hkv
+        qh = qs.reshape(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * lq, d)
+        kh = ks.transpose(0, 1)
+        rows = torch.arange(lq, device=qs.device)
+        visible = torch.arange(lk, device=qs.device)[None, :] <= rows[:, None] + (lk - lq)
+        s = (qh @ kh.transpose(1, 2)) * scale
+        return qh, kh, s.masked_fill(~visible.repeat(g, 1), _NEG_INF)
+
+    @staticmethod
+    def _to_heads(x, hkv):  # [L, H_q, ...] -> [H_kv, G * L, ...]
+        lq, hq = x.shape[:2]
+        x = x.reshape(lq, hkv, hq // hkv, *x.shape[2:]).transpose(0, 1).transpose(1, 2)
+        return x.reshape(hkv, hq // hkv * lq, *x.shape[3:])
+
+    @staticmethod
+    def _from_heads(x, lq):  # [H_kv, G * L, ...] -> [L, H_q, ...]
+        hkv = x.shape[0]
+        x = x.reshape(hkv, -1, lq, *x.shape[2:]).transpose(1, 2).transpose(0, 1)
+        return x.reshape(lq, -1, *x.shape[3:])
+
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
+        hkv = k.shape[1]
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+            if qb == qa:
+                continue
+            _, _, s = self._scores(q[qa:qb], k[ka:kb], scale)
+            l = torch.logsumexp(s, dim=-1)
+            # Rows with no visible key have l = -inf; subtracting 0 instead keeps exp(-inf) = 0
+            # rather than exp(nan), which gives those rows out = 0.
+            p = torch.exp(s - l.masked_fill(l == _NEG_INF, 0.0)[..., None])
+            out[qa:qb] = self._from_heads(p @ v[ka:kb].transpose(0, 1), qb - qa)
+            lse[qa:qb] = self._from_heads(l, qb - qa).to(lse.dtype)
+        return out, lse
+
+    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        hkv = k.shape[1]
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+            if qb == qa or kb == ka:
+                continue
+            qh, kh, s = self._scores(q[qa:qb], k[ka:kb], scale)
+            l = self._to_heads(lse[qa:qb].to(q.dtype), hkv)
+            p = torch.exp(s - l.masked_fill(l == _NEG_INF, 0.0)[..., None])
+            do = self._to_heads(dout[qa:qb], hkv)
+            vh = v[ka:kb].transpose(0, 1)
+            delta = (do * self._to_heads(out[qa:qb], hkv)).sum(-1, keepdim=True)
+            ds = p * (do @ vh.transpose(1, 2) - delta)
+            dq[qa:qb] = self._from_heads(ds @ kh, qb - qa) * scale
+            dk[ka:kb] = (ds.transpose(1, 2) @ qh).transpose(0, 1) * scale
+            dv[ka:kb] = (p.transpose(1, 2) @ do).transpose(0, 1)
+        return dq, dk, dv
+
+
+def _bhld(x):  # [L, H, D] -> [1, H, L, D] view, no copy: what the aten SDPA ops take
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _lhd(x):  # [1, H, L, ...] -> [L, H, ...]; the CPU ops keep q's memory format, so this is a view
+    return x.squeeze(0).transpose(0, 1)
+
+
+class TorchCPUBackend(AttentionBackend):
+    """CPU flash attention from aten (`_scaled_dot_product_flash_attention_for_cpu` and its
+    backward), one call per sequence and block; memory O(Lq * H * D), never an Lq x Lk mask.
+
+    The ops take [B, H, L, D] (any strides), support H_q a multiple of H_kv natively with the
+    h // G grouping, accept float32/float64/bfloat16/float16, and return an LSE [B, H, L] that is
+    float64 for float64 inputs and float32 otherwise. Their `is_causal` is top-left aligned, so a
+    bottom-right sequence with Lk >= Lq is split into (a) all Lq rows x keys [0, Lk - Lq), no mask,
+    and (b) the square Lq x Lq block of keys [Lk - Lq, Lk) where top-left equals bottom-right.
+    The two partial results merge through their LSEs (Milakov & Gimelshein 2018, "Online
+    normalizer calculation for softmax"; the same rescaling as FlashAttention-2 Algorithm 1).
+    """
+
+    name = "torch_cpu"
+    device_types = ("cpu",)
+    _OP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    def _kernel_handles(self, q):
+        return q.dtype in self._OP_DTYPES  # other dtypes: the ops refuse them, reference math
+
+    @staticmethod
+    def _blocks(lq, lk):
+        # Rows [0, q0) see no key (only when Lq > Lk). Keys [0, k0) are fully visible to the live
+        # rows, keys [k0, lk) form the square causal block. No block has a row that sees no key,
+        # so the op's LSE-0-for-empty-rows quirk never reaches the merge.
+        return max(0, lq - lk), max(0, lk - lq)
+
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+            q0, k0 = self._blocks(qb - qa, kb - ka)
+            if qb - qa - q0 <= 0:
+                continue
+            rows, diag = slice(qa + q0, qb), slice(ka + k0, kb)
+            o, l = op(_bhld(q[rows]), _bhld(k[diag]), _bhld(v[diag]), 0.0, True, scale=scale)
+            o, l = _lhd(o), _lhd(l).to(lse.dtype)
+            if k0 > 0:
+                full = slice(ka, ka + k0)
+                o2, l2 = op(_bhld(q[rows]), _bhld(k[full]), _bhld(v[full]), 0.0, False, scale=scale)
+                l_all = torch.logaddexp(l, _lhd(l2).to(lse.dtype))
+                # Merge in the LSE dtype so low-precision inputs are rounded only once.
+                o = (torch.exp(l - l_all)[..., None] * o.to(lse.dtype)
+                     + torch.exp(_lhd(l2) - l_all)[..., None] * _lhd(o2).to(lse.dtype))
+                l = l_all
+            out[rows], lse[rows] = o.to(q.dtype), l
+        return out, lse
+
+    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = lse.to(lse_dtype(q.dtype))
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+            q0, k0 = self._blocks(qb - qa, kb - ka)
+            if qb - qa - q0 <= 0:
+                continue
+            rows = slice(qa + q0, qb)
+            # The op rebuilds P from the lse it is given and D from (out, dout). Feeding each block
+            # the GLOBAL out and lse therefore yields that block's exact share of the gradient:
+            # dq adds up over blocks, dk/dv belong to disjoint key ranges.
+            common = (_bhld(dout[rows]), _bhld(q[rows]))
+            saved = (_bhld(out[rows]), lse[rows].t().unsqueeze(0))
+            for keys, causal in ((slice(ka + k0, kb), True), (slice(ka, ka + k0), False)):
+                if keys.stop == keys.start:
+                    continue
+                g = op(*common, _bhld(k[keys]), _bhld(v[keys]), *saved, 0.0, causal, scale=scale)
+                dq[rows] += _lhd(g[0])
+                dk[keys], dv[keys] = _lhd(g[1]), _lhd(g[2])
+        return dq, dk, dv
+
+
+def _flash_kernel_handles(q) -> bool:
+    # FlashAttention-2 kernels: fp16/bf16 only, head_dim a multiple of 8 up to 256.
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % 8 == 0 and q.shape[2] <= 256
+
+
+def _lse_from_kernel(lse, cu_seqlens_q, total_q, num_heads):
+    """FlashAttention LSE -> ours ([T_q, H] float32, -inf on rows without keys).
+
+    Kernels return [H, T_q] (unpadded; assumed when H == T_q makes the shape ambiguous) or, in
+    older flash-attn, [B, H, max_seqlen_q]; they mark rows without keys with +inf.
+    """
+    if lse.dim() == 3:
+        b, r = _token_positions(cu_seqlens_q, total_q)
+        lse = lse[b, :, r]
+    elif lse.shape == (num_heads, total_q):
+        lse = lse.t()
+    elif lse.shape != (total_q, num_heads):
+        raise RuntimeError(f"unexpected kernel LSE shape {tuple(lse.shape)} for T_q={total_q}, H={num_heads}")
+    lse = lse.float()
+    return lse.masked_fill(lse == float("inf"), _NEG_INF).contiguous()
+
+
+def _lse_to_kernel(lse, layout, cu_seqlens_q, max_seqlen_q):
+    """Inverse of `_lse_from_kernel` for `layout` in {"heads_first", "tokens_first", "padded"}."""
+    lse = lse.float().masked_fill(lse == _NEG_INF, float("inf"))
+    if layout == "tokens_first":
+        return lse.contiguous()
+    if layout == "heads_first":
+        return lse.t().contiguous()
+    b, r = _token_positions(cu_seqlens_q, lse.shape[0])
+    padded = lse.new_full((cu_seqlens_q.numel() - 1, lse.shape[1], max_seqlen_q), float("inf"))
+    padded[b, :, r] = lse
+    return padded
+
+
+def _token_positions(cu_seqlens_q, total_q):
+    """(sequence index, row within sequence) of every query row: [T_q] int64 each."""
+    cu = cu_seqlens_q.long()
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff())
+    seq = seq[:total_q]
+    return seq, torch.arange(seq.numel(), device=cu.device) - cu[seq]
+
+
+def _kernel_lse_layout(lse, q, cu_seqlens_q) -> str:
+    if lse.dim() == 3:
+        return "padded"
+    return "heads_first" if lse.shape == (q.shape[1], q.shape[0]) else "tokens_first"
+
+
+class TorchVarlenBackend(AttentionBackend):
+    """torch's built-in FlashAttention-2 varlen op (`torch.ops.torch_attn._varlen_attn`, torch >= 2.10,
+    CUDA). Causal via window (-1, 0), which the kernel aligns bottom-right; GQA native."""
+
+    name = "torch_varlen"
+    device_types = ("cuda",)
+
+    def __init__(self):
+        self._lse_layout = "heads_first"  # what torch's fake kernel declares; refined at first call
+
+    def is_available(self):
+        return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+    def _kernel_handles(self, q):
+        return _flash_kernel_handles(q)
+
+    @staticmethod
+    def _ops():
+        import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
+        return torch.ops.torch_attn
+
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, _ = self._ops()._varlen_attn(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, scale, [-1, 0],
+            q.shape[1] != k.shape[1], None, None, None)
+        self._lse_layout = _kernel_lse_layout(lse, q, cu_seqlens_q)
+        return out, _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+
+    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale):
+        # Dropout is off, so the kernel never reads the Philox state; it only needs a valid buffer.
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        return self._ops()._varlen_attn_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+            _lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, rng_state, scale, [-1, 0])
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> tuple[tuple[str, bool], ...]:
+    # torch.library custom ops wrap the Python function; its signature is on `_init_fn`.
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values()
+    return tuple((p.name, p.default is inspect.Parameter.empty) for p in params)
+
+
+def _call_by_name(fn, values: dict):
+    """Call `fn` with the entries of `values` it accepts: flash-attn's private backward changed its
+    positional order across versions (window_size -> window_size_left/right, softcap added)."""
+    names = _parameter_names(fn)
+    missing = [n for n, required in names if required and n not in values]
+    if missing:
+        raise RuntimeError(f"unsupported flash-attn version: {fn} needs unknown arguments {missing}")
+    return fn(**{n: values[n] for n, _ in names if n in values})
+
+
+class FlashAttnBackend(AttentionBackend):
+    """The `flash-attn` package (Dao 2023), `flash_attn_varlen_func(..., causal=True)`: bottom-right
+    causal since flash-attn 2.1; GQA native; LSE from `return_attn_probs=True`."""
+
+    name = "flash_attn"
+    device_types = ("cuda",)
+
+    def __init__(self):
+        self._lse_layout = "heads_first"  # flash-attn >= 2.5 varlen; refined at first forward
+
+    def is_available(self):
+        return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+    def _kernel_handles(self, q):
+        return _flash_kernel_handles(q)
+
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        from flash_attn import flash_attn_varlen_func
+
+        out, lse, _ = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+            softmax_scale=scale, causal=True, return_attn_probs=True)
+        self._lse_layout = _kernel_lse_layout(lse, q, cu_seqlens_q)
+        return out, _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+
+    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale):
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # Same arguments as flash-attn's own autograd backward: window (-1, -1) plus causal=True.
+        _call_by_name(_flash_attn_varlen_backward, dict(
+            dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
+            softmax_lse=_lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
+            dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+            causal=True, window_size=(-1, -1), window_size_left=-1, window_size_right=-1,
+            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None))
+        return dq, dk, dv
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b for b in (FlashAttnBackend(), TorchVarlenBackend(), TorchCPUBackend(), ReferenceBackend())
+}
+
+# "auto" never picks `reference`: its O(Lq * Lk) memory would turn a long document into an OOM
+# rather than a clear error. Force it by name.
+_AUTO_ORDER = {"cuda": ("flash_attn", "torch_varlen"), "cpu": ("torch_cpu",)}
+
+
+def available_backends(device) -> list[str]:
+    """Names of the backends that can run on `device` (torch.device or str), fastest first."""
+    return [name for name, b in BACKENDS.items() if b.supports(device)]
+
+
+def get_backend(name: str, device) -> AttentionBackend:
+    """The backend called `name` for tensors on `device`.
+
+    `name` is one of "auto", "reference", "torch_cpu", "torch_varlen", "flash_attn". "auto" picks
+    flash_attn, then torch_varlen on CUDA, and torch_cpu on CPU. Raises ValueError, listing the
+    backends available on `device`, for an unknown name or one that cannot run there.
+    """
+    device = torch.device(device)
+    available = available_backends(device)
+    if name == "auto":
+        for candidate in _AUTO_ORDER.get(device.type, ()):
+            if candidate in available:
+                return BACKENDS[candidate]
+        raise ValueError(f"no fast attention backend for {device}; available: {available} "
+                         f"(pass name='reference' to force the O(Lq*Lk)-memory reference)")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *BACKENDS]}, "
+                         f"available on {device}: {available}")
+    if name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
+    return BACKENDS[name]

@@ -1,0 +1,112 @@
+"""Plans to compare the planner against, all returning :class:`~scheduler.tasks.Plan`.
+
+- :func:`no_balance`: every rank computes its own documents (plain packing, no CAD).
+- :func:`per_doc_cp`: every document split head–tail over all servers, the per-document context
+  parallelism of WLB-LLM and Megatron CP (DistCA §2.2): perfectly balanced, heavy on KV traffic.
+- :func:`wlb_packing`: WLB-LLM style variable-length packing: documents re-packed across ranks by
+  attention workload under a per-rank token cap, longest first (DistCA §2.2, WLB-LLM §4).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .cost import CostModel
+from .planner import _band_shards, _validate
+from .tasks import CATask, Plan
+
+
+def _home_server(rank: int, num_ranks: int, num_servers: int) -> int:
+    return rank if num_ranks == num_servers else rank % num_servers
+
+
+def no_balance(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace") -> Plan:
+    """Each rank's documents on its own server (``rank % num_servers`` in dedicated mode).
+
+    Raises:
+        ValueError: as :func:`scheduler.plan_batch`.
+    """
+    _validate(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
+    tasks = [[] for _ in range(num_servers)]
+    for r, lens in enumerate(doc_lens_per_rank):
+        server = _home_server(r, len(doc_lens_per_rank), num_servers)
+        tasks[server].extend(CATask(r, i, 0, l, 0, l) for i, l in enumerate(lens))
+    return Plan(doc_lens_per_rank=[list(x) for x in doc_lens_per_rank], num_servers=num_servers,
+                mode=mode, cost=cost, server_tasks=tasks)
+
+
+def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace") -> Plan:
+    """Every document split into ``num_servers`` head–tail bands, one per server.
+
+    Server ``j`` runs the ``j``-th band from the outside in (head shard ``j`` and tail shard
+    ``2·S - 1 - j`` of the usual CP layout); widths differ by at most one folded token, the spare
+    tokens rotating with the document index so no server always gets them. Documents with fewer
+    folded tokens than servers use only the first servers. Each server receives the KV prefix
+    its shards need (from half to all of the document); a ring or all-gather CP moves the whole
+    document to every server, so these bytes are a lower bound on such implementations.
+
+    Raises:
+        ValueError: as :func:`scheduler.plan_batch`.
+    """
+    _validate(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
+    S = num_servers
+    tasks = [[] for _ in range(S)]
+    gid = 0
+    for r, lens in enumerate(doc_lens_per_rank):
+        for i, l in enumerate(lens):
+            fold = (l + 1) // 2
+            base, extra = divmod(fold, S)
+            a = 0
+            for j in range(S):
+                w = base + (1 if (j - gid) % S < extra else 0)
+                if w == 0:
+                    continue
+                for qs, qe in _band_shards(l, a, a + w):
+                    tasks[j].append(CATask(r, i, qs, qe, 0, qe))
+                a += w
+            gid += 1
+    return Plan(doc_lens_per_rank=[list(x) for x in doc_lens_per_rank], num_servers=S,
+                mode=mode, cost=cost, server_tasks=tasks)
+
+
+def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
+                token_cap: int | None = None) -> Plan:
+    """Re-pack whole documents across ranks to balance attention work (inplace only).
+
+    Documents, longest first, go to the rank with the least attention work among those whose
+    token count stays within ``token_cap`` (default: the largest rank's token count in the input);
+    if none has room, to the rank with the fewest tokens. The re-packing happens at data loading,
+    so the returned plan describes the *re-packed* batch (its ``doc_lens_per_rank`` differ from the
+    input) and moves no attention bytes; what it costs instead is unequal tokens per rank, i.e.
+    unequal linear work and activation memory.
+
+    Raises:
+        ValueError: as :func:`scheduler.plan_batch`, or ``token_cap`` not positive.
+    """
+    _validate(doc_lens_per_rank, num_servers, cost, 0.0, "inplace", 1)
+    R = num_servers
+    cap = token_cap if token_cap is not None else max(sum(x) for x in doc_lens_per_rank)
+    if not isinstance(cap, int) or cap <= 0:
+        raise ValueError(f"token_cap must be a positive int, got {token_cap!r}")
+    docs = sorted(((l, g) for g, l in enumerate(x for lens in doc_lens_per_rank for x in lens)),
+                  key=lambda t: (-t[0], t[1]))
+    packed: list[list[int]] = [[] for _ in range(R)]
+    tokens = [0] * R
+    work = [(0, r) for r in range(R)]  # heap of (attention pairs, rank)
+    for l, _ in docs:
+        skipped = []
+        while work and tokens[work[0][1]] + l > cap:
+            skipped.append(heapq.heappop(work))
+        if work:
+            pairs, r = heapq.heappop(work)
+        else:  # nobody has room: the rank with the fewest tokens takes it
+            r = min(range(R), key=lambda x: (tokens[x], x))
+            pairs = next(p for p, rr in skipped if rr == r)
+            skipped = [(p, rr) for p, rr in skipped if rr != r]
+        packed[r].append(l)
+        tokens[r] += l
+        heapq.heappush(work, (pairs + l * (l + 1) // 2, r))
+        for item in skipped:
+            heapq.heappush(work, item)
+    tasks = [[CATask(r, i, 0, l, 0, l) for i, l in enumerate(lens)] for r, lens in enumerate(packed)]
+    return Plan(doc_lens_per_rank=packed, num_servers=R, mode="inplace", cost=cost, server_tasks=tasks)

@@ -1,0 +1,344 @@
+"""CA-tasks and plans: what each attention server computes in one training step.
+
+A plan is data: built by a pure function of the batch, validated on construction, serialised with
+msgpack (never pickle), replayable. Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+
+from .cost import BACKWARD_TENSORS, FORWARD_TENSORS, KV_TENSORS, CostModel
+
+MODES = ("inplace", "dedicated")
+
+
+class CATask(NamedTuple):
+    """One CA-task: query rows ``[q_start, q_end)`` of one document attending to keys
+    ``[kv_start, kv_end)`` of the same document, causal with bottom-right alignment.
+
+    Offsets are token indices inside the document ``doc_index`` of client rank ``src_rank``.
+    distca plans use full-prefix shards, ``kv_start == 0`` and ``kv_end == q_end``, which cover
+    exactly the causal pairs of their query rows; a document's shards partition its tokens.
+    (A NamedTuple rather than a dataclass: plans hold thousands and are built in milliseconds.)
+    """
+
+    src_rank: int
+    doc_index: int
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+
+    @property
+    def q_len(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_end - self.kv_start
+
+    @property
+    def pairs(self) -> int:
+        """Causal (query, key) pairs of a full-prefix shard: ``sum_{t=q_start}^{q_end-1} (t+1)``."""
+        return (self.q_end - self.q_start) * (self.q_start + self.q_end + 1) // 2
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _tasks_array(server_tasks) -> np.ndarray:
+    """All tasks as an int64 array [num_tasks, 7]: server, then the six CATask fields."""
+    counts = [len(tasks) for tasks in server_tasks]
+    flat = [t for tasks in server_tasks for t in tasks]
+    if not flat:
+        return np.zeros((0, 7), dtype=np.int64)
+    arr = np.empty((len(flat), 7), dtype=np.int64)
+    arr[:, 0] = np.repeat(np.arange(len(counts)), counts)
+    try:
+        arr[:, 1:] = np.fromiter(chain.from_iterable(flat), dtype=np.int64,
+                                 count=6 * len(flat)).reshape(-1, 6)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"tasks must hold int64 offsets: {exc}") from None
+    return arr
+
+
+@dataclass
+class Plan:
+    """One step's plan: every server's CA-tasks, and from them the all-to-all layout.
+
+    Args:
+        doc_lens_per_rank: document lengths (tokens) of each client rank, in packing order.
+        num_servers: attention servers. ``mode="inplace"``: server ``i`` is client rank ``i``, so
+            ``num_servers == len(doc_lens_per_rank)``; ``"dedicated"``: separate processes.
+        mode: ``"inplace"`` or ``"dedicated"``.
+        cost: shapes that turn tokens into FLOPs and bytes.
+        server_tasks: ``server_tasks[s]`` is the list of :class:`CATask` server ``s`` runs; each
+            list is kept sorted by ``(src_rank, doc_index, q_start)``, the order of the wire layout.
+        epsilon: the imbalance tolerance the plan was made for (information only).
+
+    Raises:
+        ValueError: any field of the wrong type or range, a task that is not a full-prefix shard
+            inside its document, or documents whose shards do not partition their tokens (some
+            causal pair uncovered or covered twice).
+    """
+
+    doc_lens_per_rank: list[list[int]]
+    num_servers: int
+    mode: str
+    cost: CostModel
+    server_tasks: list[list[CATask]]
+    epsilon: float = 0.0
+    _valid: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate_header()
+        self.doc_lens_per_rank = [lens if type(lens) is list and all(type(x) is int for x in lens)
+                                  else [int(x) for x in lens] for lens in self.doc_lens_per_rank]
+        self.server_tasks = [[t if type(t) is CATask else CATask(*(int(x) for x in t)) for t in tasks]
+                             for tasks in self.server_tasks]
+        arr = self.task_array
+        if len(arr) > 1:
+            # Canonical order (server, src_rank, doc_index, q_start) is the wire layout's order.
+            order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
+            if (order != np.arange(len(arr))).any():
+                self.server_tasks = [sorted(tasks) for tasks in self.server_tasks]
+                self.__dict__.pop("task_array")
+        self._validate_tasks()
+
+    # ---- validation ---------------------------------------------------------------------------
+    def _validate_header(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.cost, CostModel):
+            raise ValueError(f"cost must be a CostModel, got {type(self.cost).__name__}")
+        if not _is_int(self.num_servers) or self.num_servers < 1:
+            raise ValueError(f"num_servers must be a positive int, got {self.num_servers!r}")
+        if not isinstance(self.epsilon, (int, float)) or not (0.0 <= float(self.epsilon) < float("inf")):
+            raise ValueError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
+        if not isinstance(self.doc_lens_per_rank, (list, tuple)) or not self.doc_lens_per_rank:
+            raise ValueError("doc_lens_per_rank must be a non-empty list of lists of lengths")
+        for r, lens in enumerate(self.doc_lens_per_rank):
+            if not isinstance(lens, (list, tuple)):
+                raise ValueError(f"doc_lens_per_rank[{r}] is {type(lens).__name__}, not a list")
+            arr = np.asarray(lens) if lens else np.zeros(0, dtype=np.int64)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr <= 0).any():
+                bad = [x for x in lens if not _is_int(x) or x <= 0]
+                raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5] or lens[:5]}")
+        if self.mode == "inplace" and self.num_servers != len(self.doc_lens_per_rank):
+            raise ValueError(
+                f"inplace mode needs one server per client rank: num_servers={self.num_servers}, "
+                f"ranks={len(self.doc_lens_per_rank)}")
+        if not isinstance(self.server_tasks, (list, tuple)) or len(self.server_tasks) != self.num_servers:
+            raise ValueError(f"server_tasks must hold one list per server ({self.num_servers})")
+        for s, tasks in enumerate(self.server_tasks):
+            if not isinstance(tasks, (list, tuple)):
+                raise ValueError(f"server_tasks[{s}] is {type(tasks).__name__}, not a list")
+            for t in tasks:
+                if type(t) is not CATask and (not isinstance(t, (tuple, list)) or len(t) != 6
+                                              or not all(_is_int(x) for x in t)):
+                    raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
+
+    def _validate_tasks(self) -> None:
+        arr = self.task_array
+        lens = self.doc_lens_flat
+        srv, rank, doc, qs, qe, ks, ke = arr.T
+        num_ranks = len(self.doc_lens_per_rank)
+        docs_per_rank = np.array([len(x) for x in self.doc_lens_per_rank], dtype=np.int64)
+        if arr.size:
+            if (rank < 0).any() or (rank >= num_ranks).any():
+                raise ValueError(f"src_rank out of range [0, {num_ranks}): {sorted(set(rank[(rank < 0) | (rank >= num_ranks)].tolist()))[:5]}")
+            bad = (doc < 0) | (doc >= docs_per_rank[rank])
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"task {self._task_at(i)} names a document rank {rank[i]} does not have")
+        gid = self.doc_offsets[rank] + doc if arr.size else np.zeros(0, dtype=np.int64)
+        dl = lens[gid] if arr.size else gid
+        bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks != 0) | (ke != qe)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"task {self._task_at(i)} on server {srv[i]} is not a full-prefix shard "
+                f"(0 <= q_start < q_end <= doc_len={dl[i]}, kv_start == 0, kv_end == q_end)")
+        # Shards of each document must tile [0, doc_len): then each causal pair is covered once.
+        order = np.lexsort((qs, gid))
+        g, s_, e_ = gid[order], qs[order], qe[order]
+        first = np.ones(len(g), dtype=bool)
+        first[1:] = g[1:] != g[:-1]
+        last = np.ones(len(g), dtype=bool)
+        last[:-1] = g[1:] != g[:-1]
+        covered = np.zeros(len(lens), dtype=bool)
+        covered[g] = True
+        problems = []
+        if not covered.all():
+            problems.append(f"documents with no task: {self._doc_names(np.flatnonzero(~covered))}")
+        if (s_[first] != 0).any():
+            problems.append(f"documents whose first shard does not start at 0: {self._doc_names(g[first][s_[first] != 0])}")
+        gap = ~first & (s_ != np.roll(e_, 1))
+        if gap.any():
+            problems.append(f"documents with overlapping or missing rows between shards: {self._doc_names(g[gap])}")
+        if (e_[last] != lens[g[last]]).any():
+            problems.append(f"documents whose shards stop before the end: {self._doc_names(g[last][e_[last] != lens[g[last]]])}")
+        if problems:
+            raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(problems))
+        self._valid = True
+
+    def _task_at(self, i: int) -> CATask:
+        row = self.task_array[i]
+        return CATask(*(int(x) for x in row[1:]))
+
+    def _doc_names(self, gids) -> str:
+        names = []
+        for g in list(dict.fromkeys(int(x) for x in gids))[:5]:
+            r = int(np.searchsorted(self.doc_offsets, g, side="right") - 1)
+            names.append(f"(rank {r}, doc {g - int(self.doc_offsets[r])})")
+        return ", ".join(names)
+
+    # ---- derived arrays -------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.doc_lens_per_rank)
+
+    @property
+    def num_participants(self) -> int:
+        """Processes in the all-to-all: ranks (inplace), or ranks then servers (dedicated)."""
+        return self.num_ranks if self.mode == "inplace" else self.num_ranks + self.num_servers
+
+    def server_participant(self, server: int) -> int:
+        """Participant index of attention server ``server`` in the all-to-all group."""
+        return server if self.mode == "inplace" else self.num_ranks + server
+
+    @cached_property
+    def doc_lens_flat(self) -> np.ndarray:
+        """All document lengths, rank after rank: int64 [num_docs]."""
+        flat = [x for lens in self.doc_lens_per_rank for x in lens]
+        return np.asarray(flat, dtype=np.int64)
+
+    @cached_property
+    def doc_offsets(self) -> np.ndarray:
+        """Global index of each rank's first document: int64 [num_ranks]."""
+        counts = [len(x) for x in self.doc_lens_per_rank]
+        return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+    @cached_property
+    def task_array(self) -> np.ndarray:
+        """int64 [num_tasks, 7]: (server, src_rank, doc_index, q_start, q_end, kv_start, kv_end)."""
+        return _tasks_array(self.server_tasks)
+
+    # ---- loads and bytes --------------------------------------------------------------------------
+    def server_loads(self) -> list[float]:
+        """Forward causal attention FLOPs per server (see :meth:`CostModel.task_flops`)."""
+        arr = self.task_array
+        pairs = (arr[:, 4] - arr[:, 3]) * (arr[:, 3] + arr[:, 4] + 1) // 2
+        per_server = np.bincount(arr[:, 0], weights=pairs.astype(np.float64), minlength=self.num_servers)
+        return (per_server * self.cost.flops_per_pair).tolist()
+
+    def rank_loads(self) -> list[float]:
+        """Forward FLOPs of each client rank's own documents: the load with no balancing."""
+        pairs = self.doc_lens_flat * (self.doc_lens_flat + 1) // 2
+        ranks = np.repeat(np.arange(self.num_ranks), [len(x) for x in self.doc_lens_per_rank])
+        per_rank = np.bincount(ranks, weights=pairs.astype(np.float64), minlength=self.num_ranks)
+        return (per_rank * self.cost.flops_per_pair).tolist()
+
+    @cached_property
+    def row_matrix(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows sent per (src_rank, server): ``(q_rows, kv_rows)``, both int64 [num_ranks, num_servers].
+
+        ``kv_rows`` counts each document's KV rows once per server (the longest prefix its shards
+        there need), however many shards of that document the server runs.
+        """
+        arr = self.task_array
+        shape = (self.num_ranks, self.num_servers)
+        q_rows = np.zeros(shape, dtype=np.int64)
+        kv_rows = np.zeros(shape, dtype=np.int64)
+        if arr.size == 0:
+            return q_rows, kv_rows
+        np.add.at(q_rows, (arr[:, 1], arr[:, 0]), arr[:, 4] - arr[:, 3])
+        # Longest KV prefix per (server, rank, doc): tasks are sorted per server, so take the max.
+        key = (arr[:, 0] * self.num_ranks + arr[:, 1]) * (len(self.doc_lens_flat) + 1) + arr[:, 2]
+        uniq, inv = np.unique(key, return_inverse=True)
+        kv_max = np.zeros(len(uniq), dtype=np.int64)
+        np.maximum.at(kv_max, inv, arr[:, 6])
+        first = np.zeros(len(uniq), dtype=np.int64)
+        first[inv[::-1]] = np.arange(len(arr))[::-1]
+        np.add.at(kv_rows, (arr[first, 1], arr[first, 0]), kv_max)
+        return q_rows, kv_rows
+
+    def off_rank_mask(self) -> np.ndarray:
+        """bool [num_ranks, num_servers]: True where rows really cross the network."""
+        mask = np.ones((self.num_ranks, self.num_servers), dtype=bool)
+        if self.mode == "inplace":
+            np.fill_diagonal(mask, False)
+        return mask
+
+    def comm_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes moved off-rank in one round of each kind, by tensor.
+
+        Returns ``{"forward": {"q", "k", "v", "out", "lse", "total"}, "backward": {"q", "k", "v",
+        "out", "lse", "dout", "dq", "dk", "dv", "total"}}``. Rows a client sends to its own in-place
+        server are not counted. K and V rows count once per (document, server); dK and dV come back
+        the same way.
+        """
+        q_rows, kv_rows = self.row_matrix
+        mask = self.off_rank_mask()
+        q_total, kv_total = int(q_rows[mask].sum()), int(kv_rows[mask].sum())
+        result = {}
+        for kind, names in (("forward", FORWARD_TENSORS), ("backward", BACKWARD_TENSORS)):
+            per = {n: (kv_total if n in KV_TENSORS else q_total) * self.cost.bytes_per_token(n)
+                   for n in names}
+            per["total"] = sum(per.values())
+            result[kind] = per
+        return result
+
+    def imbalance(self) -> tuple[float, float]:
+        """``(before, after)``: max/mean attention FLOPs over ranks with no balancing, and over
+        servers under this plan. 1.0 is perfect balance."""
+        def ratio(loads):
+            mean = sum(loads) / len(loads)
+            return max(loads) / mean if mean > 0 else 1.0
+        return ratio(self.rank_loads()), ratio(self.server_loads())
+
+    def tasks_moved(self) -> int:
+        """Tasks a server runs for another rank's documents (every task in dedicated mode)."""
+        arr = self.task_array
+        if self.mode == "dedicated":
+            return len(arr)
+        return int((arr[:, 0] != arr[:, 1]).sum())
+
+    def summary(self) -> str:
+        """A few readable lines: imbalance before and after, bytes by tensor, tasks moved."""
+        before, after = self.imbalance()
+        comm = self.comm_bytes()
+        split_docs = len(self.task_array) - len(self.doc_lens_flat)
+
+        def mib(n):
+            return f"{n / 2**20:.1f} MiB"
+        lines = [
+            f"plan: {self.mode}, {self.num_ranks} ranks, {self.num_servers} servers, "
+            f"{len(self.doc_lens_flat)} documents, {len(self.task_array)} CA-tasks, epsilon={self.epsilon}",
+            f"  imbalance (max/mean attention FLOPs): before {before:.3f}, after {after:.3f}",
+            f"  tasks moved off their rank: {self.tasks_moved()}, extra shards from splitting: {split_docs}",
+        ]
+        for kind in ("forward", "backward"):
+            per = comm[kind]
+            parts = ", ".join(f"{n} {mib(per[n])}" for n in per if n != "total")
+            lines.append(f"  {kind} bytes: {mib(per['total'])} ({parts})")
+        return "\n".join(lines)
+
+    # ---- wire format --------------------------------------------------------------------------------
+    def to_msgpack(self) -> bytes:
+        """Serialise to msgpack bytes (see :mod:`scheduler.codec`)."""
+        from .codec import plan_to_msgpack
+        return plan_to_msgpack(self)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> "Plan":
+        """Parse and validate msgpack bytes; raises ``ValueError`` on anything malformed."""
+        from .codec import plan_from_msgpack
+        return plan_from_msgpack(data)

@@ -1,0 +1,300 @@
+"""Batches of packed documents drawn from real document-length traces (Pretrain, ProLong).
+
+Pure Python + numpy (no torch). Lengths are tokens.
+
+The traces live in ``data/doclens/{pretrain,prolong}.json`` (see ``data/doclens/README.md``): one
+JSON list of per-document token counts each, published with the DistCA paper's evaluation
+(arXiv 2510.18121, §6.1). This module reproduces how that evaluation turned them into batches:
+
+1. :func:`sample_documents` — filter, upsample, draw and "elongate" document lengths to a context
+   length;
+2. :func:`pack_documents` — cut the document stream into chunks of exactly ``context_len`` tokens,
+   one chunk per rank;
+3. :func:`sample_batch` — both, cached, for step ``step`` of a run: what benchmarks call.
+
+Everything is deterministic: the only randomness is ``numpy.random.default_rng(seed)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "TRACE_NAMES",
+    "LONG_DOC_TOKENS",
+    "SHORT_KEEP_FRACTION",
+    "LONG_UPSAMPLE",
+    "DEFAULT_NUM_DOCS",
+    "PROLONG_FIX_PROB",
+    "LEN_MULTIPLE",
+    "load_trace",
+    "sample_documents",
+    "pack_documents",
+    "sample_batch",
+]
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "doclens"
+TRACE_NAMES = ("pretrain", "prolong")
+
+LONG_DOC_TOKENS = 65536        # "long" = at least 64K tokens; also the elongation base
+SHORT_KEEP_FRACTION = 0.5      # keep the first half (file order) of the short documents
+LONG_UPSAMPLE = 4              # the long documents appear this many times in the pool
+DEFAULT_NUM_DOCS = 10_000      # Pretrain draws this many documents
+PROLONG_FIX_PROB = 0.3         # ProLong: a long document becomes exactly context_len tokens
+LEN_MULTIPLE = 16              # every sampled length is rounded up to a multiple of this
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_name(name: Any) -> str:
+    if name not in TRACE_NAMES:
+        raise ValueError(f"unknown trace {name!r}; expected one of {TRACE_NAMES}")
+    return name
+
+
+def _check_pos_int(what: str, x: Any) -> int:
+    if not _is_int(x) or x <= 0:
+        raise ValueError(f"{what} must be a positive int, got {x!r}")
+    return int(x)
+
+
+def _check_nonneg_int(what: str, x: Any) -> int:
+    if not _is_int(x) or x < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {x!r}")
+    return int(x)
+
+
+# ---- traces ----------------------------------------------------------------------------------
+def load_trace(name: str | Path) -> tuple[int, ...]:
+    """Document lengths (tokens) of a trace, in file order.
+
+    Args:
+        name: ``"pretrain"`` or ``"prolong"`` (read from ``data/doclens/<name>.json`` next to the
+            ``scheduler`` package), or the path of any JSON file holding a list of positive ints.
+
+    Returns a tuple (cached: each file is read once per process).
+
+    Raises:
+        ValueError: an unknown name, a missing file, or content that is not a non-empty list of
+            positive ints.
+    """
+    if isinstance(name, str) and name in TRACE_NAMES:
+        path = DATA_DIR / f"{name}.json"
+    elif isinstance(name, (str, Path)):
+        path = Path(name)
+    else:
+        raise ValueError(f"trace must be one of {TRACE_NAMES} or a path, got {name!r}")
+    return _load_trace_path(str(path.resolve()))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_trace_path(path: str) -> tuple[int, ...]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"trace file {path} does not exist (known names: {TRACE_NAMES})")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trace file {path} is not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"trace file {path} must hold a non-empty JSON list of ints")
+    bad = [(i, v) for i, v in enumerate(data) if not _is_int(v) or v <= 0]
+    if bad:
+        raise ValueError(f"trace file {path}: {len(bad)} entries are not positive ints, "
+                         f"first (index, value): {bad[:5]}")
+    return tuple(data)
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def _elongate(lens: np.ndarray, context_len: int) -> np.ndarray:
+    """``ceil(l · context_len / 65536)`` rounded up to a multiple of 16, in exact integers."""
+    den = LONG_DOC_TOKENS * LEN_MULTIPLE
+    return (lens.astype(np.int64) * context_len + den - 1) // den * LEN_MULTIPLE
+
+
+def _pool(trace: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Short documents kept (first half, file order) and long documents upsampled.
+
+    Returns ``(short, long)``; ``long`` is the file-order list of documents ``>= 64K`` repeated
+    as a whole ``LONG_UPSAMPLE`` times (``[L1..Ln, L1..Ln, ...]``).
+    """
+    arr = np.asarray(trace, dtype=np.int64)
+    short = arr[arr < LONG_DOC_TOKENS]
+    short = short[: int(len(short) * SHORT_KEEP_FRACTION)]
+    long = np.tile(arr[arr >= LONG_DOC_TOKENS], LONG_UPSAMPLE)
+    return short, long
+
+
+@functools.lru_cache(maxsize=32)
+def _sample_documents(name: str, context_len: int, num_docs: int | None, seed: int) -> np.ndarray:
+    short, long = _pool(load_trace(name))
+    rng = np.random.default_rng(seed)
+    if name == "pretrain":
+        pool = np.concatenate([short, long])
+        n = min(DEFAULT_NUM_DOCS if num_docs is None else num_docs, len(pool))
+        docs = _elongate(rng.choice(pool, size=n, replace=False), context_len)
+    else:  # prolong
+        fixed = rng.random(len(long)) < PROLONG_FIX_PROB
+        long_lens = np.where(fixed, _elongate(np.array([LONG_DOC_TOKENS]), context_len)[0],
+                             _elongate(long, context_len))
+        docs = np.concatenate([long_lens, _elongate(short, context_len)])
+        if num_docs is not None:
+            docs = docs[:num_docs]
+    docs.setflags(write=False)
+    return docs
+
+
+def sample_documents(name: str, context_len: int, num_docs: int | None = None,
+                     seed: int = 0) -> list[int]:
+    """Document lengths (tokens) sampled the way the DistCA paper's evaluation did (§6.1).
+
+    Common to both traces: the documents shorter than 64K (65,536) tokens are filtered to the
+    first 50% of them in file order; every document of 64K tokens or more is upsampled by
+    repeating the whole file-order list of long documents 4 times. Every length is
+    "elongated" to the context length, ``l · context_len / 65536``, and rounded up to a multiple of
+    16 (so every length is at least 16, never 0).
+
+    ``"pretrain"``: the pool (short docs, then the upsampled long docs) is sampled without
+    replacement, ``numpy.random.default_rng(seed).choice(pool, num_docs, replace=False)``;
+    ``num_docs`` defaults to 10,000 and is capped at the pool size. The order is the draw's order.
+
+    ``"prolong"``: each upsampled long document, independently with probability 0.3 (one
+    ``rng.random()`` per document, from ``default_rng(seed)``), is set to ``64K × elongate =
+    context_len`` tokens; otherwise (probability 0.7) it keeps its own elongated length, which
+    may exceed ``context_len`` (the packer cuts it). No draw: the documents come in file order,
+    the long ones first, then the short ones. ``num_docs=None`` returns the whole pool; an int
+    keeps its first ``num_docs`` documents.
+
+    Args:
+        name: ``"pretrain"`` or ``"prolong"``.
+        context_len: tokens per rank chunk; also sets the elongation factor ``context_len / 64K``.
+        num_docs: how many documents (see above); a positive int or None.
+        seed: seed of the numpy Generator; an int >= 0.
+
+    Raises:
+        ValueError: an unknown name or a bad ``context_len``, ``num_docs`` or ``seed``.
+    """
+    _check_name(name)
+    context_len = _check_pos_int("context_len", context_len)
+    if num_docs is not None:
+        num_docs = _check_pos_int("num_docs", num_docs)
+    seed = _check_nonneg_int("seed", seed)
+    return _sample_documents(name, context_len, num_docs, seed).tolist()
+
+
+# ---- packing ---------------------------------------------------------------------------------
+class _Stream:
+    """A document list repeated forever, read as chunks of ``context_len`` tokens.
+
+    Chunk ``k`` covers tokens ``[k·C, (k+1)·C)`` of the infinite stream ``docs, docs, docs, ...``;
+    a document crossing a chunk border is cut there and each piece is a separate document.
+    """
+
+    def __init__(self, doc_lens: np.ndarray, context_len: int) -> None:
+        self.lens = doc_lens
+        self.bounds = np.concatenate([[0], np.cumsum(doc_lens, dtype=np.int64)])
+        self.total = int(self.bounds[-1])
+        self.context_len = context_len
+
+    def _once(self, lo: int, hi: int) -> list[int]:
+        """Piece lengths of tokens ``[lo, hi)`` of one pass, ``0 <= lo < hi <= total``."""
+        b = self.bounds
+        i = int(np.searchsorted(b, lo, side="right"))
+        j = int(np.searchsorted(b, hi, side="left"))
+        cuts = [lo, *b[i:j].tolist(), hi]
+        return [cuts[k + 1] - cuts[k] for k in range(len(cuts) - 1)]
+
+    def chunk(self, k: int) -> list[int]:
+        start, stop = k * self.context_len, (k + 1) * self.context_len
+        (q0, r0), (q1, r1) = divmod(start, self.total), divmod(stop, self.total)
+        if q0 == q1:
+            return self._once(r0, r1)
+        out = self._once(r0, self.total)
+        if q1 - q0 > 1:
+            out.extend(self.lens.tolist() * (q1 - q0 - 1))
+        if r1:
+            out.extend(self._once(0, r1))
+        return out
+
+    def chunks(self, first: int, count: int) -> list[list[int]]:
+        return [self.chunk(k) for k in range(first, first + count)]
+
+
+def _check_doc_lens(doc_lens: Any) -> np.ndarray:
+    try:
+        vals = list(doc_lens)
+    except TypeError:
+        raise ValueError(f"doc_lens must be a list of ints, got {doc_lens!r}") from None
+    if not vals:
+        raise ValueError("doc_lens must not be empty")
+    bad = [(i, v) for i, v in enumerate(vals) if not _is_int(v) or v <= 0]
+    if bad:
+        raise ValueError(f"doc_lens must be positive ints; {len(bad)} bad, first (index, value): "
+                         f"{bad[:5]}")
+    return np.asarray(vals, dtype=np.int64)
+
+
+def pack_documents(doc_lens: Sequence[int], context_len: int, num_ranks: int) -> list[list[int]]:
+    """Pack documents in order into ``num_ranks`` chunks of exactly ``context_len`` tokens.
+
+    Documents fill rank 0's chunk, then rank 1's, and so on. A document that overflows a chunk is
+    cut at the border: the part that fits ends this chunk and the rest starts the next one, as a
+    separate document (no attention across the cut). When the documents run out before every rank
+    is full, the packer cycles through ``doc_lens`` again from its first document (and again, as
+    often as needed), so every rank always gets a full chunk; tokens are conserved in the sense
+    that concatenating the chunks gives ``doc_lens`` repeated, with cuts added.
+
+    Args:
+        doc_lens: document lengths in tokens, positive ints, in packing order.
+        context_len: tokens per rank, a positive int.
+        num_ranks: number of chunks, a positive int.
+
+    Returns:
+        ``num_ranks`` lists of document lengths, each summing to ``context_len``.
+
+    Raises:
+        ValueError: an empty ``doc_lens``, a non-positive or non-int length, or a bad
+            ``context_len`` / ``num_ranks``.
+    """
+    lens = _check_doc_lens(doc_lens)
+    context_len = _check_pos_int("context_len", context_len)
+    num_ranks = _check_pos_int("num_ranks", num_ranks)
+    return _Stream(lens, context_len).chunks(0, num_ranks)
+
+
+@functools.lru_cache(maxsize=32)
+def _stream(name: str, context_len: int, seed: int) -> _Stream:
+    return _Stream(_sample_documents(name, context_len, None, seed), context_len)
+
+
+def sample_batch(name: str, num_ranks: int, context_len: int, seed: int = 0,
+                 step: int = 0) -> list[list[int]]:
+    """The ``step``-th batch of a run: ``num_ranks`` chunks of ``context_len`` tokens each.
+
+    Samples documents with :func:`sample_documents` (``num_docs=None``, this ``seed``), packs them
+    as :func:`pack_documents` does, and returns chunks ``[step·num_ranks, (step+1)·num_ranks)`` of
+    the packed stream: successive steps take successive chunks. The stream cycles through the
+    sampled documents forever (a chunk across the wrap holds the last document's tail and then
+    the first document again), so every ``step >= 0`` is valid. The sampled and packed stream is
+    cached per ``(name, context_len, seed)``; a call only slices it (well under a millisecond per
+    rank).
+
+    Example: ``sample_batch("pretrain", 256, 131072)``.
+
+    Raises:
+        ValueError: an unknown name or a bad ``num_ranks``, ``context_len``, ``seed`` or ``step``.
+    """
+    _check_name(name)
+    num_ranks = _check_pos_int("num_ranks", num_ranks)
+    context_len = _check_pos_int("context_len", context_len)
+    seed = _check_nonneg_int("seed", seed)
+    step = _check_nonneg_int("step", step)
+    return _stream(name, context_len, seed).chunks(step * num_ranks, num_ranks)
