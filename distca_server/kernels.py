@@ -33,7 +33,7 @@ import inspect
 import torch
 
 __all__ = [
-    "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
+    "lse_dtype", "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
     "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends",
 ]
 
@@ -137,19 +137,16 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    @staticmethod
-    def _scores(qs, ks, scale):
+    @classmethod
+    def _scores(cls, qs, ks, scale):
         # Query heads of one kv head are stacked along rows, so one batched matmul per kv head
         # serves the whole GQA group and dk/dv come out already summed over it.
-        lq, hq, d = qs.shape
-        lk, hkv = ks.shape[0], ks.shape[1]
-        g = hq // hkv
-        qh = qs.reshape(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * lq, d)
-        kh = ks.transpose(0, 1)
+        lq, hq, lk, hkv = qs.shape[0], qs.shape[1], ks.shape[0], ks.shape[1]
+        qh, kh = cls._to_heads(qs, hkv), ks.transpose(0, 1)
         rows = torch.arange(lq, device=qs.device)
         visible = torch.arange(lk, device=qs.device)[None, :] <= rows[:, None] + (lk - lq)
         s = (qh @ kh.transpose(1, 2)) * scale
-        return qh, kh, s.masked_fill(~visible.repeat(g, 1), _NEG_INF)
+        return qh, kh, s.masked_fill(~visible.repeat(hq // hkv, 1), _NEG_INF)
 
     @staticmethod
     def _to_heads(x, hkv):  # [L, H_q, ...] -> [H_kv, G * L, ...]
@@ -166,7 +163,6 @@ class ReferenceBackend(AttentionBackend):
     def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
-        hkv = k.shape[1]
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             if qb == qa:
                 continue
@@ -203,7 +199,7 @@ def _bhld(x):  # [L, H, D] -> [1, H, L, D] view, no copy: what the aten SDPA ops
     return x.unsqueeze(0).transpose(1, 2)
 
 
-def _lhd(x):  # [1, H, L, ...] -> [L, H, ...]; the CPU ops keep q's memory format, so this is a view
+def _lhd(x):  # [1, H, L, ...] -> [L, H, ...]; contiguous, as the CPU ops return q's memory format
     return x.squeeze(0).transpose(0, 1)
 
 
@@ -248,10 +244,11 @@ class TorchCPUBackend(AttentionBackend):
             if k0 > 0:
                 full = slice(ka, ka + k0)
                 o2, l2 = op(_bhld(q[rows]), _bhld(k[full]), _bhld(v[full]), 0.0, False, scale=scale)
-                l_all = torch.logaddexp(l, _lhd(l2).to(lse.dtype))
+                o2, l2 = _lhd(o2), _lhd(l2).to(lse.dtype)
+                l_all = torch.logaddexp(l, l2)
                 # Merge in the LSE dtype so low-precision inputs are rounded only once.
                 o = (torch.exp(l - l_all)[..., None] * o.to(lse.dtype)
-                     + torch.exp(_lhd(l2) - l_all)[..., None] * _lhd(o2).to(lse.dtype))
+                     + torch.exp(l2 - l_all)[..., None] * o2.to(lse.dtype))
                 l = l_all
             out[rows], lse[rows] = o.to(q.dtype), l
         return out, lse
@@ -287,20 +284,20 @@ def _flash_kernel_handles(q) -> bool:
 
 
 def _lse_from_kernel(lse, cu_seqlens_q, total_q, num_heads):
-    """FlashAttention LSE -> ours ([T_q, H] float32, -inf on rows without keys).
+    """FlashAttention LSE -> (ours: [T_q, H] float32 with -inf on rows without keys, its layout).
 
-    Kernels return [H, T_q] (unpadded; assumed when H == T_q makes the shape ambiguous) or, in
-    older flash-attn, [B, H, max_seqlen_q]; they mark rows without keys with +inf.
+    Kernels return [H, T_q] ("heads_first"; assumed when H == T_q makes the shape ambiguous) or, in
+    older flash-attn, [B, H, max_seqlen_q] ("padded"); they mark rows without keys with +inf.
     """
-    if lse.dim() == 3:
-        b, r = _token_positions(cu_seqlens_q, total_q)
-        lse = lse[b, :, r]
-    elif lse.shape == (num_heads, total_q):
-        lse = lse.t()
-    elif lse.shape != (total_q, num_heads):
+    layout = "padded" if lse.dim() == 3 else "heads_first" if lse.shape == (num_heads, total_q) else (
+        "tokens_first" if lse.shape == (total_q, num_heads) else None)
+    if layout is None:
         raise RuntimeError(f"unexpected kernel LSE shape {tuple(lse.shape)} for T_q={total_q}, H={num_heads}")
-    lse = lse.float()
-    return lse.masked_fill(lse == float("inf"), _NEG_INF).contiguous()
+    if layout == "padded":
+        b, r = _token_positions(cu_seqlens_q)
+        lse = lse[b, :, r]
+    lse = (lse.t() if layout == "heads_first" else lse).float()
+    return lse.masked_fill(lse == float("inf"), _NEG_INF).contiguous(), layout
 
 
 def _lse_to_kernel(lse, layout, cu_seqlens_q, max_seqlen_q):
@@ -310,24 +307,17 @@ def _lse_to_kernel(lse, layout, cu_seqlens_q, max_seqlen_q):
         return lse.contiguous()
     if layout == "heads_first":
         return lse.t().contiguous()
-    b, r = _token_positions(cu_seqlens_q, lse.shape[0])
+    b, r = _token_positions(cu_seqlens_q)
     padded = lse.new_full((cu_seqlens_q.numel() - 1, lse.shape[1], max_seqlen_q), float("inf"))
     padded[b, :, r] = lse
     return padded
 
 
-def _token_positions(cu_seqlens_q, total_q):
-    """(sequence index, row within sequence) of every query row: [T_q] int64 each."""
+def _token_positions(cu_seqlens_q):
+    """(sequence, row within it) of every query row, [T_q] int64 each; cu_seqlens_q[0] must be 0."""
     cu = cu_seqlens_q.long()
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff())
-    seq = seq[:total_q]
     return seq, torch.arange(seq.numel(), device=cu.device) - cu[seq]
-
-
-def _kernel_lse_layout(lse, q, cu_seqlens_q) -> str:
-    if lse.dim() == 3:
-        return "padded"
-    return "heads_first" if lse.shape == (q.shape[1], q.shape[0]) else "tokens_first"
 
 
 class TorchVarlenBackend(AttentionBackend):
@@ -356,12 +346,12 @@ class TorchVarlenBackend(AttentionBackend):
         out, lse, _ = self._ops()._varlen_attn(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, scale, [-1, 0],
             q.shape[1] != k.shape[1], None, None, None)
-        self._lse_layout = _kernel_lse_layout(lse, q, cu_seqlens_q)
-        return out, _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+        lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+        return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, scale):
-        # Dropout is off, so the kernel never reads the Philox state; it only needs a valid buffer.
+        # Dropout is off, so the Philox seed/offset are unused, but the op wants a uint64[2] buffer.
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         return self._ops()._varlen_attn_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
@@ -394,7 +384,7 @@ class FlashAttnBackend(AttentionBackend):
     device_types = ("cuda",)
 
     def __init__(self):
-        self._lse_layout = "heads_first"  # flash-attn >= 2.5 varlen; refined at first forward
+        self._lse_layout = "heads_first"  # recent flash-attn's unpadded varlen LSE; refined at first call
 
     def is_available(self):
         return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
@@ -408,8 +398,8 @@ class FlashAttnBackend(AttentionBackend):
         out, lse, _ = flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
             softmax_scale=scale, causal=True, return_attn_probs=True)
-        self._lse_layout = _kernel_lse_layout(lse, q, cu_seqlens_q)
-        return out, _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+        lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
+        return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, scale):

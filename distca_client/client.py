@@ -1,0 +1,112 @@
+"""``DistCAClient``: the one call training code makes per attention layer."""
+
+from __future__ import annotations
+
+import torch
+
+from distca_server.kernels import BACKENDS
+from distca_server.wire import RowFormat
+from scheduler.tasks import MODES, Plan
+
+from .autograd import DistCAAttention
+from .local import LocalRuntime
+from .validate import check_attend_inputs
+
+
+class DistCAClient:
+    """Core attention served by attention servers; ``attend`` equals local causal varlen attention.
+
+    Build one with :meth:`local` (in-process virtual servers). Plans are cached per distinct
+    ``doc_lens``, so every layer of a step reuses its step's plan.
+    """
+
+    def __init__(self, runtime: LocalRuntime):
+        self._runtime = runtime
+        self._last_step = None
+
+    @classmethod
+    def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
+              mode: str = "inplace", *, num_ranks: int | None = None, min_shard: int = 128,
+              timeout_s: float = 60.0) -> "DistCAClient":
+        """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
+
+        Args:
+            num_servers: attention servers (threads here).
+            epsilon: planner imbalance tolerance ε.
+            backend: "auto" or a name from :data:`distca_server.kernels.BACKENDS`.
+            mode: "inplace" (server i inside virtual rank i) or "dedicated".
+            num_ranks: virtual client ranks the batch's documents are spread over (default:
+                ``num_servers``; must equal it in in-place mode).
+            min_shard: smallest shard (tokens) of a split document.
+            timeout_s: how long an all-to-all waits for a participant.
+
+        Raises:
+            ValueError: any argument out of range, naming it.
+        """
+        num_ranks = num_servers if num_ranks is None else num_ranks
+        problems = []
+        for name, value in (("num_servers", num_servers), ("num_ranks", num_ranks), ("min_shard", min_shard)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} (must be an int >= 1)")
+        if mode not in MODES:
+            problems.append(f"mode={mode!r} (must be one of {MODES})")
+        elif mode == "inplace" and num_ranks != num_servers:
+            problems.append(f"num_ranks={num_ranks} != num_servers={num_servers} (inplace mode)")
+        if backend != "auto" and backend not in BACKENDS:
+            problems.append(f"backend={backend!r} (must be 'auto' or one of {sorted(BACKENDS)})")
+        if not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
+            problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            problems.append(f"timeout_s={timeout_s!r} (must be finite and > 0)")
+        if problems:
+            raise ValueError("DistCAClient.local: " + "; ".join(problems))
+        return cls(LocalRuntime(num_servers, num_ranks, mode, float(epsilon), backend, min_shard,
+                                float(timeout_s)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
+               softmax_scale: float | None = None) -> torch.Tensor:
+        """Causal attention inside each document of a packed batch, computed by the servers.
+
+        Args:
+            q: [total_tokens, num_heads_q, head_dim], float16/bfloat16/float32/float64.
+            k, v: [total_tokens, num_heads_kv, head_dim], same dtype and device;
+                ``num_heads_q % num_heads_kv == 0`` (GQA).
+            doc_lens: document lengths (tokens) in packing order, a list of ints or a 1-D integer
+                tensor, ``sum(doc_lens) == total_tokens``.
+            softmax_scale: multiplier of ``Q Kᵀ``; None means ``head_dim ** -0.5``.
+
+        Returns:
+            out: [total_tokens, num_heads_q, head_dim], q's dtype and device; differentiable
+            with respect to q, k and v. Row ``t`` of document ``d`` is
+            ``softmax(scale · q_t K_dᵀ[:t+1]) V_d[:t+1]`` (causal, no attention across documents).
+
+        Raises:
+            ValueError: bad shapes, dtypes, devices, ``doc_lens`` or ``softmax_scale``, before any
+                byte moves.
+            DistCAError: a participant was lost or timed out.
+        """
+        lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+        fmt = RowFormat(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+        step = self._runtime.step_for(lens, fmt, q.device)
+        self._last_step = step
+        return DistCAAttention.apply(q, k, v, step, scale)
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The plan of the most recent ``attend`` call (for inspection and metrics)."""
+        return None if self._last_step is None else self._last_step.plan
+
+    @property
+    def last_step(self):
+        """The most recent step (plan, participants, traffic counters)."""
+        return self._last_step
+
+    def close(self) -> None:
+        """Stop the client's threads; further ``attend`` calls raise ``DistCAError``."""
+        self._runtime.close()
+
+    def __enter__(self) -> "DistCAClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""One attention server's work in a round: its CA-tasks as ONE fused varlen kernel call.
+
+The server receives, from every client rank, the Q rows of its tasks (task order) and each
+document's KV rows once (deduplicated). Tasks of one document that share KV rows each need their
+own key range in a varlen call, so the executor gathers them (a local copy, not network bytes) and
+in backward sums the gathered rows' gradients back onto the shared rows (in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.layout import ServerLayout
+
+
+class ServerExecutor:
+    """Runs one server's tasks of a plan.
+
+    Args:
+        layout: the server's :class:`~scheduler.layout.ServerLayout`.
+        backend: a kernel backend from :func:`distca_server.kernels.get_backend`.
+        device: where the received rows live.
+    """
+
+    def __init__(self, layout: ServerLayout, backend, device: torch.device):
+        self.layout = layout
+        self.backend = backend
+        self.cu_seqlens_q = torch.as_tensor(layout.cu_seqlens_q, dtype=torch.int32, device=device)
+        self.cu_seqlens_k = torch.as_tensor(layout.cu_seqlens_k, dtype=torch.int32, device=device)
+        self.kv_gather = (None if layout.kv_gather is None
+                          else torch.as_tensor(layout.kv_gather, dtype=torch.long, device=device))
+
+    def _task_kv(self, k: torch.Tensor, v: torch.Tensor):
+        if self.kv_gather is None:
+            return k, v
+        return k.index_select(0, self.kv_gather), v.index_select(0, self.kv_gather)
+
+    def _args(self, scale: float):
+        lay = self.layout
+        return (self.cu_seqlens_q, self.cu_seqlens_k, lay.max_seqlen_q, lay.max_seqlen_k, scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float):
+        """Forward round.
+
+        Args:
+            q: [sum(q_rows), num_heads_q, head_dim]: received Q rows, task order.
+            k, v: [sum(kv_rows), num_heads_kv, head_dim]: received deduplicated KV rows.
+            softmax_scale: multiplier of ``Q Kᵀ`` before the softmax.
+
+        Returns:
+            ``(out, lse)``: out like ``q``; lse [sum(q_rows), num_heads_q] float32 (float64 for
+            float64 inputs), natural-log log-sum-exp of each row's scaled scores.
+        """
+        if self.layout.num_tasks == 0:
+            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+        kt, vt = self._task_kv(k, v)
+        return self.backend.forward(q, kt, vt, *self._args(softmax_scale))
+
+    def backward(self, dout, q, k, v, out, lse, softmax_scale: float):
+        """Backward round: ``(dq, dk, dv)`` shaped like ``q`` and the deduplicated ``k``, ``v``."""
+        if self.layout.num_tasks == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        kt, vt = self._task_kv(k, v)
+        dq, dkt, dvt = self.backend.backward(dout, q, kt, vt, out, lse, *self._args(softmax_scale))
+        if self.kv_gather is None:
+            return dq, dkt, dvt
+        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_gather, dkt.to(acc))
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_gather, dvt.to(acc))
+        return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,152 @@
+"""One process's part in a plan's rounds: client rank, attention server, or both (in-place).
+
+A round is two all-to-alls: dispatch (clients send rows to servers) and return (servers send
+results back). Every participant calls both, even with nothing to send, so a round is always a
+pair of collectives and nobody waits on a peer that skipped one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from scheduler.layout import client_layout, server_layout
+from scheduler.tasks import Plan
+
+from .executor import ServerExecutor
+from .wire import (BACKWARD_DISPATCH, BACKWARD_RETURN, FORWARD_DISPATCH, FORWARD_RETURN, KV_NAMES,
+                   RowFormat, pack, unpack)
+
+
+class Participant:
+    """Participant ``index`` of ``plan``'s all-to-all group.
+
+    In-place mode: participant ``i`` is client rank ``i`` and server ``i``. Dedicated mode:
+    participants ``0..R-1`` are client ranks, ``R..R+S-1`` servers.
+
+    Attributes:
+        traffic: ``{(round_kind, tensor): bytes}`` this participant sent to other participants.
+    """
+
+    def __init__(self, plan: Plan, index: int, fmt: RowFormat, backend, device: torch.device):
+        if not 0 <= index < plan.num_participants:
+            raise ValueError(f"participant {index} out of range [0, {plan.num_participants})")
+        self.plan, self.index, self.fmt, self.device = plan, index, fmt, torch.device(device)
+        R = plan.num_ranks
+        inplace = plan.mode == "inplace"
+        self.rank = index if inplace or index < R else None
+        self.server = index if inplace else (index - R if index >= R else None)
+        self.traffic: dict[tuple[str, str], int] = defaultdict(int)
+        if self.rank is not None:
+            lay = client_layout(plan, self.rank)
+            self.client = lay
+
+            def idx(a):
+                return torch.as_tensor(a, dtype=torch.long, device=self.device)
+            self.q_index = [idx(a) for a in lay.q_index]
+            self.kv_index = [idx(a) for a in lay.kv_index]
+            self.q_all = torch.cat(self.q_index)
+            self.kv_all = torch.cat(self.kv_index)
+            self.num_tokens = sum(plan.doc_lens_per_rank[self.rank])
+        if self.server is not None:
+            self.server_lay = server_layout(plan, self.server)
+            self.executor = ServerExecutor(self.server_lay, backend, self.device)
+
+    # ---- the two exchanges of a round --------------------------------------------------------------
+    def _exchange(self, transport, kind: str, names, outgoing: dict[int, list[torch.Tensor]],
+                  recv_rows: dict[int, tuple[int, int]]):
+        """Send ``outgoing[participant]`` (tensors in ``names`` order); receive messages of
+        ``recv_rows[participant] = (q_rows, kv_rows)``; return ``{participant: {name: tensor}}``."""
+        P = self.plan.num_participants
+        send_splits, chunks = [0] * P, []
+        for dst in sorted(outgoing):
+            parts = pack(outgoing[dst])
+            chunks.extend(parts)
+            send_splits[dst] = sum(p.numel() for p in parts)
+            if dst != self.index:
+                for name, p in zip(names, parts):
+                    self.traffic[(kind, name)] += p.numel()
+        recv_splits = [0] * P
+        for src, (qr, kr) in recv_rows.items():
+            recv_splits[src] = self.fmt.message_bytes(names, qr, kr)
+        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=self.device)
+        recv = transport.all_to_all(send, send_splits, recv_splits)
+        result, offset = {}, 0
+        for src in range(P):
+            size = recv_splits[src]
+            if src in recv_rows:
+                result[src] = unpack(recv[offset:offset + size], self.fmt, names, *recv_rows[src])
+            offset += size
+        return result
+
+    def _round(self, transport, kind, dispatch_names, return_names, local, compute):
+        plan = self.plan
+        outgoing, expect_back = {}, {}
+        if self.rank is not None:
+            for s in range(plan.num_servers):
+                qi, ki = self.q_index[s], self.kv_index[s]
+                dst = plan.server_participant(s)
+                outgoing[dst] = [local[n].index_select(0, ki if n in KV_NAMES else qi)
+                                 for n in dispatch_names]
+                expect_back[dst] = (len(qi), len(ki))
+        incoming = {}
+        if self.server is not None:
+            lay = self.server_lay
+            incoming = {r: (lay.q_rows[r], lay.kv_rows[r]) for r in range(plan.num_ranks)}
+        received = self._exchange(transport, kind, dispatch_names, outgoing, incoming)
+
+        replies = {}
+        if self.server is not None:
+            ranks = range(plan.num_ranks)
+            inputs = {n: torch.cat([received[r][n] for r in ranks]) for n in dispatch_names}
+            results = compute(inputs)
+            q_off = k_off = 0
+            for r in ranks:
+                qr, kr = incoming[r]
+                replies[r] = [results[n][k_off:k_off + kr] if n in KV_NAMES else results[n][q_off:q_off + qr]
+                              for n in return_names]
+                q_off, k_off = q_off + qr, k_off + kr
+        back = self._exchange(transport, kind, return_names, replies, expect_back)
+        if self.rank is None:
+            return None
+        servers = [plan.server_participant(s) for s in range(plan.num_servers)]
+        return {n: torch.cat([back[p][n] for p in servers]) for n in return_names}
+
+    # ---- rounds ------------------------------------------------------------------------------------
+    def forward(self, transport, q, k, v, softmax_scale: float):
+        """Forward round. Clients pass their local ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] and
+        get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None."""
+        local = {"q": q, "k": k, "v": v} if self.rank is not None else None
+
+        def compute(x):
+            out, lse = self.executor.forward(x["q"], x["k"], x["v"], softmax_scale)
+            return {"out": out, "lse": lse}
+        got = self._round(transport, "forward", FORWARD_DISPATCH, FORWARD_RETURN, local, compute)
+        if got is None:
+            return None
+        T = self.num_tokens
+        out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
+        lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
+        out.index_copy_(0, self.q_all, got["out"])
+        lse.index_copy_(0, self.q_all, got["lse"])
+        return out, lse
+
+    def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float):
+        """Backward round: clients get ``(dq, dk, dv)`` shaped like their ``q``, ``k``, ``v``;
+        gradients of KV rows used by several servers are summed in float32 (float64)."""
+        local = ({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+                 if self.rank is not None else None)
+
+        def compute(x):
+            dq, dk, dv = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"],
+                                                x["lse"], softmax_scale)
+            return {"dq": dq, "dk": dk, "dv": dv}
+        got = self._round(transport, "backward", BACKWARD_DISPATCH, BACKWARD_RETURN, local, compute)
+        if got is None:
+            return None
+        dq = torch.empty_like(q).index_copy_(0, self.q_all, got["dq"])
+        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_all, got["dk"].to(acc))
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_all, got["dv"].to(acc))
+        return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,139 @@
+"""The all-to-all layout a plan implies: which local rows each client sends to each server, and
+how a server lays its received rows out for one fused varlen kernel call.
+
+Pure numpy, derived from :class:`~scheduler.tasks.Plan` alone, so every participant computes the
+same layout from the same descriptor and no sizes need to be exchanged.
+
+Wire order, per (client rank ``r``, server ``s``) message: the Q rows of ``r``'s tasks on ``s`` in
+task order, then the deduplicated KV rows of each of ``r``'s documents on ``s`` (its longest prefix
+there), documents in index order. A server concatenates the messages of ranks ``0..R-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tasks import Plan
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop.
+
+    Returns int64 [sum(lengths)].
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class ClientLayout:
+    """What client rank ``rank`` sends to and receives from each server.
+
+    ``q_index[s]`` / ``kv_index[s]``: int64 arrays of local row indices (into the rank's packed
+    ``[total_tokens, ...]`` tensors) of the Q rows and the deduplicated KV rows for server ``s``,
+    in wire order. Every local row appears in exactly one ``q_index[s]``.
+    """
+
+    rank: int
+    q_index: list[np.ndarray]
+    kv_index: list[np.ndarray]
+
+    @property
+    def q_rows(self) -> list[int]:
+        return [len(x) for x in self.q_index]
+
+    @property
+    def kv_rows(self) -> list[int]:
+        return [len(x) for x in self.kv_index]
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """How server ``server`` receives rows and feeds them to one fused varlen kernel call.
+
+    Attributes:
+        q_rows, kv_rows: rows received from each client rank (lists of length ``num_ranks``).
+        cu_seqlens_q, cu_seqlens_k: int64 [num_tasks + 1]: one varlen sequence per CA-task, in
+            task order; queries are the received Q rows in order, keys the gathered KV rows.
+        max_seqlen_q, max_seqlen_k: longest task query and key lengths (0 with no tasks).
+        kv_gather: int64 [cu_seqlens_k[-1]] indices into the received (deduplicated) KV rows that
+            build each task's key range, or None when that is the identity (no two tasks share KV).
+    """
+
+    server: int
+    q_rows: list[int]
+    kv_rows: list[int]
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_gather: np.ndarray | None
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.cu_seqlens_q) - 1
+
+
+def _doc_groups(tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For tasks sorted by (rank, doc, q_start): first row of each (rank, doc) group, the group
+    id of every task, and each group's longest kv_end."""
+    if len(tasks) == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z
+    new = np.ones(len(tasks), dtype=bool)
+    new[1:] = (tasks[1:, 1] != tasks[:-1, 1]) | (tasks[1:, 2] != tasks[:-1, 2])
+    first = np.flatnonzero(new)
+    group = np.cumsum(new) - 1
+    kv_max = np.maximum.reduceat(tasks[:, 6], first)
+    return first, group, kv_max
+
+
+def client_layout(plan: Plan, rank: int) -> ClientLayout:
+    """The send/receive row indices of client ``rank`` (see :class:`ClientLayout`)."""
+    if not 0 <= rank < plan.num_ranks:
+        raise ValueError(f"rank {rank} out of range [0, {plan.num_ranks})")
+    lens = plan.doc_lens_per_rank[rank]
+    doc_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    arr = plan.task_array
+    mine = arr[arr[:, 1] == rank]  # still sorted by (server, rank, doc, q_start)
+    q_index, kv_index = [], []
+    bounds = np.searchsorted(mine[:, 0], np.arange(plan.num_servers + 1))
+    for s in range(plan.num_servers):
+        t = mine[bounds[s]:bounds[s + 1]]
+        q_index.append(concat_ranges(doc_start[t[:, 2]] + t[:, 3], t[:, 4] - t[:, 3]))
+        first, _, kv_max = _doc_groups(t)
+        kv_index.append(concat_ranges(doc_start[t[first, 2]], kv_max))
+    return ClientLayout(rank=rank, q_index=q_index, kv_index=kv_index)
+
+
+def server_layout(plan: Plan, server: int) -> ServerLayout:
+    """The receive and fused-kernel layout of ``server`` (see :class:`ServerLayout`)."""
+    if not 0 <= server < plan.num_servers:
+        raise ValueError(f"server {server} out of range [0, {plan.num_servers})")
+    arr = plan.task_array
+    t = arr[arr[:, 0] == server]
+    q_len = t[:, 4] - t[:, 3]
+    kv_len = t[:, 6] - t[:, 5]
+    first, group, kv_max = _doc_groups(t)
+    q_rows = np.bincount(t[:, 1], weights=q_len, minlength=plan.num_ranks).astype(np.int64)
+    kv_rows = np.bincount(t[first, 1], weights=kv_max, minlength=plan.num_ranks).astype(np.int64)
+    # Received KV rows are [rank 0's docs..., rank 1's docs...], each doc its longest prefix, and
+    # ranks arrive in order, so a group's base is the running sum of kv_max over groups.
+    group_base = np.cumsum(kv_max) - kv_max
+    shared = len(first) != len(t)
+    kv_gather = concat_ranges(group_base[group] + t[:, 5], kv_len) if shared else None
+    cu_q = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int64)
+    cu_k = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int64)
+    return ServerLayout(
+        server=server, q_rows=q_rows.tolist(), kv_rows=kv_rows.tolist(),
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=int(q_len.max()) if len(t) else 0,
+        max_seqlen_k=int(kv_len.max()) if len(t) else 0,
+        kv_gather=kv_gather)

@@ -1,0 +1,260 @@
+"""Attention backends against an independent dense float64 oracle.
+
+The oracle builds the whole [T_q, T_k] mask from cu_seqlens (block-diagonal, bottom-right causal
+inside each block) and differentiates plain float64 math with autograd, so it shares no code with
+`distca_server.kernels`. Low-precision backends may be at most 2x worse than the reference backend
+run in the same precision (the rule of flash-attention's tests/test_flash_attn.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from distca_server import kernels
+from distca_server.kernels import BACKENDS, available_backends, get_backend
+
+# name: (q_lens, k_lens, num_heads_q, num_heads_kv, head_dim)
+CASES = {
+    "bottom_right_gqa8": ([7, 30, 1], [20, 45, 9], 8, 1, 64),
+    "square_gqa4_d128": ([33, 64, 1, 17], [33, 64, 1, 17], 4, 1, 128),
+    "empty_seqs_mha": ([0, 13, 5, 0], [11, 13, 40, 0], 2, 2, 64),
+    "odd_gqa4_d128": ([1, 3, 97], [1, 50, 101], 8, 2, 128),
+    "one_doc_mha": ([150], [150], 3, 3, 64),
+}
+# Lq > Lk: the first Lq - Lk rows of a sequence see no key at all.
+ROWS_WITHOUT_KEYS = ([9, 4], [5, 4], 4, 2, 64)
+
+
+def _cu(lens, device):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def make_inputs(case, dtype, device="cpu", seed=0):
+    q_lens, k_lens, hq, hkv, d = case
+    g = torch.Generator().manual_seed(seed)
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    q, k, v = randn(sum(q_lens), hq, d), randn(sum(k_lens), hkv, d), randn(sum(k_lens), hkv, d)
+    dout = randn(sum(q_lens), hq, d)
+    return dict(q=q, k=k, v=v, dout=dout, cu_seqlens_q=_cu(q_lens, device),
+                cu_seqlens_k=_cu(k_lens, device), max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+                softmax_scale=d ** -0.5)
+
+
+def oracle(x):
+    """Dense float64 attention and its autograd gradients: (out, lse, dq, dk, dv)."""
+    q, k, v = (x[n].detach().double().cpu().requires_grad_() for n in "qkv")
+    cq, ck = x["cu_seqlens_q"].tolist(), x["cu_seqlens_k"].tolist()
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+        lq, lk = qb - qa, kb - ka
+        mask[qa:qb, ka:kb] = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)  # bottom-right
+    group = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * x["softmax_scale"]
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(group, 1))
+    out.backward(x["dout"].double().cpu())
+    return out.detach(), lse.t().detach(), q.grad, k.grad, v.grad
+
+
+def run(backend, x):
+    """(out, lse, dq, dk, dv) from one backend; backward consumes that backend's own out/lse."""
+    b = BACKENDS[backend] if isinstance(backend, str) else backend
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args)
+    return (out, lse, *b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args))
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def max_error(actual, expected):
+    """Max |actual - expected| over finite entries; -inf entries must match exactly."""
+    actual, expected = actual.detach().double().cpu(), expected.double()
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    return (actual - expected)[finite].abs().max().item() if finite.any() else 0.0
+
+
+def assert_matches(results, expected, rtol):
+    for name, a, e in zip(NAMES, results, expected):
+        magnitude = max(1.0, e[torch.isfinite(e)].abs().max().item())
+        err = max_error(a, e)
+        assert err <= rtol * magnitude, f"{name}: {err:.3g} > {rtol} * {magnitude:.3g}"
+
+
+def check_contract(results, x):
+    out, lse, dq, dk, dv = results
+    assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
+    assert lse.shape == x["q"].shape[:2]
+    assert lse.dtype == (torch.float64 if x["q"].dtype == torch.float64 else torch.float32)
+    for grad, like in ((dq, x["q"]), (dk, x["k"]), (dv, x["v"])):
+        assert grad.shape == like.shape and grad.dtype == like.dtype
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_reference_float64_matches_oracle(case):
+    x = make_inputs(CASES[case], torch.float64)
+    results = run("reference", x)
+    check_contract(results, x)
+    assert_matches(results, oracle(x), rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_torch_cpu_matches_oracle(case, dtype, rtol):
+    x = make_inputs(CASES[case], dtype, seed=1)
+    results = run("torch_cpu", x)
+    check_contract(results, x)
+    assert_matches(results, oracle(x), rtol=rtol)
+
+
+def _bf16_errors(backend, x, expected):
+    return [max_error(a, e) for a, e in zip(run(backend, x), expected)]
+
+
+@pytest.mark.parametrize("case", ["bottom_right_gqa8", "square_gqa4_d128", "odd_gqa4_d128"])
+def test_torch_cpu_bfloat16_within_2x_of_reference(case):
+    x = make_inputs(CASES[case], torch.bfloat16, seed=2)
+    expected = oracle(x)  # the oracle sees the same bf16-rounded inputs, upcast to float64
+    ours, plain = _bf16_errors("torch_cpu", x, expected), _bf16_errors("reference", x, expected)
+    for name, e_ours, e_plain in zip(NAMES, ours, plain):
+        assert e_ours <= 2 * e_plain + 1e-3, f"{name}: torch_cpu {e_ours:.3g} vs reference {e_plain:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu"])
+def test_rows_without_keys_give_zero_out_and_minus_inf_lse(backend):
+    x = make_inputs(ROWS_WITHOUT_KEYS, torch.float64, seed=3)
+    results = run(backend, x)
+    out, lse, dq = results[:3]
+    dead = slice(0, 4)  # sequence 0 has Lq = 9, Lk = 5
+    assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf")) and torch.all(dq[dead] == 0)
+    assert all(torch.isfinite(t).all() for t in results[2:])
+    assert_matches(results, oracle(x), rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu"])
+def test_strided_inputs_from_packed_qkv(backend):
+    q_lens, k_lens, hq, hkv, d = CASES["bottom_right_gqa8"]
+    x = make_inputs((q_lens, q_lens, hq, hkv, d), torch.float64, seed=4)
+    qkv = torch.cat([x["q"], x["k"], x["v"]], dim=1)  # [T, H_q + 2 H_kv, D], as a fused projection gives
+    x.update(q=qkv[:, :hq], k=qkv[:, hq:hq + hkv], v=qkv[:, hq + hkv:])
+    assert not x["q"].is_contiguous()
+    assert_matches(run(backend, x), oracle(x), rtol=1e-10)
+
+
+def test_backends_share_out_and_lse():
+    # A backward round may run on a different backend than its forward (e.g. after a fallback).
+    x = make_inputs(CASES["odd_gqa4_d128"], torch.float64, seed=5)
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = BACKENDS["reference"].forward(x["q"], x["k"], x["v"], *args)
+    grads = BACKENDS["torch_cpu"].backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args)
+    assert_matches(grads, oracle(x)[2:], rtol=1e-10)
+
+
+def test_get_backend_and_errors():
+    assert set(BACKENDS) == {"reference", "torch_cpu", "torch_varlen", "flash_attn"}
+    assert get_backend("auto", "cpu") is BACKENDS["torch_cpu"]
+    assert get_backend("reference", torch.device("cpu")).name == "reference"
+    assert available_backends("cpu") == ["torch_cpu", "reference"]
+    with pytest.raises(ValueError, match="nope.*torch_cpu"):
+        get_backend("nope", "cpu")
+    with pytest.raises(ValueError, match="torch_varlen.*not available"):
+        get_backend("torch_varlen", "cpu")
+    with pytest.raises(ValueError, match="reference"):
+        get_backend("auto", "meta")
+
+
+def test_bad_inputs_raise_value_error():
+    x = make_inputs(CASES["empty_seqs_mha"], torch.float32)
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], 0.1)
+    cpu = BACKENDS["torch_cpu"]
+    with pytest.raises(ValueError, match="multiple"):
+        cpu.forward(x["q"][:, :1].repeat(1, 3, 1), x["k"], x["v"], *args)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cpu.forward(x["q"][:5], x["k"], x["v"], *args)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu.forward(x["q"].double(), x["k"], x["v"], *args)
+
+
+def test_flash_attn_backward_called_by_keyword_across_versions():
+    seen = {}
+    def v2_5(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+             rng_state=None):
+        seen.update(window_size=window_size, causal=causal)
+    def v2_7(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+             max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+             softcap, alibi_slopes, deterministic, rng_state=None):
+        seen.update(left=window_size_left, right=window_size_right, softcap=softcap)
+    class CustomOp:  # torch.library custom ops keep the Python function on `_init_fn`
+        _init_fn = staticmethod(v2_7)
+        def __call__(self, **kw):
+            return v2_7(**kw)
+    values = {n: n for n in inspect.signature(v2_7).parameters} | dict(
+        window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0, causal=True)
+    kernels._call_by_name(v2_5, values)
+    kernels._call_by_name(CustomOp(), values)
+    assert seen == dict(window_size=(-1, -1), causal=True, left=-1, right=-1, softcap=0.0)
+    with pytest.raises(RuntimeError, match="sink"):
+        kernels._call_by_name(lambda q, sink: None, values)
+
+
+def test_kernel_lse_layouts_round_trip():
+    cu, h = _cu([3, 0, 2], "cpu"), 2
+    ours = torch.tensor([[float("-inf"), 0.5], [1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    for layout in ("heads_first", "tokens_first", "padded"):
+        kernel_lse = kernels._lse_to_kernel(ours, layout, cu, 3)
+        assert torch.isposinf(kernel_lse).any()  # FlashAttention marks rows without keys with +inf
+        back, detected = kernels._lse_from_kernel(kernel_lse, cu, ours.shape[0], h)
+        assert torch.equal(back, ours) and detected == layout
+
+
+# ---------------------------------------------------------------- GPU (skipped without CUDA)
+
+GPU_BACKENDS = ["torch_varlen", "flash_attn"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_backend_or_skip(name):
+    if not BACKENDS[name].is_available():
+        pytest.skip(f"{name} not available")
+    return BACKENDS[name]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("case", [*CASES, "rows_without_keys"])
+def test_gpu_bfloat16_within_2x_of_reference(backend, case):
+    b = _gpu_backend_or_skip(backend)
+    x = make_inputs(CASES.get(case, ROWS_WITHOUT_KEYS), torch.bfloat16, device="cuda", seed=6)
+    expected = oracle(x)
+    ours, plain = _bf16_errors(b, x, expected), _bf16_errors("reference", x, expected)
+    for name, e_ours, e_plain in zip(NAMES, ours, plain):
+        assert e_ours <= 2 * e_plain + 1e-3, f"{name}: {backend} {e_ours:.3g} vs reference {e_plain:.3g}"
+    check_contract(run(b, x), x)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_float32_falls_back_exactly(backend):
+    b = _gpu_backend_or_skip(backend)
+    x = make_inputs(CASES["odd_gqa4_d128"], torch.float32, device="cuda", seed=7)
+    results = run(b, x)
+    check_contract(results, x)
+    assert_matches(results, oracle(x), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_auto_picks_a_fast_backend():
+    if not any(BACKENDS[n].is_available() for n in GPU_BACKENDS):
+        pytest.skip("no GPU attention backend installed")
+    assert get_backend("auto", "cuda").name in GPU_BACKENDS
