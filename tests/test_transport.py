@@ -1,0 +1,131 @@
+"""The in-process all-to-all: data, splits, timeouts and failure propagation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from distca_client.local import LocalRuntime
+from distca_server.errors import DistCAError
+from distca_server.transport.local import LocalGroup
+
+
+def _in_threads(world, fn):
+    results, errors = [None] * world, [None] * world
+
+    def body(i):
+        try:
+            results[i] = fn(i)
+        except BaseException as exc:  # collected for the assertions
+            errors[i] = exc
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a participant hung"
+    return results, errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_all_to_all_delivers_every_message(world):
+    g = torch.Generator().manual_seed(world)
+    sizes = torch.randint(0, 40, (world, world), generator=g).tolist()  # sizes[src][dst]
+    group = LocalGroup(world, timeout_s=10)
+
+    def payload(src, dst):
+        return torch.full((sizes[src][dst],), (src * 16 + dst) % 256, dtype=torch.uint8)
+
+    def participant(i):
+        ep = group.endpoint(i)
+        got = []
+        for _ in range(3):  # several exchanges reuse the group
+            send = torch.cat([payload(i, d) for d in range(world)])
+            recv = ep.all_to_all(send, sizes[i], [sizes[s][i] for s in range(world)])
+            got.append(recv)
+        return got, ep.bytes_sent
+    results, errors = _in_threads(world, participant)
+    assert errors == [None] * world
+    for i, (got, sent) in enumerate(results):
+        want = torch.cat([payload(s, i) for s in range(world)])
+        assert all(torch.equal(x, want) for x in got)
+        assert sent == 3 * (sum(sizes[i]) - sizes[i][i])
+
+
+def test_missing_participant_raises_distca_error_within_timeout():
+    group = LocalGroup(3, timeout_s=0.5)
+
+    def participant(i):
+        if i == 2:
+            return None  # never joins
+        return group.endpoint(i).all_to_all(torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
+    start = time.monotonic()
+    _, errors = _in_threads(3, participant)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5
+    for i in (0, 1):
+        assert isinstance(errors[i], DistCAError)
+        assert "[2]" in str(errors[i]) and "0.5 s" in str(errors[i])
+
+
+def test_failed_participant_aborts_peers_at_once():
+    group = LocalGroup(3, timeout_s=30)
+
+    def participant(i):
+        if i == 1:
+            group.abort(1, "kernel exploded")
+            raise RuntimeError("kernel exploded")
+        return group.endpoint(i).all_to_all(torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
+    start = time.monotonic()
+    _, errors = _in_threads(3, participant)
+    assert time.monotonic() - start < 5  # not the 30 s timeout
+    for i in (0, 2):
+        assert isinstance(errors[i], DistCAError) and "participant 1 failed: kernel exploded" in str(errors[i])
+
+
+def test_size_mismatch_is_value_error_and_peers_do_not_hang():
+    group = LocalGroup(2, timeout_s=10)
+
+    def participant(i):
+        send = torch.zeros(4, dtype=torch.uint8)
+        expect = [4, 4] if i == 0 else [4, 3]  # participant 1 expects the wrong size
+        return group.endpoint(i).all_to_all(send, [2, 2], expect)
+    _, errors = _in_threads(2, participant)
+    assert isinstance(errors[1], ValueError) and "expected [4, 3]" in str(errors[1])
+    assert isinstance(errors[0], DistCAError)
+
+
+@pytest.mark.parametrize("send,send_splits,recv_splits,fragment", [
+    (torch.zeros(3), [3, 0], [0, 0], "uint8"),
+    (torch.zeros(3, dtype=torch.uint8), [3], [0, 0], "send_splits"),
+    (torch.zeros(3, dtype=torch.uint8), [2, 0], [0, 0], "sum to 2"),
+    (torch.zeros(3, dtype=torch.uint8), [3, 0], [0, -1], "recv_splits"),
+])
+def test_bad_splits_raise_value_error(send, send_splits, recv_splits, fragment):
+    ep = LocalGroup(2).endpoint(0)
+    with pytest.raises(ValueError, match=fragment):
+        ep.all_to_all(send, send_splits, recv_splits)
+
+
+def test_runtime_reraises_root_cause_and_recovers():
+    runtime = LocalRuntime(num_servers=3, num_ranks=3, mode="inplace", epsilon=0.05, backend="auto",
+                           min_shard=128, timeout_s=20)
+    empty = torch.zeros(0, dtype=torch.uint8)
+
+    def good(t):
+        t.all_to_all(empty, [0] * 3, [0] * 3)
+        return t.rank
+
+    def bad(t):
+        raise ValueError("descriptor for participant 1 is malformed")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="malformed"):
+        runtime.run([good, bad, good])
+    assert time.monotonic() - start < 5
+    assert runtime.run([good, good, good]) == [0, 1, 2]  # a fresh group after the broken one
+    runtime.close()
+    with pytest.raises(DistCAError, match="closed"):
+        runtime.run([good, good, good])
