@@ -85,9 +85,10 @@ def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
     """
     _validate(doc_lens_per_rank, num_servers, cost, 0.0, "inplace", 1)
     R = num_servers
-    cap = token_cap if token_cap is not None else max(sum(x) for x in doc_lens_per_rank)
-    if not isinstance(cap, int) or cap <= 0:
+    if token_cap is not None and (not isinstance(token_cap, int) or isinstance(token_cap, bool)
+                                  or token_cap <= 0):
         raise ValueError(f"token_cap must be a positive int, got {token_cap!r}")
+    cap = token_cap if token_cap is not None else max(sum(x) for x in doc_lens_per_rank)
     docs = sorted(((l, g) for g, l in enumerate(x for lens in doc_lens_per_rank for x in lens)),
                   key=lambda t: (-t[0], t[1]))
     packed: list[list[int]] = [[] for _ in range(R)]

@@ -87,7 +87,7 @@ def plan_from_msgpack(data: bytes) -> Plan:
     if set(obj) != _KEYS:
         raise ValueError(f"plan descriptor keys differ: missing {sorted(_KEYS - set(obj), key=str)}, "
                          f"unexpected {sorted(set(obj) - _KEYS, key=str)}")
-    if obj["format"] != FORMAT or obj["version"] != VERSION:
+    if obj["format"] != FORMAT or type(obj["version"]) is not int or obj["version"] != VERSION:
         raise ValueError(f"not a {FORMAT} v{VERSION} descriptor: format={obj['format']!r}, "
                          f"version={obj['version']!r}")
     if obj["mode"] not in MODES:
@@ -105,12 +105,13 @@ def plan_from_msgpack(data: bytes) -> Plan:
     doc_lens = _int_array(obj, "doc_lens")
     task_counts = _int_array(obj, "task_counts")
     tasks = _int_array(obj, "tasks")
-    if len(doc_counts) == 0 or int(doc_counts.sum()) != len(doc_lens):
+    # Bound every count before summing, so an int64 sum cannot wrap around.
+    if len(doc_counts) == 0 or (doc_counts > len(doc_lens)).any() or int(doc_counts.sum()) != len(doc_lens):
         raise ValueError(f"doc_counts (sum {int(doc_counts.sum())}, {len(doc_counts)} ranks) "
                          f"disagree with {len(doc_lens)} document lengths")
     if len(task_counts) != num_servers:
         raise ValueError(f"task_counts has {len(task_counts)} entries for {num_servers} servers")
-    if len(tasks) % 6 or int(task_counts.sum()) * 6 != len(tasks):
+    if len(tasks) % 6 or (task_counts > len(tasks) // 6).any() or int(task_counts.sum()) * 6 != len(tasks):
         raise ValueError(f"tasks field holds {len(tasks)} ints, expected 6 x {int(task_counts.sum())}")
 
     bounds = np.concatenate([[0], np.cumsum(doc_counts)]).tolist()

@@ -40,7 +40,7 @@ import math
 from typing import Sequence
 
 from .cost import CostModel
-from .tasks import MODES, CATask, Plan
+from .tasks import MODES, CATask, Plan, _is_int
 
 
 def _band_tokens(l: int, a: int, b: int) -> int:
@@ -78,14 +78,17 @@ def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) ->
         raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
     if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
         raise ValueError(f"num_servers must be a positive int, got {num_servers!r}")
-    if not isinstance(epsilon, (int, float)) or not (epsilon >= 0 and math.isfinite(epsilon)):
+    if (not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool)
+            or not (epsilon >= 0 and math.isfinite(epsilon))):
         raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
     if not isinstance(min_shard, int) or isinstance(min_shard, bool) or min_shard < 1:
         raise ValueError(f"min_shard must be a positive int, got {min_shard!r}")
     if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
         raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
     for r, lens in enumerate(doc_lens_per_rank):
-        bad = [x for x in lens if not isinstance(x, int) or isinstance(x, bool) or x <= 0]
+        if not isinstance(lens, (list, tuple)):
+            raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got {lens!r}")
+        bad = [x for x in lens if not _is_int(x) or x <= 0]
         if bad:
             raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
     if mode == "inplace" and num_servers != len(doc_lens_per_rank):
@@ -99,7 +102,7 @@ class _Planner:
         self.mode = mode
         self.min_shard = min_shard
         self.q_bytes, self.kv_bytes = cost.step_row_bytes()
-        flat = [(r, i, l) for r, lens in enumerate(doc_lens_per_rank) for i, l in enumerate(lens)]
+        flat = [(r, i, int(l)) for r, lens in enumerate(doc_lens_per_rank) for i, l in enumerate(lens)]
         self.docs = [_Doc(g, r, i, l) for g, (r, i, l) in enumerate(flat)]
         self.loads = [0] * num_servers
         self.items: list[dict[int, None]] = [dict() for _ in range(num_servers)]  # ordered sets of gids
@@ -300,5 +303,6 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
     planner = _Planner(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
     planner.balance()
-    return Plan(doc_lens_per_rank=[list(x) for x in doc_lens_per_rank], num_servers=num_servers,
-                mode=mode, cost=cost, server_tasks=planner.server_tasks(), epsilon=float(epsilon))
+    return Plan(doc_lens_per_rank=[[int(x) for x in lens] for lens in doc_lens_per_rank],
+                num_servers=num_servers, mode=mode, cost=cost, server_tasks=planner.server_tasks(),
+                epsilon=float(epsilon))

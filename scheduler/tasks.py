@@ -6,7 +6,7 @@ msgpack (never pickle), replayable. Pure Python + numpy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from typing import NamedTuple
@@ -95,7 +95,6 @@ class Plan:
     cost: CostModel
     server_tasks: list[list[CATask]]
     epsilon: float = 0.0
-    _valid: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate_header()
@@ -187,7 +186,6 @@ class Plan:
             problems.append(f"documents whose shards stop before the end: {self._doc_names(g[last][e_[last] != lens[g[last]]])}")
         if problems:
             raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(problems))
-        self._valid = True
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]

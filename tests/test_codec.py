@@ -542,7 +542,8 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(doc_lens_per_rank=[[4], [2**70]]), r"rank 1"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)]]), "one list per server"),
     (dict(server_tasks="xy"), "one list per server"),
-    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], T(1, 0, 0, 3, 0, 3)]), "not a list"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], T(1, 0, 0, 3, 0, 3)]), "six ints"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], 5]), "not a list"),
     (dict(server_tasks=[[(0, 0, 0, 4, 0)], [T(1, 0, 0, 3, 0, 3)]]), "six ints"),
     (dict(server_tasks=[[(0, 0, 0, 4.0, 0, 4)], [T(1, 0, 0, 3, 0, 3)]]), "six ints"),
     (dict(server_tasks=[[(0, 0, 0, 4, 0, 2**63)], [T(1, 0, 0, 3, 0, 3)]]), "int64"),
@@ -577,9 +578,7 @@ def test_plan_sorts_tasks_into_wire_order():
     assert Plan.from_msgpack(plan.to_msgpack()) == plan
 
 
-# ---- known codec bugs (strict xfail: they start failing once fixed) ---------------------------------
-@pytest.mark.xfail(strict=True, reason="codec bug: 'version' is compared with ==, so True and 1.0 "
-                                       "are accepted where the int 1 is expected")
+# ---- type-strict version and overflow-proof counts ----------------------------------------------
 @pytest.mark.parametrize("version", [True, 1.0])
 def test_version_must_be_the_int_1(version):
     obj = decode_map(base_plans()[0])
@@ -588,8 +587,6 @@ def test_version_must_be_the_int_1(version):
         Plan.from_msgpack(pack(obj))
 
 
-@pytest.mark.xfail(strict=True, reason="codec bug: doc_counts / task_counts are summed in int64 "
-                                       "and the sum wraps, so inconsistent counts are accepted")
 def test_counts_that_overflow_int64_are_rejected():
     plan = Plan(doc_lens_per_rank=[[9], [], [9]], num_servers=1, mode="dedicated", cost=COST,
                 server_tasks=[[T(0, 0, 0, 9, 0, 9), T(2, 0, 0, 9, 0, 9)]])

@@ -1,0 +1,303 @@
+"""Planner benchmark: balance, bytes moved and planning time on real length traces.
+
+For each trace (Pretrain, ProLong), number of servers (= client ranks, in-place mode) and tokens
+per rank, one batch is drawn with :func:`scheduler.workloads.sample_batch` (seed 0, step 0) and
+planned by every system:
+
+- ``plan_batch`` (the communication-aware greedy planner) at ε = 0, 0.05, 0.1, ``min_shard=128``;
+- the baselines ``no_balance``, ``per_doc_cp`` and ``wlb_packing`` (:mod:`scheduler.baselines`).
+
+Cost model: Llama-3-8B attention per GPU, ``CostModel(num_heads_q=32, num_heads_kv=8,
+head_dim=128, dtype_bytes=2)``.
+
+Columns:
+- ``imb before``: max/mean attention FLOPs over ranks of the input batch with no balancing (the
+  same for every system; for ``wlb_packing`` ``plan.imbalance()[0]`` would describe the re-packed
+  batch, so the input's value is reported instead).
+- ``imb after``: ``plan.imbalance()[1]``, max/mean over servers under the plan.
+- ``Q MiB`` / ``KV MiB`` / ``total MiB``: bytes moved off-rank by one forward plus one backward
+  round (``plan.comm_bytes()``), Q-type = q, out, lse, dout, dq; KV-type = k, v, dk, dv.
+- ``vs CP``: total bytes as a fraction of ``per_doc_cp``'s total for the same batch.
+- ``plan ms``: median wall time (``time.perf_counter``) of the planning call, Plan construction and
+  validation included, over ``--repeats`` runs after one warm-up run (``--quick``: a single run).
+  A call whose warm-up takes longer than ``--slow-s`` seconds is timed by that run alone.
+- ``tasks``: CA-tasks in the plan.
+
+Usage::
+
+    python bench/planner.py            # full grid, a few minutes on 2 cores
+    python bench/planner.py --quick    # 8 and 32 servers, 64K and 128K tokens, one timing run
+
+Writes JSON to ``--json`` (default ``bench/results/planner.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scheduler import CostModel, plan_batch  # noqa: E402
+from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
+from scheduler.workloads import sample_batch  # noqa: E402
+
+TRACES = ("pretrain", "prolong")
+SERVERS = (8, 32, 128, 256)
+TOKENS = (65536, 131072, 524288)
+QUICK_SERVERS = (8, 32)
+QUICK_TOKENS = (65536, 131072)
+EPSILONS = (0.0, 0.05, 0.1)
+MIN_SHARD = 128
+COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
+Q_TENSORS = ("q", "out", "lse", "dout", "dq")
+KV_TENSORS = ("k", "v", "dk", "dv")
+MIB = 2 ** 20
+HEADLINE_SERVERS, HEADLINE_TOKENS, TARGET_MS = 256, 131072, 20.0
+SLOW_CONFIG_S = 30.0
+
+
+def systems():
+    """(name, epsilon or None, planning call) for every system, in table order."""
+    out = []
+    for eps in EPSILONS:
+        out.append((f"plan_batch eps={eps:g}", eps,
+                    lambda b, s, eps=eps: plan_batch(b, s, cost=COST, epsilon=eps, mode="inplace",
+                                                     min_shard=MIN_SHARD)))
+    out.append(("no_balance", None, lambda b, s: no_balance(b, s, cost=COST, mode="inplace")))
+    out.append(("per_doc_cp", None, lambda b, s: per_doc_cp(b, s, cost=COST, mode="inplace")))
+    out.append(("wlb_packing", None, lambda b, s: wlb_packing(b, s, cost=COST)))
+    return out
+
+
+def input_imbalance(batch) -> float:
+    loads = [sum(l * (l + 1) // 2 for l in lens) for lens in batch]
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def time_plan(fn, repeats: int, warmup: bool, slow_s: float):
+    """Run ``fn``; return (plan, median seconds, list of timed seconds, wall seconds)."""
+    start = time.perf_counter()
+    t0 = time.perf_counter()
+    plan = fn()
+    first = time.perf_counter() - t0
+    times = []
+    if not warmup or first > slow_s:
+        times = [first]
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return plan, statistics.median(times), times, time.perf_counter() - start
+
+
+def bench_config(trace, servers, tokens, repeats, warmup, slow_s, log):
+    batch = sample_batch(trace, servers, tokens, seed=0, step=0)
+    before = input_imbalance(batch)
+    rows = []
+    for name, eps, call in systems():
+        plan, median_s, times, wall_s = time_plan(lambda: call(batch, servers), repeats, warmup,
+                                                  slow_s)
+        comm = plan.comm_bytes()
+        q_bytes = sum(comm[k].get(n, 0) for k in ("forward", "backward") for n in Q_TENSORS)
+        kv_bytes = sum(comm[k].get(n, 0) for k in ("forward", "backward") for n in KV_TENSORS)
+        total = comm["forward"]["total"] + comm["backward"]["total"]
+        assert total == q_bytes + kv_bytes
+        rows.append({
+            "trace": trace,
+            "servers": servers,
+            "tokens_per_rank": tokens,
+            "system": name,
+            "epsilon": eps,
+            "num_docs": sum(len(x) for x in batch),
+            "imbalance_before": before,
+            "imbalance_after": plan.imbalance()[1],
+            "q_bytes": q_bytes,
+            "kv_bytes": kv_bytes,
+            "total_bytes": total,
+            "q_mib": q_bytes / MIB,
+            "kv_mib": kv_bytes / MIB,
+            "total_mib": total / MIB,
+            "plan_ms": median_s * 1e3,
+            "plan_ms_runs": [t * 1e3 for t in times],
+            "wall_s": wall_s,
+            "num_tasks": int(len(plan.task_array)),
+            "tasks_moved": plan.tasks_moved(),
+        })
+        if wall_s > SLOW_CONFIG_S:
+            log(f"  note: {trace} {servers} servers x {tokens} tokens, {name}: {wall_s:.1f} s "
+                f"(> {SLOW_CONFIG_S:.0f} s for this config)")
+    cp_total = next(r["total_bytes"] for r in rows if r["system"] == "per_doc_cp")
+    for r in rows:
+        r["total_vs_per_doc_cp"] = r["total_bytes"] / cp_total if cp_total else float("nan")
+    return rows
+
+
+COLUMNS = [  # (header, key, format)
+    ("trace", "trace", "{}"),
+    ("servers", "servers", "{}"),
+    ("tok/rank", "tokens_per_rank", "tok"),
+    ("system", "system", "{}"),
+    ("imb before", "imbalance_before", "{:.3f}"),
+    ("imb after", "imbalance_after", "{:.3f}"),
+    ("Q MiB", "q_mib", "{:,.1f}"),
+    ("KV MiB", "kv_mib", "{:,.1f}"),
+    ("total MiB", "total_mib", "{:,.1f}"),
+    ("vs CP", "total_vs_per_doc_cp", "{:.3f}"),
+    ("plan ms", "plan_ms", "{:,.2f}"),
+    ("tasks", "num_tasks", "{:,}"),
+]
+
+
+def _cell(row, key, fmt):
+    value = row[key]
+    if fmt == "tok":
+        return f"{value // 1024}K"
+    return fmt.format(value)
+
+
+def render_table(rows) -> str:
+    """Plain aligned text (numbers right-aligned)."""
+    headers = [h for h, _, _ in COLUMNS]
+    cells = [[_cell(r, k, f) for _, k, f in COLUMNS] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
+    left = {"trace", "system"}
+
+    def line(values):
+        return "  ".join(v.ljust(w) if COLUMNS[i][1] in left else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths)))
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    prev = None
+    for r, c in zip(rows, cells):
+        key = (r["trace"], r["servers"], r["tokens_per_rank"])
+        if prev is not None and key != prev:
+            out.append("")
+        prev = key
+        out.append(line(c))
+    return "\n".join(out)
+
+
+def print_table(rows) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(render_table(rows))
+        return
+    table = Table(show_lines=False)
+    for header, key, _ in COLUMNS:
+        table.add_column(header, justify="left" if key in ("trace", "system") else "right")
+    def key(r):
+        return (r["trace"], r["servers"], r["tokens_per_rank"])
+    for i, r in enumerate(rows):
+        last_of_config = i + 1 < len(rows) and key(rows[i + 1]) != key(r)
+        table.add_row(*[_cell(r, k, f) for _, k, f in COLUMNS], end_section=last_of_config)
+    Console(width=200).print(table)
+
+
+def headline(rows) -> list[str]:
+    lines = []
+    target = [r for r in rows if r["system"].startswith("plan_batch")
+              and r["servers"] == HEADLINE_SERVERS and r["tokens_per_rank"] == HEADLINE_TOKENS]
+    if target:
+        worst = max(target, key=lambda r: r["plan_ms"])
+        verdict = "meets" if worst["plan_ms"] < TARGET_MS else "MISSES"
+        lines.append(f"max plan_batch time at {HEADLINE_SERVERS} servers x "
+                     f"{HEADLINE_TOKENS // 1024}K tokens: {worst['plan_ms']:.2f} ms "
+                     f"({worst['trace']}, {worst['system']}; {verdict} the {TARGET_MS:g} ms target)")
+    else:
+        lines.append(f"({HEADLINE_SERVERS} servers x {HEADLINE_TOKENS // 1024}K not in this run)")
+    names = list(dict.fromkeys(r["system"] for r in rows))
+    parts = []
+    for name in names:
+        vals = [r["imbalance_after"] for r in rows if r["system"] == name]
+        parts.append(f"{name} {statistics.fmean(vals):.3f}")
+    lines.append("mean imbalance after: " + ", ".join(parts))
+    before = [r["imbalance_before"] for r in rows if r["system"] == names[0]]
+    lines.append(f"mean imbalance before (input batches): {statistics.fmean(before):.3f}")
+    slow = [r for r in rows if r["wall_s"] > SLOW_CONFIG_S]
+    for r in slow:
+        lines.append(f"slow config (> {SLOW_CONFIG_S:.0f} s): {r['trace']} {r['servers']} x "
+                     f"{r['tokens_per_rank'] // 1024}K {r['system']}: {r['wall_s']:.1f} s")
+    return lines
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="8 and 32 servers, 64K and 128K tokens per rank, one timing run (CI smoke)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "planner.json",
+                   help="where to write the results (default: bench/results/planner.json)")
+    p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
+    p.add_argument("--servers", nargs="+", type=int, help="override the server counts")
+    p.add_argument("--tokens", nargs="+", type=int, help="override the tokens per rank")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs after the warm-up run; the median is reported (default 5)")
+    p.add_argument("--slow-s", type=float, default=10.0,
+                   help="a call whose warm-up run takes longer is timed by that run alone")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    servers = args.servers or (QUICK_SERVERS if args.quick else SERVERS)
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    repeats, warmup = (1, False) if args.quick else (args.repeats, True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    rows = []
+    start = time.perf_counter()
+    for trace in args.traces:
+        for s in servers:
+            for t in tokens:
+                t0 = time.perf_counter()
+                rows.extend(bench_config(trace, s, t, repeats, warmup, args.slow_s, log))
+                log(f"{trace:8s} {s:4d} servers x {t // 1024:4d}K tokens: "
+                    f"{time.perf_counter() - t0:6.1f} s")
+    elapsed = time.perf_counter() - start
+
+    print_table(rows)
+    print()
+    for line in headline(rows):
+        print(line)
+    print(f"total benchmark time: {elapsed:.1f} s")
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "planner",
+        "cost_model": COST.to_dict(),
+        "min_shard": MIN_SHARD,
+        "mode": "inplace",
+        "quick": args.quick,
+        "repeats": repeats,
+        "warmup": warmup,
+        "seed": 0,
+        "step": 0,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "total_s": elapsed,
+        "headline": headline(rows),
+        "rows": rows,
+    }
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

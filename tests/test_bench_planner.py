@@ -1,0 +1,48 @@
+"""Smoke test of bench/planner.py in --quick mode (CI): it runs, and its JSON has every row."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "planner.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_planner", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_expected_rows(tmp_path, capsys):
+    bench = load_bench()
+    out = tmp_path / "p.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean imbalance after" in printed and "plan_batch eps=0.05" in printed
+
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    systems = ["plan_batch eps=0", "plan_batch eps=0.05", "plan_batch eps=0.1",
+               "no_balance", "per_doc_cp", "wlb_packing"]
+    expected = {(trace, s, t, name) for trace in ("pretrain", "prolong") for s in (8, 32)
+                for t in (65536, 131072) for name in systems}
+    got = [(r["trace"], r["servers"], r["tokens_per_rank"], r["system"]) for r in rows]
+    assert len(got) == len(set(got)) == len(expected)
+    assert set(got) == expected
+    assert result["quick"] is True and result["cost_model"] == {
+        "num_heads_q": 32, "num_heads_kv": 8, "head_dim": 128, "dtype_bytes": 2}
+
+    keys = {"imbalance_before", "imbalance_after", "q_mib", "kv_mib", "total_mib",
+            "total_vs_per_doc_cp", "plan_ms", "num_tasks"}
+    for r in rows:
+        assert keys <= set(r)
+        assert r["plan_ms"] > 0 and r["num_tasks"] >= r["num_docs"] > 0
+        assert abs(r["q_mib"] + r["kv_mib"] - r["total_mib"]) < 1e-6 * max(1.0, r["total_mib"])
+        assert r["imbalance_after"] <= r["imbalance_before"] + 1e-9
+        if r["system"] == "plan_batch eps=0.05":
+            assert r["imbalance_after"] <= 1.05 + 1e-9
+        if r["system"] == "per_doc_cp":
+            assert r["total_vs_per_doc_cp"] == 1.0
+        if r["system"] in ("no_balance", "wlb_packing"):
+            assert r["total_bytes"] == 0
