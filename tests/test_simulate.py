@@ -1,0 +1,299 @@
+"""Step-time simulator: hand-computed cases, schedules, ping-pong, memory, presets, bad input."""
+
+import numpy as np
+import pytest
+
+from scheduler import CostModel
+from scheduler.baselines import per_doc_cp
+from scheduler.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
+                                get_gpu, get_model, simulate)
+from scheduler.simulate_net import alltoall_seconds, rank_nodes, ring_seconds
+from scheduler.simulate_sched import Round, pipeline_1f1b, run_rounds, tick_schedule
+from scheduler.simulate_systems import Context, cp_server_seconds
+from scheduler.simulate_hw import attention_tables
+
+# A model and a GPU with round numbers, so step times can be written down by hand.
+# Linear weights per layer: 256·(256 + 2·128) + 256² + 3·256·512 = 589,824.
+TINY = ModelConfig("tiny", hidden_size=256, num_heads=2, num_kv_heads=1, num_layers=4,
+                   ffn_hidden_size=512, vocab_size=1)
+UNIT = GPUConfig("unit", peak_flops=1e12, hbm_bytes=1e15, nvlink_bw=1e18, ib_bw=1e18,
+                 linear_efficiency=1.0, attn_fwd_efficiency=1.0, attn_bwd_efficiency=1.0,
+                 link_efficiency=1.0, collective_latency_s=0.0, kernel_launch_s=0.0)
+LIN_F = 2 * 589_824 / 1e12        # seconds per token per layer, forward
+LIN_B = 2 * LIN_F                  # backward: input and weight gradients
+HEAD = 3 * 2 * 256 * 1 / 1e12      # LM head forward + backward per token (vocab 1)
+
+
+def attn_f(l):
+    """Forward seconds of a causal document: 4·head_dim·heads FLOPs per pair, l(l+1)/2 pairs."""
+    return 4 * 128 * 2 * l * (l + 1) / 2 / 1e12
+
+
+def attn_b(l):
+    return 2.5 * attn_f(l)
+
+
+def run(batch, *, dp, pp=1, m=1, systems=("packing", "distca", "wlb_ideal", "per_doc_cp"),
+        **kw):
+    par = ParallelConfig(tp=1, dp=dp, pp=pp, microbatches=m)
+    return simulate(TINY, UNIT, par, Workload("pretrain", 1024), systems=systems,
+                    epsilons=(0.0,), batch=batch, **kw)
+
+
+# ---- hand-computed cases ----------------------------------------------------------------------
+def test_one_rank_every_system_is_the_sum_of_its_parts():
+    cmp = run([[[1024]]], dp=1)
+    expected = 4 * (1024 * (LIN_F + LIN_B) + attn_f(1024) + attn_b(1024)) + 1024 * HEAD
+    for r in cmp.results:
+        assert r.step_time_s == pytest.approx(expected, rel=1e-9), r.system
+        assert r.throughput_tokens_s == pytest.approx(1024 / expected, rel=1e-9)
+        assert r.comm_exposed_s == pytest.approx(0.0, abs=1e-12)
+    assert cmp.recompute is False
+
+
+def test_two_equal_ranks_take_as_long_as_one_and_double_throughput():
+    one = run([[[1024]]], dp=1).get("packing")
+    two = run([[[1024], [1024]]], dp=2)
+    for r in two.results:
+        assert r.step_time_s == pytest.approx(one.step_time_s, rel=1e-6), r.system
+        assert r.throughput_tokens_s == pytest.approx(2 * one.throughput_tokens_s, rel=1e-6)
+        assert r.idle_fraction == pytest.approx(0.0, abs=1e-6)
+
+
+def test_imbalanced_pair_packing_waits_distca_balances():
+    # Equal tokens, but rank 0's single 2048-token document has twice the attention work.
+    cmp = run([[[2048], [1024, 1024]]], dp=2)
+    lin = 2048 * (LIN_F + LIN_B)
+    packing = 4 * (lin + attn_f(2048) + attn_b(2048)) + 2048 * HEAD
+    half = (attn_f(2048) + 2 * attn_f(1024)) / 2  # each server's share when balanced
+    balanced = 4 * (lin + 3.5 * half) + 2048 * HEAD
+    assert cmp.get("packing").step_time_s == pytest.approx(packing, rel=1e-9)
+    assert cmp.get("packing").idle_fraction > 0.05
+    assert cmp.get("distca").step_time_s == pytest.approx(balanced, rel=1e-2)
+    # WLB-ideal: CP over both ranks splits every document evenly (free links): also balanced.
+    assert cmp.get("wlb_ideal").step_time_s == pytest.approx(balanced, rel=1e-2)
+    assert cmp.get("wlb_ideal").details["cp"] == 2
+    assert cmp.speedup("distca", "packing") > 1.1
+
+
+def test_pipeline_bubbles_and_distca_serving_in_bubbles():
+    p, m, L = 2, 4, 2048
+    batch = [[[L]] for _ in range(m)]
+    lin = L * (LIN_F + LIN_B) * 4 / p     # one microbatch on one stage (2 layers)
+    ca = (attn_f(L) + attn_b(L)) * 4 / p
+    one_f_one_b = (m + p - 1) * (lin + ca)   # bubble (p-1)/(m+p-1) of equal stages
+    pooled = (m + p - 1) * lin + m * ca      # bubbles serve CA-tasks: CA spread over both stages
+    cmp = run(batch, dp=1, pp=p, m=m, systems=("packing", "distca"))
+    assert cmp.get("packing").step_time_s == pytest.approx(one_f_one_b, rel=1e-3)
+    assert cmp.get("distca").step_time_s == pytest.approx(pooled, rel=1e-2)
+    plain = run(batch, dp=1, pp=p, m=m, systems=("distca",), bubble_serving=False)
+    assert plain.get("distca").step_time_s == pytest.approx(one_f_one_b, rel=1e-3)
+    assert cmp.get("distca").step_time_s < plain.get("distca").step_time_s - 0.5 * ca
+
+
+# ---- schedules -----------------------------------------------------------------------------------
+def test_1f1b_equal_stages_bubble_fraction():
+    p, m, f, b = 4, 8, 1.0, 2.0
+    makespan, busy = pipeline_1f1b(np.full((p, m), f), np.full((p, m), b))
+    assert makespan == pytest.approx((m + p - 1) * (f + b))
+    assert 1 - busy[0] / makespan == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_stage_imbalance_by_hand():
+    # Stage 1 twice as slow. By hand: S0 F0[0,1] F1[1,2] B0[7,9] B1[13,15];
+    #                                S1 F0[1,3] B0[3,7] F1[7,9] B1[9,13].
+    makespan, _ = pipeline_1f1b([[1, 1], [2, 2]], [[2, 2], [4, 4]])
+    assert makespan == pytest.approx(15.0)
+    # A point-to-point hop of 0.5 s delays every stage crossing.
+    assert pipeline_1f1b([[1, 1], [1, 1]], [[1, 1], [1, 1]], p2p_s=0.5)[0] > 6.0
+
+
+def test_tick_schedule_order():
+    ticks = tick_schedule(2, 2)
+    assert ticks == [("F", [(0, 0)]), ("F", [(0, 1), (1, 0)]), ("B", [(1, 0)]),
+                     ("F", [(1, 1)]), ("B", [(0, 0), (1, 1)]), ("B", [(0, 1)])]
+    for p, m in ((1, 3), (3, 5), (4, 2)):
+        t = tick_schedule(p, m)
+        assert len(t) == 2 * (m + p - 1)
+        assert sum(len(a) for _, a in t) == 2 * p * m
+
+
+# ---- ping-pong -----------------------------------------------------------------------------------
+def test_ping_pong_hides_communication_shorter_than_compute():
+    # Per nano-batch: linear 1, attention 1, dispatch and return 0.5 each (shorter than compute).
+    rd = Round(lin=np.array([2.0]), ca=np.array([2.0]), dispatch_bw_s=1.0, return_bw_s=1.0)
+    t, busy = run_rounds([rd] * 3, np.zeros(1), ping_pong=True)
+    assert t == pytest.approx(3 * 4.0 + 0.5)  # only the very last return shows
+    assert busy[0] == pytest.approx(12.0)
+    seq, _ = run_rounds([rd] * 3, np.zeros(1), ping_pong=False)
+    assert seq == pytest.approx(3 * (4.0 + 2.0))  # sequential: every byte exposed
+
+
+def test_ping_pong_exposes_the_remainder_of_long_communication():
+    # Per nano-batch: linear 1, attention 1, dispatch and return 3 each. By hand: lin0 [0,1],
+    # D0 [1,4], lin1 [1,2], D1 [4,7], CA0 [4,5], R0 [7,10], CA1 [7,8], R1 [10,13].
+    rd = Round(lin=np.array([2.0]), ca=np.array([2.0]), dispatch_bw_s=6.0, return_bw_s=6.0)
+    assert run_rounds([rd], np.zeros(1), ping_pong=True)[0] == pytest.approx(13.0)
+    assert run_rounds([rd], np.zeros(1), ping_pong=False)[0] == pytest.approx(16.0)
+    # Latency is paid per call: two calls per direction with ping-pong.
+    rd = Round(lin=np.array([2.0]), ca=np.array([2.0]), dispatch_bw_s=0.2, return_bw_s=0.2,
+               latency_s=0.1)
+    assert run_rounds([rd], np.zeros(1), ping_pong=True)[0] == pytest.approx(4.0 + 0.2)
+
+
+def test_distca_ping_pong_beats_sequential_on_a_real_batch():
+    par = ParallelConfig.from_gpus(64, tp=8)
+    w = Workload("pretrain", 65536)
+    pp = simulate("llama3-8b", "h100", par, w, systems=("distca",), epsilons=(0.0,))
+    seq = simulate("llama3-8b", "h100", par, w, systems=("distca",), epsilons=(0.0,),
+                   ping_pong=False)
+    a, b = pp.get("distca"), seq.get("distca")
+    assert a.comm_s == pytest.approx(b.comm_s)
+    assert a.comm_exposed_s < 0.2 * b.comm_exposed_s
+    assert a.step_time_s < b.step_time_s
+
+
+# ---- network -------------------------------------------------------------------------------------
+def test_alltoall_busiest_port_and_nodes():
+    gpu = get_gpu("h100")
+    nodes = rank_nodes(4, 4, 8)                     # two ranks of 4 GPUs per node
+    assert nodes.tolist() == [0, 0, 1, 1]
+    send = np.zeros((4, 4))
+    send[0, 1] = 9e9                                # inside node 0: NVLink
+    send[0, 2] = send[1, 2] = 1e9                   # into node 1: rank 2 receives 2 GB over IB
+    t, per = alltoall_seconds(send, nodes, gpu)
+    assert t == pytest.approx(max(9e9 / gpu.nvlink_eff, 2e9 / gpu.ib_eff))
+    assert per[3] == 0.0
+    assert ring_seconds(8e9, 8, False, gpu) == pytest.approx(7 / 8 * 8e9 / gpu.nvlink_eff)
+
+
+def test_per_doc_cp_analytic_matches_the_plan_baseline():
+    batch = [[1000, 37, 5000], [129, 4096], [3]]
+    cost = CostModel(4, 1, 128, 2)
+    fwd, _ = attention_tables(get_gpu("h100"), cost)
+    plan = per_doc_cp(batch, 3, cost=cost)
+    arr = plan.task_array
+    want = np.bincount(arr[:, 0], fwd.latencies(arr[:, 4] - arr[:, 3], arr[:, 6]), minlength=3)
+    got = cp_server_seconds([x for r in batch for x in r], 3, fwd)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+# ---- memory --------------------------------------------------------------------------------------
+def test_memory_by_hand_llama3_8b():
+    m = get_model("llama3-8b")
+    assert m.num_params == 8_030_261_248          # Llama-3-8B: 8.03 B weights
+    # Per token per layer: 4h + h + 2·kv·d + h + 2·heads + 3·ffn = 69,696 bf16 elements.
+    assert m.activation_bytes_per_token_layer() == 2 * 69_696
+    kw = dict(model=m, gpu=get_gpu("h200"), tp=8, pp=1, dp=8, microbatches=1, min_shard=128)
+    ctx = Context(**kw, recompute=False)
+    assert ctx.act_bytes_per_token(0) == pytest.approx(32 * 2 * 69_696 / 8 + 4 * 128_256 / 8)
+    shard = 8_030_261_248 / 8
+    assert ctx.states_bytes() == pytest.approx(6 * shard + 12 * shard / 8)
+    full = Context(**kw, recompute=True)  # keeps each layer's input, plus one layer in flight
+    assert full.act_bytes_per_token(0) == pytest.approx(
+        32 * 2 * 4096 / 8 + 2 * 69_696 / 8 + 4 * 128_256 / 8)
+    pp = Context(**{**kw, "pp": 4, "microbatches": 8}, recompute=False)
+    assert pp.act_bytes_per_token(0) == pytest.approx(4 * 8 * 2 * 69_696 / 8)  # 4 alive, 8 layers
+
+
+def test_memory_fits_and_auto_recompute():
+    par = ParallelConfig.from_gpus(16, tp=8)
+    w = Workload("pretrain", 131072)
+    none = simulate("llama3-8b", "h100", par, w, systems=("packing",), recompute="none")
+    assert not none.get("packing").fits               # ~81 GB of activations on an 80 GB H100
+    auto = simulate("llama3-8b", "h100", par, w, systems=("packing",))
+    assert auto.recompute and auto.get("packing").fits
+    assert auto.get("packing").step_time_s > none.get("packing").step_time_s
+    h200 = simulate("llama3-8b", "h200", par, w, systems=("packing", "wlb_ideal"))
+    assert not h200.recompute
+    # Variable-length packing buys balance with memory: its fullest GPU holds more.
+    assert h200.get("wlb_ideal").memory_divergence >= h200.get("packing").memory_divergence
+
+
+# ---- presets, measured tables, bad input ---------------------------------------------------------
+def test_presets():
+    assert set(MODELS) == {"llama3-8b", "llama-34b"} and set(GPUS) == {"h100", "h200"}
+    m34 = get_model("34b")
+    assert (m34.hidden_size, m34.num_layers, m34.num_heads, m34.num_kv_heads,
+            m34.ffn_hidden_size) == (8192, 48, 64, 8, 22016)
+    assert get_model("Llama-8B") is MODELS["llama3-8b"]
+    h100, h200 = get_gpu("h100"), get_gpu("H200")
+    assert h100.peak_flops == h200.peak_flops == 989.4e12
+    assert (h100.hbm_bytes, h200.hbm_bytes) == (80e9, 141e9)
+    assert h100.nvlink_bw == 450e9 and h100.ib_bw == 50e9
+    par = ParallelConfig.from_gpus(64, tp=8, pp=2)
+    assert (par.dp, par.microbatches, par.gpus) == (4, 4, 64)
+
+
+def test_measured_tables_replace_the_analytic_ones():
+    cost = TINY.cost_model(1)
+    fwd, bwd = attention_tables(UNIT, cost)
+    slow = UNIT.with_tables(
+        type(fwd)(fwd.q_lens, fwd.kv_lens, [[2 * x for x in r] for r in fwd.latency_s]),
+        type(bwd)(bwd.q_lens, bwd.kv_lens, [[2 * x for x in r] for r in bwd.latency_s]))
+    a = simulate(TINY, UNIT, ParallelConfig(tp=1), Workload(), systems=("packing",),
+                 batch=[[[1024]]]).get("packing")
+    b = simulate(TINY, slow, ParallelConfig(tp=1), Workload(), systems=("packing",),
+                 batch=[[[1024]]]).get("packing")
+    assert b.attention_s == pytest.approx(2 * a.attention_s)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: get_model("gpt-5"),
+    lambda: get_gpu("a100"),
+    lambda: ParallelConfig(tp=0),
+    lambda: ParallelConfig.from_gpus(60, tp=8),
+    lambda: Workload("c4"),
+    lambda: Workload(context=8),
+    lambda: ModelConfig("x", 100, 3, 1, 2, 8, 8),
+    lambda: GPUConfig("x", 1e12, 1e9, 1e9, 1e9, linear_efficiency=1.5),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=3, dp=2), Workload()),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, pp=5, dp=1), Workload()),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(), systems=("x",)),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(), epsilons=(-1,)),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(), epsilons=()),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=4), Workload(), cp_degrees=(3,)),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(), recompute="x"),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(),
+                     batch=[[[10]]]),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=1), Workload(),
+                     batch=[[[0]]]),
+])
+def test_bad_input_raises_value_error(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_cluster_comparison_has_every_system_and_a_table():
+    cmp = simulate("llama3-8b", "h200", ParallelConfig.from_gpus(32, tp=8),
+                   Workload("prolong", 65536), epsilons=(0.0, 0.1))
+    names = [r.system for r in cmp.results]
+    assert names == ["distca eps=0", "distca eps=0.1", "wlb_ideal", "per_doc_cp", "packing"]
+    assert cmp.get("distca").throughput_tokens_s >= cmp.get("packing").throughput_tokens_s
+    assert len({r.tokens_per_step for r in cmp.results}) == 1
+    text = cmp.table()
+    assert "wlb_ideal" in text and "vs WLB" in text
+    d = cmp.get("wlb_ideal").to_dict()
+    assert d["details"]["cp"] in (1, 2, 4) and "per_rank" not in d
+
+
+# ---- command line --------------------------------------------------------------------------------
+def test_cli_single_configuration_and_sweep(tmp_path, capsys):
+    from distca_server.cli import main
+    assert main(["simulate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "32", "--tp", "8",
+                 "--pp", "1", "--context", "64K", "--dataset", "pretrain",
+                 "--epsilon", "0.05"]) == 0
+    out = capsys.readouterr().out
+    for name in ("distca eps=0.05", "wlb_ideal", "per_doc_cp", "packing", "vs WLB-ideal"):
+        assert name in out
+    path = tmp_path / "sweep.json"
+    assert main(["simulate", "--gpus", "32", "--pp", "2", "--sweep", "--contexts", "32K", "64K",
+                 "--epsilon", "0", "0.1", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "simulate" in captured.err and "4/4" in captured.err  # the progress bar
+    import json
+    rows = json.loads(path.read_text())
+    assert {r["context"] for r in rows} == {32768, 65536}
+    assert sum(r["system"] == "wlb_ideal" for r in rows) == 2  # baselines once per context
+    assert main(["simulate", "--gpus", "60"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
