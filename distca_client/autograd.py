@@ -6,20 +6,19 @@ import torch
 
 
 class DistCAAttention(torch.autograd.Function):
-    """``out = attention(q, k, v)`` run by ``step``, an object with
+    """``out = attention(q, k, v)`` whose forward round already runs (or ran) in ``pending``.
 
-    - ``forward(q, k, v, softmax_scale) -> (out, lse)`` and
-    - ``backward(q, k, v, out, lse, dout, softmax_scale) -> (dq, dk, dv)``
-
-    bound to one step's plan. Saves q, k, v, out and the LSE (float32, or float64 for float64
-    inputs; FlashAttention-2 Alg. 2 recomputes the softmax from it), nothing quadratic.
+    ``pending`` has ``result() -> (out, lse)`` (the queued forward round) and ``step``, an object
+    with ``backward(q, k, v, out, lse, dout, softmax_scale) -> (dq, dk, dv)`` bound to the step's
+    plan. Saves q, k, v, out and the LSE (float32, or float64 for float64 inputs; FlashAttention-2
+    Alg. 2 recomputes the softmax from it), nothing quadratic.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, step, softmax_scale):
-        out, lse = step.forward(q.detach(), k.detach(), v.detach(), softmax_scale)
+    def forward(ctx, q, k, v, pending, softmax_scale):
+        out, lse = pending.result()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.step, ctx.softmax_scale = step, softmax_scale
+        ctx.step, ctx.softmax_scale = pending.step, softmax_scale
         return out
 
     @staticmethod
@@ -27,3 +26,13 @@ class DistCAAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.step.backward(q, k, v, out, lse, dout.contiguous(), ctx.softmax_scale)
         return dq, dk, dv, None, None
+
+
+class Pending:
+    """A queued forward round of ``step`` (its future) and the step it belongs to."""
+
+    def __init__(self, step, future, timeout_s: float | None = None):
+        self.step, self.future, self.timeout_s = step, future, timeout_s
+
+    def result(self):
+        return self.future.result(self.timeout_s)

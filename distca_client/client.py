@@ -8,7 +8,7 @@ from distca_server.kernels import BACKENDS
 from distca_server.wire import RowFormat
 from scheduler.tasks import MODES, Plan
 
-from .autograd import DistCAAttention
+from .autograd import DistCAAttention, Pending
 from .local import LocalRuntime
 from .validate import check_attend_inputs
 
@@ -16,11 +16,11 @@ from .validate import check_attend_inputs
 class DistCAClient:
     """Core attention served by attention servers; ``attend`` equals local causal varlen attention.
 
-    Build one with :meth:`local` (in-process virtual servers). Plans are cached per distinct
-    ``doc_lens``, so every layer of a step reuses its step's plan.
+    Build one with :meth:`local` (in-process virtual servers) or :meth:`connect` (a job on Ray).
+    Plans are cached per distinct ``doc_lens``, so every layer of a step reuses its step's plan.
     """
 
-    def __init__(self, runtime: LocalRuntime):
+    def __init__(self, runtime):
         self._runtime = runtime
         self._last_step = None
 
@@ -63,6 +63,40 @@ class DistCAClient:
         return cls(LocalRuntime(num_servers, num_ranks, mode, float(epsilon), backend, min_shard,
                                 float(timeout_s)))
 
+    @classmethod
+    def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,
+                *, timeout_s: float | None = None) -> "DistCAClient":
+        """Join job ``name`` on the current Ray cluster as client ``rank`` of ``world_size``.
+
+        Call it from any Ray task or actor (Ray Train workers included: rank and world size then
+        come from the Train context; elsewhere from ``RANK``/``WORLD_SIZE`` if not given). A client
+        that restarted after a failure rejoins the same way.
+
+        Raises:
+            ValueError: no job of that name, or rank/world size missing or inconsistent.
+            DistCAError: Ray is not initialised or the scheduler does not answer.
+        """
+        from .remote import RemoteRuntime
+        return cls(RemoteRuntime(name, rank, world_size, timeout_s))
+
+    def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
+                     softmax_scale: float | None = None) -> "AttendHandle":
+        """Start :meth:`attend`'s forward round and return at once; ``handle.wait()`` gives ``out``.
+
+        Meanwhile the training loop can run the other nano-batch's layers (DistCA §4.2 ping-pong).
+        Rounds run in call order, so every client must issue them in the same order.
+
+        Raises:
+            ValueError: as :meth:`attend`, before anything is queued.
+        """
+        lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+        fmt = RowFormat(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+        step = self._runtime.step_for(lens, fmt, q.device)
+        self._last_step = step
+        counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
+        return AttendHandle(Pending(step, future), q, k, v, scale)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                softmax_scale: float | None = None) -> torch.Tensor:
         """Causal attention inside each document of a packed batch, computed by the servers.
@@ -85,11 +119,13 @@ class DistCAClient:
                 byte moves.
             DistCAError: a participant was lost or timed out.
         """
-        lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
-        fmt = RowFormat(q.shape[1], k.shape[1], q.shape[2], q.dtype)
-        step = self._runtime.step_for(lens, fmt, q.device)
-        self._last_step = step
-        return DistCAAttention.apply(q, k, v, step, scale)
+        return self.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale).wait()
+
+    def new_step(self) -> None:
+        """Start a new training step at the next ``attend``. Steps also end by themselves once
+        every grad-requiring forward round has had its backward round; call this in loops that run
+        forward only (evaluation)."""
+        self._runtime.new_step()
 
     @property
     def last_plan(self) -> Plan | None:
@@ -110,3 +146,24 @@ class DistCAClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AttendHandle:
+    """A forward round in flight; :meth:`wait` returns its ``out`` (connected to autograd)."""
+
+    def __init__(self, pending: Pending, q, k, v, softmax_scale: float):
+        self._pending, self._inputs, self._scale = pending, (q, k, v), softmax_scale
+        self._out = None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the round is done; ``out`` as :meth:`DistCAClient.attend` returns it.
+
+        Raises:
+            DistCAError: the round failed (a participant was lost or timed out).
+        """
+        if self._out is None:
+            self._out = DistCAAttention.apply(*self._inputs, self._pending, self._scale)
+        return self._out
+
+    def done(self) -> bool:
+        return self._pending.future.done()

@@ -19,6 +19,7 @@ from distca_server.participant import Participant
 from distca_server.transport.local import LocalGroup
 from distca_server.wire import RowFormat
 from scheduler import CostModel, Plan, plan_batch
+from scheduler.parts import plan_parts
 
 _CACHE_SIZE = 16
 
@@ -47,8 +48,7 @@ class LocalStep:
         self.runtime, self.plan = runtime, plan
         backend = get_backend(runtime.backend, device)
         self.backend_name = backend.name
-        self.participants = [Participant(plan, i, fmt, backend, device)
-                             for i in range(plan.num_participants)]
+        self.participants = [Participant(part, fmt, backend, device) for part in plan_parts(plan)]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
         self.bounds = np.concatenate([[0], np.cumsum(tokens)]).tolist()
 
@@ -67,15 +67,22 @@ class LocalStep:
         per_rank = [r for p, r in zip(self.participants, results) if p.rank is not None]
         return tuple(torch.cat([r[i] for r in per_rank]) for i in range(count))
 
-    def forward(self, q, k, v, softmax_scale):
+    def _forward(self, q, k, v, softmax_scale):
         jobs = [(lambda t, p=p, a=a: p.forward(t, *a, softmax_scale))
                 for p, a in zip(self.participants, self._slices(q, k, v))]
         return self._gather(self.runtime.run(jobs), 2)
 
-    def backward(self, q, k, v, out, lse, dout, softmax_scale):
+    def _backward(self, q, k, v, out, lse, dout, softmax_scale):
         jobs = [(lambda t, p=p, a=a: p.backward(t, *a, softmax_scale))
                 for p, a in zip(self.participants, self._slices(q, k, v, out, lse, dout))]
         return self._gather(self.runtime.run(jobs), 3)
+
+    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
+        """Queue the forward round; a future of ``(out, lse)``."""
+        return self.runtime.submit(self._forward, q, k, v, softmax_scale)
+
+    def backward(self, q, k, v, out, lse, dout, softmax_scale):
+        return self.runtime.submit(self._backward, q, k, v, out, lse, dout, softmax_scale).result()
 
     def traffic(self) -> dict[str, dict[str, int]]:
         """Bytes all participants sent to other participants so far: ``{kind: {tensor: bytes}}``."""
@@ -99,6 +106,17 @@ class LocalRuntime:
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
         self._group: LocalGroup | None = None
         self._steps: OrderedDict = OrderedDict()
+        # Rounds run one at a time, in call order, like a distributed client's rounds.
+        self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
+
+    def submit(self, fn, *args):
+        """Queue one round (``fn(*args)``) behind the earlier ones; returns its future."""
+        if self._pool is None:
+            raise DistCAError("this DistCAClient is closed")
+        return self._rounds.submit(fn, *args)
+
+    def new_step(self) -> None:
+        """Nothing to do locally: plans are cached per batch shape."""
 
     def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> LocalStep:
         """The cached step for this batch shape, planning it on first sight."""
@@ -148,6 +166,7 @@ class LocalRuntime:
 
     def close(self) -> None:
         if self._pool is not None:
+            self._rounds.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._pool = None
         self._steps.clear()

@@ -2,4 +2,16 @@
 
 from .errors import DistCAError
 
-__all__ = ["DistCAError"]
+__all__ = ["DistCAError", "launch", "shutdown"]
+
+
+def launch(*args, **kwargs):
+    """Start a distca job on the current Ray cluster (see :func:`distca_server.job.launch`)."""
+    from .job import launch as _launch
+    return _launch(*args, **kwargs)
+
+
+def shutdown(name: str = "default") -> int:
+    """Stop a distca job (see :func:`distca_server.job.shutdown`)."""
+    from .job import shutdown as _shutdown
+    return _shutdown(name)

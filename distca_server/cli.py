@@ -12,6 +12,7 @@ import sys
 
 # (module, what it adds); a module whose import fails is reported, not fatal to the others.
 _SUBCOMMAND_MODULES = (
+    "distca_server.launch_cli",
     "scheduler.simulate_cli",
 )
 

@@ -96,17 +96,22 @@ def _doc_groups(tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def client_layout(plan: Plan, rank: int) -> ClientLayout:
-    """The send/receive row indices of client ``rank`` (see :class:`ClientLayout`)."""
+    """The send/receive row indices of client ``rank`` of ``plan`` (see :class:`ClientLayout`)."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} out of range [0, {plan.num_ranks})")
-    lens = plan.doc_lens_per_rank[rank]
-    doc_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     arr = plan.task_array
-    mine = arr[arr[:, 1] == rank]  # still sorted by (server, rank, doc, q_start)
+    return client_layout_from(plan.doc_lens_per_rank[rank], arr[arr[:, 1] == rank],
+                              plan.num_servers, rank)
+
+
+def client_layout_from(doc_lens, tasks: np.ndarray, num_servers: int, rank: int) -> ClientLayout:
+    """Client layout from the rank's document lengths and its tasks (int64 [n, 7] rows of
+    ``Plan.task_array`` with ``src_rank == rank``, sorted), e.g. a :class:`~scheduler.parts.PlanPart`."""
+    doc_start = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int64)
     q_index, kv_index = [], []
-    bounds = np.searchsorted(mine[:, 0], np.arange(plan.num_servers + 1))
-    for s in range(plan.num_servers):
-        t = mine[bounds[s]:bounds[s + 1]]
+    bounds = np.searchsorted(tasks[:, 0], np.arange(num_servers + 1))
+    for s in range(num_servers):
+        t = tasks[bounds[s]:bounds[s + 1]]
         q_index.append(concat_ranges(doc_start[t[:, 2]] + t[:, 3], t[:, 4] - t[:, 3]))
         first, _, kv_max = _doc_groups(t)
         kv_index.append(concat_ranges(doc_start[t[first, 2]], kv_max))
@@ -114,16 +119,20 @@ def client_layout(plan: Plan, rank: int) -> ClientLayout:
 
 
 def server_layout(plan: Plan, server: int) -> ServerLayout:
-    """The receive and fused-kernel layout of ``server`` (see :class:`ServerLayout`)."""
+    """The receive and fused-kernel layout of ``server`` of ``plan`` (see :class:`ServerLayout`)."""
     if not 0 <= server < plan.num_servers:
         raise ValueError(f"server {server} out of range [0, {plan.num_servers})")
     arr = plan.task_array
-    t = arr[arr[:, 0] == server]
+    return server_layout_from(arr[arr[:, 0] == server], plan.num_ranks, server)
+
+
+def server_layout_from(t: np.ndarray, num_ranks: int, server: int) -> ServerLayout:
+    """Server layout from the server's tasks (int64 [m, 7] rows of ``Plan.task_array``, sorted)."""
     q_len = t[:, 4] - t[:, 3]
     kv_len = t[:, 6] - t[:, 5]
     first, group, kv_max = _doc_groups(t)
-    q_rows = np.bincount(t[:, 1], weights=q_len, minlength=plan.num_ranks).astype(np.int64)
-    kv_rows = np.bincount(t[first, 1], weights=kv_max, minlength=plan.num_ranks).astype(np.int64)
+    q_rows = np.bincount(t[:, 1], weights=q_len, minlength=num_ranks).astype(np.int64)
+    kv_rows = np.bincount(t[first, 1], weights=kv_max, minlength=num_ranks).astype(np.int64)
     # Received KV rows are [rank 0's docs..., rank 1's docs...], each doc its longest prefix, and
     # ranks arrive in order, so a group's base is the running sum of kv_max over groups.
     group_base = np.cumsum(kv_max) - kv_max

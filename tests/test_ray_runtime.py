@@ -1,0 +1,166 @@
+"""The Ray runtime: scheduler actor, dedicated and in-place servers, gloo all-to-all, failures.
+
+One local Ray instance (2 CPUs, no dashboard, small object store) for most tests, and a 2-node
+``ray.cluster_utils.Cluster`` (both nodes on this machine) for placement.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from distca_server import launch, shutdown  # noqa: E402
+from distca_server.job import status  # noqa: E402
+from distca_server.launch_cli import format_status  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}}
+TIMEOUT = 10.0
+LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]], [[33, 260], [1, 290]]]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
+             runtime_env=RUNTIME_ENV, namespace="distca", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _workers(name, world, timeout_s=TIMEOUT):
+    from ray_workers import TrainWorker
+    return [TrainWorker.remote(name, r, world, timeout_s) for r in range(world)]
+
+
+def _step(workers, lens_per_rank, seed, **kwargs):
+    return ray.get([w.step.remote(lens_per_rank[r], seed, **kwargs) for r, w in enumerate(workers)],
+                   timeout=120)
+
+
+def test_dedicated_two_clients_two_servers(local_ray):
+    job = launch(name="ded", servers=2, mode="dedicated", timeout_s=TIMEOUT, detached=False,
+                 server_options={"num_cpus": 0}, min_shard=8)
+    try:
+        workers = _workers("ded", 2)
+        for step, lens in enumerate(LENS):
+            results = _step(workers, lens, step)
+            assert all(r["ok"] for r in results), results
+            assert max(r["error"] for r in results) <= 1e-5
+        st = status("ded")
+        assert st["steps_planned"] == 3 and st["last"]["step"] == 2
+        assert [s["rounds_served"] for s in st["servers"]] == [12, 12]  # 3 steps x (2 fwd + 2 bwd)
+        assert "imbalance" in format_status(st)
+        names = ray.get(job["scheduler"].metric_names.remote())
+        for metric in ("distca_imbalance_before", "distca_imbalance_after", "distca_plan_ms",
+                       "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks"):
+            assert metric in names
+
+        # a malformed descriptor is refused, and the server keeps serving
+        with pytest.raises(ValueError, match="not valid msgpack"):
+            ray.get(job["servers"][0].install_part.remote(99, 0, b"\x93garbage"))
+        assert ray.get(job["servers"][0].ping.remote())
+        results = _step(workers, LENS[0], 7)
+        assert all(r["ok"] for r in results) and max(r["error"] for r in results) <= 1e-5
+
+        # ping-pong: two nano-batches with async rounds in one step
+        results = ray.get([w.ping_pong.remote(LENS[1][r], LENS[2][r], 11) for r, w in enumerate(workers)],
+                          timeout=120)
+        assert all(r["ok"] for r in results), results
+        assert max(r["error"] for r in results) <= 1e-5
+
+        # clients that disagree on the attention shape all get the same ValueError
+        results = ray.get([w.bad_shape_step.remote(LENS[0][r], 16 if r == 0 else 8)
+                           for r, w in enumerate(workers)], timeout=60)
+        assert [r["type"] for r in results] == ["ValueError", "ValueError"]
+        assert "disagree on the attention shape" in results[0]["message"]
+        results = _step(workers, LENS[2], 3)  # and the job goes on
+        assert all(r["ok"] for r in results)
+    finally:
+        shutdown("ded")
+
+
+def test_inplace_three_clients(local_ray):
+    job = launch(name="inp", mode="inplace", timeout_s=TIMEOUT, detached=False, min_shard=8)
+    try:
+        workers = _workers("inp", 3)
+        lens3 = [[[300, 5], [20, 20], [1, 2, 3]], [[77, 77], [500], [9, 90]]]
+        for step, lens in enumerate(lens3):
+            results = _step(workers, lens, step)
+            assert all(r["ok"] for r in results), results
+            assert max(r["error"] for r in results) <= 1e-5
+        assert status("inp")["last"]["imbalance_after"] <= status("inp")["last"]["imbalance_before"]
+        assert job["servers"] == []  # in-place: the clients serve
+    finally:
+        shutdown("inp")
+
+
+def test_server_killed_mid_step_then_next_step_on_remaining_server(local_ray):
+    job = launch(name="kill", servers=2, mode="dedicated", timeout_s=TIMEOUT, failure_grace_s=2.0,
+                 detached=False, server_options={"num_cpus": 0}, min_shard=8)
+    try:
+        workers = _workers("kill", 2)
+        assert all(r["ok"] for r in _step(workers, LENS[0], 0))
+        assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[1][r], 1) for r, w in enumerate(workers)]))
+        ray.kill(job["servers"][1], no_restart=True)
+        start = time.monotonic()
+        results = ray.get([w.finish.remote(LENS[1][r], 1) for r, w in enumerate(workers)], timeout=60)
+        assert time.monotonic() - start < TIMEOUT + 5
+        for r in results:
+            assert not r["ok"] and r["type"] == "DistCAError"
+            assert "attention server 1" in r["message"]
+        results = _step(workers, LENS[2], 2)
+        assert all(r["ok"] for r in results), results
+        assert max(r["error"] for r in results) <= 1e-5
+        servers = status("kill")["servers"]
+        assert [s["state"] for s in servers][1] == "dead"
+        assert status("kill")["last"]["server_flops"].keys() == {0}
+    finally:
+        shutdown("kill")
+
+
+def test_restarted_client_rejoins(local_ray):
+    job = launch(name="rejoin", servers=1, mode="dedicated", timeout_s=TIMEOUT, detached=False,
+           server_options={"num_cpus": 0}, min_shard=8)
+    try:
+        workers = _workers("rejoin", 2)
+        assert all(r["ok"] for r in _step(workers, LENS[0], 0))
+        assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[1][r], 1) for r, w in enumerate(workers)]))
+        ray.kill(workers[1], no_restart=True)  # dies mid-step
+        result = ray.get(workers[0].finish.remote(LENS[1][0], 1), timeout=60)
+        assert not result["ok"] and result["type"] == "DistCAError"
+        assert "client rank 1" in result["message"] and result["seconds"] < TIMEOUT
+        from ray_workers import TrainWorker
+        workers[1] = TrainWorker.remote("rejoin", 1, 2, TIMEOUT)
+        results = _step(workers, LENS[2], 2)
+        assert all(r["ok"] for r in results), results
+        assert ray.get(job["servers"][0].ping.remote())
+    finally:
+        shutdown("rejoin")
+
+
+def test_servers_placed_on_the_other_node_by_custom_resource():
+    from ray.cluster_utils import Cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 2**20})
+    worker_node = cluster.add_node(num_cpus=1, resources={"attn": 2}, object_store_memory=80 * 2**20)
+    try:
+        ray.init(address=cluster.address, runtime_env=RUNTIME_ENV, namespace="distca", log_to_driver=False)
+        job = launch(name="two", servers=2, mode="dedicated", timeout_s=TIMEOUT, detached=False,
+                     server_options={"num_cpus": 0, "resources": {"attn": 1}}, min_shard=8)
+        head = ray.get_runtime_context().get_node_id()
+        nodes = {ray.get(s.stats.remote())["node_id"] for s in job["servers"]}
+        assert nodes == {worker_node.node_id} and head not in nodes
+        workers = _workers("two", 2)
+        results = _step(workers, LENS[0], 0)
+        assert all(r["ok"] for r in results) and max(r["error"] for r in results) <= 1e-5
+        shutdown("two")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
