@@ -2,6 +2,7 @@
 
 from distca_server.errors import DistCAError
 
-from .client import DistCAClient
+from .client import AttendHandle, DistCAClient
+from .functional import varlen_attention
 
-__all__ = ["DistCAClient", "DistCAError"]
+__all__ = ["AttendHandle", "DistCAClient", "DistCAError", "varlen_attention"]

@@ -197,3 +197,36 @@ def test_attend_rejects_bad_input(fragment, args, kwargs):
 def test_local_rejects_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         DistCAClient.local(**kwargs)
+
+
+def test_varlen_attention_matches_reference_and_attend():
+    from distca_client import varlen_attention
+    lens = doc_case("mixed")
+    q, k, v, dout = make_inputs(lens, 8, 2, 32, torch.float64, 5)
+    got = run(lambda a, b, c: varlen_attention(a, b, c, lens), q, k, v, dout)
+    want = run(lambda a, b, c: attention_ref(a, b, c, lens, 32 ** -0.5), q, k, v, dout)
+    with DistCAClient.local(3, min_shard=16) as client:
+        served = run(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout)
+    for g, w, s in zip(got, want, served):
+        assert (g - w).abs().max().item() <= 1e-10 and (s - g).abs().max().item() <= 1e-10
+    with pytest.raises(ValueError, match="total_tokens"):
+        varlen_attention(q, k, v, [1, 2])
+
+
+def test_attend_async_handles_wait_in_any_order():
+    lens_a, lens_b = [300, 7], [5, 250, 1]
+    qa, ka, va, da = make_inputs(lens_a, 4, 1, 16, torch.float64, 1)
+    qb, kb, vb, db = make_inputs(lens_b, 4, 1, 16, torch.float64, 2)
+    with DistCAClient.local(2, min_shard=16) as client:
+        leaves_a = [t.clone().requires_grad_() for t in (qa, ka, va)]
+        leaves_b = [t.clone().requires_grad_() for t in (qb, kb, vb)]
+        ha = client.attend_async(*leaves_a, lens_a)
+        hb = client.attend_async(*leaves_b, lens_b)
+        out_b, out_a = hb.wait(), ha.wait()
+        assert ha.done() and hb.done()
+        ((out_a * da).sum() + (out_b * db).sum()).backward()
+    for leaves, (q, k, v, d), lens, out in ((leaves_a, (qa, ka, va, da), lens_a, out_a),
+                                            (leaves_b, (qb, kb, vb, db), lens_b, out_b)):
+        want = run(lambda a, b, c: attention_ref(a, b, c, lens, 16 ** -0.5), q, k, v, d)
+        for g, w in zip([out.detach()] + [t.grad for t in leaves], want):
+            assert (g - w).abs().max().item() <= 1e-10

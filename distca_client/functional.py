@@ -1,0 +1,45 @@
+"""``varlen_attention``: single-device causal varlen attention with autograd, the thing
+``DistCAClient.attend`` must equal. Training code can switch between the two with one flag."""
+
+from __future__ import annotations
+
+import torch
+
+from distca_server.kernels import get_backend
+
+from .validate import check_attend_inputs
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, backend):
+        out, lse = backend.forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.softmax_scale, ctx.backend = max_seqlen, softmax_scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        n = ctx.max_seqlen
+        dq, dk, dv = ctx.backend.backward(dout.contiguous(), q, k, v, out, lse, cu, cu, n, n,
+                                          ctx.softmax_scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
+                     softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Causal attention inside each document, on q's device, differentiable.
+
+    Same contract as :meth:`DistCAClient.attend`: q [total_tokens, num_heads_q, head_dim]; k, v
+    [total_tokens, num_heads_kv, head_dim]; ``doc_lens`` sums to total_tokens; returns out like q.
+    ``backend`` names a kernel from :mod:`distca_server.kernels` ("auto": the fastest available).
+
+    Raises:
+        ValueError: as :meth:`DistCAClient.attend`.
+    """
+    lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+    if not lens:
+        return q * 0  # no tokens: an empty output, still part of the graph
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=q.device)
+    return _VarlenAttention.apply(q, k, v, cu, max(lens), scale, get_backend(backend, q.device))
