@@ -55,6 +55,7 @@ class AttentionServer:
         self._stop = False
         self.state = "waiting"
         self.rounds_served = 0
+        self.phase_seconds: dict[str, float] = {}  # pack / all_to_all / kernel / unpack, all rounds
         self.last_error = ""
         self._rounds_metric = ray.util.metrics.Counter(
             "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
@@ -95,6 +96,7 @@ class AttentionServer:
         return {"index": self.index, "node": self.node, "state": self.state,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "rounds_served": self.rounds_served, "last_error": self.last_error,
+                "phase_seconds": dict(self.phase_seconds),
                 "assignment": self._assignment}
 
     def stop(self) -> None:
@@ -159,12 +161,15 @@ class AttentionServer:
                     participants[key] = participant
                     while len(participants) > _PARTS_KEPT:
                         participants.popitem(last=False)
+                before = dict(participant.timings)
                 if header.kind == KIND_FORWARD:
                     participant.forward(transport, None, None, None, header.softmax_scale)
                 elif header.kind == KIND_BACKWARD:
                     participant.backward(transport, None, None, None, None, None, None,
                                          header.softmax_scale)
                 self.rounds_served += 1
+                for phase, seconds in participant.timings.items():
+                    self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds - before.get(phase, 0.0)
                 self._rounds_metric.inc(tags={"job": self.name, "server": str(self.index)})
             except (DistCAError, ValueError, RuntimeError) as exc:
                 rank = transport.rank
