@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not nvshmem" tests
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_llama.py
 
 bench: $(STAMP)
 	$(PY) bench/planner.py
