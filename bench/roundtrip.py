@@ -1,0 +1,622 @@
+"""Round-trip benchmark: per-round latency of the Ray runtime, phase by phase, against the local client.
+
+For every configuration a local Ray instance runs a distca job (scheduler actor, and in dedicated
+mode ``S`` :class:`~distca_server.actor.AttentionServer` actors) and ``W`` client actors that
+``DistCAClient.connect`` to it; rounds move over gloo. The same batches then go through
+``DistCAClient.local(num_servers=S, mode=..., num_ranks=W)`` in this process (participants as
+threads, in-process all-to-all): the baseline.
+
+Configurations (participants = clients + dedicated servers): in-place with 2, 3 and 4 clients;
+dedicated with 2 clients + 1 server and 2 clients + 2 servers (``--quick``: in-place 2 and
+dedicated 2 + 1).
+
+Workload: per step the batch is ``scheduler.workloads.sample_batch("pretrain", W, context)``
+(``--context`` tokens per rank, seed 0, step = step index); its documents, concatenated, are cut
+into ``W`` ranks by :func:`distca_client.local.split_documents` exactly as the local client does,
+and each Ray client gets its rank's document list and the same rows of Q, K, V and dO (seeded per
+step, layer and rank). Attention shape: 8 query heads, 2 KV heads, head_dim 64, float32. A step is
+``--layers`` forward rounds (one ``attend`` per layer) followed by one backward round per layer
+(``out.backward(dout)``, last layer first). One warm-up step (it also forms the gloo group), then
+``--steps`` measured steps; every step has a new batch and therefore a new plan. Each step runs on
+the Ray runtime and on the local client back to back (alternating which goes first), so both see
+the same machine load; the Ray job and its actors stay up (idle) while the local step runs.
+
+Columns (milliseconds, mean over measured steps):
+
+- ``plan``: once per step (forward rows only). Ray: the client's scheduler round trip for the new
+  step, ``RemoteRuntime.step_for`` (report the batch, the scheduler plans once all ``W`` clients
+  reported, each client decodes its plan part and builds its participant), the minimum over
+  clients (the last client to report sees the pure round trip; the others also wait for it; the
+  maximum is in the JSON, and so is the scheduler's own ``plan_batch`` time). Local:
+  ``LocalRuntime.step_for`` on first sight of the batch (``plan_batch`` and building every
+  participant).
+- ``pack``, ``a2a``, ``kernel``, ``unpack``: per round, from the deltas of
+  :attr:`Participant.timings` over the step's forward (backward) rounds divided by the number of
+  layers, the **maximum over participants** per phase (the slowest participant's time in that
+  phase). Ray in-place: the clients' participants (each also serves). Ray dedicated: the
+  clients' participants and the servers' ``AttentionServer.stats()["phase_seconds"]``. Local: all
+  participant threads. ``a2a`` includes waiting for peers, so the maxima of different
+  participants overlap and the phases need not add up to ``total``. Means over participants are
+  in the JSON (``*_mean_ms``) and in the PNG.
+- ``other``: ``total`` minus the largest per-participant sum of the four phases: what the client
+  sees beyond the busiest participant's round (Ray: the round header all-to-all, the hop to the
+  client's round thread, autograd; local: the hop to the round thread and the participant threads).
+- ``total``: round wall time as the client sees it (``attend`` for forward, ``out.backward`` for
+  backward), the maximum over Ray clients.
+- ``ray/local``: ratio of the totals.
+
+Usage::
+
+    python bench/roundtrip.py            # 5 configurations, 4096 tokens per rank, 4 layers, 3 steps
+    python bench/roundtrip.py --quick    # 2 configurations, 256 tokens per rank, 1 layer, 1 step
+
+Writes JSON to ``--json`` (default ``bench/results/roundtrip.json``) and a stacked bar chart of the
+phases next to it (``--png``, default: the JSON path with ``.png``; ``--no-png`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from distca_client import DistCAClient  # noqa: E402
+from distca_client.local import split_documents  # noqa: E402
+from distca_server.wire import RowFormat  # noqa: E402
+from scheduler.workloads import sample_batch  # noqa: E402
+
+TRACE = "pretrain"
+CONFIGS = (("inplace", 2, 0), ("inplace", 3, 0), ("inplace", 4, 0),
+           ("dedicated", 2, 1), ("dedicated", 2, 2))  # (mode, clients, dedicated servers)
+QUICK_CONFIGS = (("inplace", 2, 0), ("dedicated", 2, 1))
+SHAPE = {"num_heads_q": 8, "num_heads_kv": 2, "head_dim": 64}
+DTYPE = torch.float32
+PHASES = ("pack", "all_to_all", "kernel", "unpack")
+KINDS = ("forward", "backward")
+EPSILON, MIN_SHARD = 0.05, 128
+TIMEOUT_S = 120.0
+
+
+def config_name(mode: str, clients: int, servers: int) -> str:
+    return f"inplace {clients}c" if mode == "inplace" else f"dedicated {clients}c+{servers}s"
+
+
+def rank_inputs(num_tokens: int, seed: int, step: int, layer: int, rank: int):
+    """Q, K, V, dO rows of one rank for one layer of one step (identical wherever they are made)."""
+    g = torch.Generator().manual_seed(((seed * 1000 + step) * 100 + layer) * 100 + rank)
+    hq, hkv, d = SHAPE["num_heads_q"], SHAPE["num_heads_kv"], SHAPE["head_dim"]
+    return [torch.randn(num_tokens, h, d, generator=g, dtype=DTYPE) for h in (hq, hkv, hkv, hq)]
+
+
+def row_format() -> RowFormat:
+    return RowFormat(SHAPE["num_heads_q"], SHAPE["num_heads_kv"], SHAPE["head_dim"], DTYPE)
+
+
+def step_batch(clients: int, context: int, step: int) -> list[list[int]]:
+    """The step's documents, cut into ranks as ``DistCAClient.local`` cuts them."""
+    docs = [l for rank in sample_batch(TRACE, clients, context, seed=0, step=step) for l in rank]
+    return split_documents(docs, clients)
+
+
+def _traffic_by_kind(traffic) -> dict[str, int]:
+    out = {k: 0 for k in KINDS}
+    for (kind, _name), n in traffic.items():
+        out[kind] = out.get(kind, 0) + int(n)
+    return out
+
+
+class BenchClient:
+    """One training worker of the Ray runtime (a Ray actor): times its plan and rounds."""
+
+    def __init__(self, name: str, rank: int, world_size: int, timeout_s: float, threads: int):
+        torch.set_num_threads(threads)
+        self.rank = rank
+        self.client = DistCAClient.connect(name, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        self.layers: list = []
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+
+    def _snapshot(self) -> dict:
+        p = self.client.last_step.participant
+        return {"timings": dict(p.timings), "traffic": _traffic_by_kind(p.traffic)}
+
+    def forward(self, lens: list[int], seed: int, step: int, layers: int) -> dict:
+        """Plan the step (timed), then ``layers`` forward rounds, each timed; keeps the graphs."""
+        t0 = time.perf_counter()
+        self.client._runtime.step_for(list(lens), row_format(), torch.device("cpu"))
+        plan_s = time.perf_counter() - t0
+        self.layers, rounds = [], []
+        for layer in range(layers):
+            q, k, v, dout = rank_inputs(sum(lens), seed, step, layer, self.rank)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            t0 = time.perf_counter()
+            out = self.client.attend(*leaves, lens)
+            rounds.append(time.perf_counter() - t0)
+            self.layers.append((out, dout))
+        return {"plan_s": plan_s, "round_s": rounds, **self._snapshot()}
+
+    def backward(self) -> dict:
+        """One backward round per layer, last layer first, each timed."""
+        rounds = []
+        for out, dout in reversed(self.layers):
+            t0 = time.perf_counter()
+            out.backward(dout)
+            rounds.append(time.perf_counter() - t0)
+        self.layers = []
+        return {"round_s": rounds, **self._snapshot()}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---- aggregation -----------------------------------------------------------------------------------
+def _deltas(before: dict, after: dict) -> dict[str, float]:
+    return {ph: after.get(ph, 0.0) - before.get(ph, 0.0) for ph in PHASES}
+
+
+def summarize_kind(per_participant: list[dict[str, float]], walls: list[list[float]], layers: int,
+                   plan_s: list[float] | None) -> dict:
+    """One step, one round kind. ``per_participant``: phase seconds over the step's rounds of that
+    kind; ``walls``: each client's round wall times. Returns per-round milliseconds."""
+    per_round = [{ph: d[ph] / layers * 1e3 for ph in PHASES} for d in per_participant]
+    out = {}
+    for ph in PHASES:
+        vals = [d[ph] for d in per_round]
+        out[f"{ph}_ms"] = max(vals)
+        out[f"{ph}_mean_ms"] = statistics.fmean(vals)
+    out["total_ms"] = max(statistics.fmean(w) for w in walls) * 1e3
+    busiest = max(sum(d[ph] for ph in PHASES) for d in per_round)
+    out["other_ms"] = out["total_ms"] - busiest
+    out["participants_ms"] = per_round
+    if plan_s is not None:
+        out["plan_ms"] = min(plan_s) * 1e3
+        out["plan_max_ms"] = max(plan_s) * 1e3
+    else:
+        out["plan_ms"] = out["plan_max_ms"] = None
+    return out
+
+
+def mean_over_steps(steps: list[dict]) -> dict:
+    out = {}
+    for key, value in steps[0].items():
+        if isinstance(value, (int, float)) and value is not None:
+            out[key] = statistics.fmean(s[key] for s in steps)
+        elif value is None:
+            out[key] = None
+    out["steps_ms"] = [{k: v for k, v in s.items() if k != "participants_ms"} for s in steps]
+    out["participants_ms"] = [s["participants_ms"] for s in steps]
+    return out
+
+
+# ---- the Ray runtime ----------------------------------------------------------------------------------
+def _server_stats(handles) -> list[dict]:
+    import ray
+    return ray.get([h.stats.remote() for h in handles], timeout=60)
+
+
+def _wait_rounds(handles, expected: list[int], timeout_s: float = 60.0) -> list[dict]:
+    """Server stats once every server has finished ``expected`` rounds (it counts a round after
+    sending its results, so a client may see the round end a little earlier)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _server_stats(handles)
+        if all(s["rounds_served"] >= e for s, e in zip(stats, expected)):
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"servers served {[s['rounds_served'] for s in stats]} rounds, "
+                               f"expected {expected}")
+        time.sleep(0.005)
+
+
+class RayRunner:
+    """One configuration's job on the Ray runtime: scheduler, dedicated servers, client actors."""
+
+    def __init__(self, mode: str, clients: int, servers: int, args):
+        import ray
+
+        from distca_server import launch
+
+        self.mode, self.clients, self.args = mode, clients, args
+        self.name = f"roundtrip-{mode}-{clients}-{servers}-{os.getpid()}"
+        self.job = launch(name=self.name, servers=max(servers, 1), mode=mode, epsilon=EPSILON,
+                          min_shard=MIN_SHARD, timeout_s=TIMEOUT_S, detached=False,
+                          server_options={"num_cpus": 0})
+        self.servers = self.job["servers"]
+        self.workers = []
+        try:
+            actor_cls = ray.remote(num_cpus=0)(BenchClient)
+            self.workers = [actor_cls.remote(self.name, r, clients, TIMEOUT_S, args.threads)
+                            for r in range(clients)]
+            self.info = ray.get([w.info.remote() for w in self.workers], timeout=120)
+        except BaseException:
+            self.close()
+            raise
+        self.server_kernel_measured = not self.servers or all(
+            "phase_seconds" in s for s in _server_stats(self.servers))
+
+    def step(self, index: int, ranks: list[list[int]]) -> dict:
+        """One step; per round kind the per-round summary, plus the scheduler's planning time and
+        the bytes the clients sent per round."""
+        import ray
+
+        from distca_server.job import status
+
+        args, layers = self.args, self.args.layers
+        stats = _server_stats(self.servers)
+        before = [s.get("phase_seconds", {}) for s in stats]
+        served = [s["rounds_served"] for s in stats]
+        fwd = ray.get([w.forward.remote(ranks[r], args.seed, index, layers)
+                       for r, w in enumerate(self.workers)], timeout=TIMEOUT_S * 4)
+        mid = [s.get("phase_seconds", {}) for s in _wait_rounds(self.servers, [n + layers for n in served])]
+        bwd = ray.get([w.backward.remote() for w in self.workers], timeout=TIMEOUT_S * 4)
+        end = [s.get("phase_seconds", {})
+               for s in _wait_rounds(self.servers, [n + 2 * layers for n in served])]
+        out = {"sched_plan_batch_ms": status(self.name)["last"]["plan_ms"]}
+        zero = {ph: 0.0 for ph in PHASES}
+        for kind, res, pre, post in (("forward", fwd, before, mid), ("backward", bwd, mid, end)):
+            # a client's participant is new each step: its forward timings start at zero
+            client_part = [_deltas(fwd[r]["timings"] if kind == "backward" else zero, res[r]["timings"])
+                           for r in range(self.clients)]
+            server_part = [_deltas(a, b) for a, b in zip(pre, post)]
+            out[kind] = summarize_kind(client_part + server_part, [r["round_s"] for r in res], layers,
+                                       [r["plan_s"] for r in fwd] if kind == "forward" else None)
+            sent = sum(r["traffic"][kind] - (fwd[i]["traffic"][kind] if kind == "backward" else 0)
+                       for i, r in enumerate(res))
+            out[kind]["client_bytes_per_round"] = sent / layers
+        return out
+
+    def close(self) -> None:
+        import ray
+
+        from distca_server import shutdown
+        for w in self.workers:
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception:  # a broken actor is killed below anyway
+                pass
+            ray.kill(w)
+        self.workers = []
+        shutdown(self.name)
+
+
+class LocalRunner:
+    """The baseline: ``DistCAClient.local`` with the same ranks, modes and planner settings."""
+
+    def __init__(self, mode: str, clients: int, servers: int, args):
+        self.clients, self.args = clients, args
+        num_servers = clients if mode == "inplace" else servers
+        self.client = DistCAClient.local(num_servers=num_servers, epsilon=EPSILON, mode=mode,
+                                         num_ranks=clients, min_shard=MIN_SHARD, timeout_s=TIMEOUT_S)
+        self.backend = None
+
+    def step(self, index: int, ranks: list[list[int]]) -> dict:
+        args, layers, client = self.args, self.args.layers, self.client
+        lens = [l for r in ranks for l in r]
+        t0 = time.perf_counter()
+        step = client._runtime.step_for(lens, row_format(), torch.device("cpu"))
+        plan_s = time.perf_counter() - t0
+        self.backend = step.backend_name
+        graphs, walls = [], []
+        for layer in range(layers):
+            parts = [rank_inputs(sum(ranks[r]), args.seed, index, layer, r) for r in range(self.clients)]
+            q, k, v, dout = (torch.cat([p[j] for p in parts]) for j in range(4))
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            t0 = time.perf_counter()
+            out = client.attend(*leaves, lens)
+            walls.append(time.perf_counter() - t0)
+            graphs.append((out, dout))
+        if client.last_step is not step:
+            raise RuntimeError("the local client planned the step again")
+        mid = [dict(p.timings) for p in step.participants]
+        bwalls = []
+        for out, dout in reversed(graphs):
+            t0 = time.perf_counter()
+            out.backward(dout)
+            bwalls.append(time.perf_counter() - t0)
+        end = [dict(p.timings) for p in step.participants]
+        sent = {k: sum(_traffic_by_kind(p.traffic)[k] for p in step.participants if p.rank is not None)
+                for k in KINDS}
+        out = {"forward": summarize_kind([_deltas({}, m) for m in mid], [walls], layers, [plan_s]),
+               "backward": summarize_kind([_deltas(a, b) for a, b in zip(mid, end)], [bwalls], layers, None)}
+        for kind in KINDS:
+            out[kind]["client_bytes_per_round"] = sent[kind] / layers
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---- one configuration, table, chart -------------------------------------------------------------------
+def bench_config(mode, clients, servers, args, log) -> list[dict]:
+    """Warm-up and measured steps of one configuration, the Ray step and the local step of the same
+    batch back to back (alternating which goes first), so both see the same machine load."""
+    batches = [step_batch(clients, args.context, i) for i in range(args.warmup + args.steps)]
+    name = config_name(mode, clients, servers)
+    results = {"ray": [], "local": []}
+    sched_ms = []
+    wall = {"ray": 0.0, "local": 0.0}
+    ray_runner = RayRunner(mode, clients, servers, args)
+    local_runner = None
+    try:
+        local_runner = LocalRunner(mode, clients, servers, args)
+        runners = {"ray": ray_runner, "local": local_runner}
+        for i, ranks in enumerate(batches):
+            measured = i >= args.warmup
+            order = ("ray", "local") if i % 2 == 0 else ("local", "ray")
+            took = {}
+            for runtime in order:
+                t0 = time.perf_counter()
+                res = runners[runtime].step(i, ranks)
+                took[runtime] = time.perf_counter() - t0
+                if measured:
+                    wall[runtime] += took[runtime]
+                    results[runtime].append(res)
+                    if runtime == "ray":
+                        sched_ms.append(res["sched_plan_batch_ms"])
+            log(f"  {name} step {i}{'' if measured else ' (warm-up)'}: ray {took['ray']:.2f} s, "
+                f"local {took['local']:.2f} s")
+        info = {"ray_clients": ray_runner.info, "server_kernel_measured": ray_runner.server_kernel_measured,
+                "local_backend": local_runner.backend}
+    finally:
+        ray_runner.close()
+        if local_runner is not None:
+            local_runner.close()
+    rows = []
+    for kind in KINDS:
+        row = {"config": name, "mode": mode, "clients": clients,
+               "servers": servers if mode == "dedicated" else clients,
+               "participants": clients + (servers if mode == "dedicated" else 0),
+               "round": kind, "layers": args.layers, "steps": args.steps,
+               "tokens_per_rank": args.context,
+               "docs_per_step": [sum(len(r) for r in b) for b in batches[args.warmup:]]}
+        for runtime in ("ray", "local"):
+            for key, value in mean_over_steps([s[kind] for s in results[runtime]]).items():
+                row[f"{runtime}_{key}"] = value
+            row[f"{runtime}_wall_s"] = wall[runtime]
+        row["ray_sched_plan_batch_ms"] = statistics.fmean(sched_ms) if kind == "forward" else None
+        row["ratio"] = row["ray_total_ms"] / row["local_total_ms"]
+        row["same_client_bytes"] = row["ray_client_bytes_per_round"] == row["local_client_bytes_per_round"]
+        row["info"] = info
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [  # (header, key, format); keys without a prefix are shared, the rest get "ray_"/"local_"
+    ("plan", "plan_ms", "{:.1f}"),
+    ("pack", "pack_ms", "{:.1f}"),
+    ("a2a", "all_to_all_ms", "{:.1f}"),
+    ("kernel", "kernel_ms", "{:.1f}"),
+    ("unpack", "unpack_ms", "{:.1f}"),
+    ("other", "other_ms", "{:.1f}"),
+    ("total", "total_ms", "{:.1f}"),
+]
+
+
+def render_table(rows) -> str:
+    """Plain aligned text: per configuration and round kind, a Ray line and a local line."""
+    headers = ["config", "P", "round", "runtime"] + [h for h, _, _ in COLUMNS] + ["ray/local"]
+    lines = []
+    for r in rows:
+        for prefix in ("ray", "local"):
+            cells = [r["config"] if prefix == "ray" else "", str(r["participants"]) if prefix == "ray" else "",
+                     r["round"] if prefix == "ray" else "", prefix]
+            for _, key, fmt in COLUMNS:
+                value = r.get(f"{prefix}_{key}")
+                cells.append("-" if value is None else fmt.format(value))
+            cells.append(f"{r['ratio']:.2f}" if prefix == "ray" else "")
+            lines.append(cells)
+    widths = [max([len(h)] + [len(c[i]) for c in lines]) for i, h in enumerate(headers)]
+    left = {0, 2, 3}
+
+    def fmt_line(values):
+        return "  ".join(v.ljust(w) if i in left else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+    out = [fmt_line(headers), fmt_line(["-" * w for w in widths])]
+    for i, cells in enumerate(lines):
+        if i and i % 4 == 0:
+            out.append("")
+        out.append(fmt_line(cells))
+    return "\n".join(out)
+
+
+def headline(rows) -> list[str]:
+    lines = []
+    for kind in KINDS:
+        ratios = [r["ratio"] for r in rows if r["round"] == kind]
+        lines.append(f"{kind}: ray/local total {min(ratios):.2f}-{max(ratios):.2f}x over "
+                     f"{len(ratios)} configurations")
+    fwd = [r for r in rows if r["round"] == "forward"]
+    lines.append("plan (ms, ray round trip / local step_for / scheduler plan_batch): " + ", ".join(
+        f"{r['config']} {r['ray_plan_ms']:.1f}/{r['local_plan_ms']:.1f}/{r['ray_sched_plan_batch_ms']:.1f}"
+        for r in fwd))
+    differ = [f"{r['config']} {r['round']}" for r in rows if not r["same_client_bytes"]]
+    lines.append("client bytes per round equal on both runtimes (same plans): "
+                 + ("yes" if not differ else "NO for " + ", ".join(differ)))
+    return lines
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"pack": "#4c72b0", "all_to_all": "#dd8452", "kernel": "#55a868", "unpack": "#c44e52",
+              "other": "#8c8c8c"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=False)
+    for ax, kind in zip(axes, KINDS):
+        sel = [r for r in rows if r["round"] == kind]
+        labels, x = [], 0
+        positions = []
+        for r in sel:
+            for prefix in ("ray", "local"):
+                bottom = 0.0
+                for ph in PHASES:
+                    h = r[f"{prefix}_{ph}_mean_ms"]
+                    ax.bar(x, h, bottom=bottom, color=colors[ph], width=0.8,
+                           label=ph if not positions else None)
+                    bottom += h
+                rest = max(0.0, r[f"{prefix}_total_ms"] - bottom)
+                ax.bar(x, rest, bottom=bottom, color=colors["other"], width=0.8,
+                       label="other" if not positions else None)
+                positions.append(x)
+                labels.append(f"{r['config']}\n{prefix}")
+                x += 1
+            x += 0.5
+        ax.set_xticks(positions)
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("ms per round")
+        ax.set_title(f"{kind} round: phases, mean over participants")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="in-place 2 and dedicated 2+1 only, 256 tokens per rank, 1 layer, 1 step")
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "roundtrip.json",
+                   help="where to write the results (default: bench/results/roundtrip.json)")
+    p.add_argument("--png", type=Path, help="chart path (default: the JSON path with .png)")
+    p.add_argument("--no-png", action="store_true", help="do not draw the chart")
+    p.add_argument("--context", type=int, help="tokens per rank (default 4096; --quick 256)")
+    p.add_argument("--layers", type=int, help="attention layers per step (default 4; --quick 1)")
+    p.add_argument("--steps", type=int, help="measured steps (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps (default 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per process, Ray workers and this process (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", nargs="+", metavar="MODE:CLIENTS[:SERVERS]",
+                   help="override the configurations, e.g. inplace:3 dedicated:2:1")
+    args = p.parse_args(argv)
+    args.context = args.context or (256 if args.quick else 4096)
+    args.layers = args.layers or (1 if args.quick else 4)
+    args.steps = args.steps or (1 if args.quick else 3)
+    for name in ("context", "layers", "steps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.configs:
+        configs = []
+        for spec in args.configs:
+            parts = spec.split(":")
+            try:
+                mode, clients = parts[0], int(parts[1])
+                servers = int(parts[2]) if len(parts) > 2 else 0
+            except (IndexError, ValueError):
+                p.error(f"bad configuration {spec!r}")
+            if mode not in ("inplace", "dedicated") or clients < 1 or (mode == "dedicated" and servers < 1):
+                p.error(f"bad configuration {spec!r}")
+            configs.append((mode, clients, servers if mode == "dedicated" else 0))
+        args.configs = configs
+    else:
+        args.configs = list(QUICK_CONFIGS if args.quick else CONFIGS)
+    return args
+
+
+def _start_ray(threads: int) -> bool:
+    """Start a local Ray instance unless one is running; True if this call started it."""
+    import ray
+    if ray.is_initialized():
+        return False
+    module = sys.modules.get(__name__)
+    if __name__ != "__main__" and module is not None:
+        # imported (e.g. by a test): ship BenchClient to the workers by value
+        ray.cloudpickle.register_pickle_by_value(module)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False,
+             object_store_memory=200 * 2**20, runtime_env={"env_vars": env},
+             namespace="distca", log_to_driver=False)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    started = False
+    rows = []
+    start = time.perf_counter()
+    try:
+        started = _start_ray(args.threads)
+        if not started:
+            module = sys.modules.get(__name__)
+            if __name__ != "__main__" and module is not None:
+                ray.cloudpickle.register_pickle_by_value(module)
+        for mode, clients, servers in args.configs:
+            t0 = time.perf_counter()
+            rows.extend(bench_config(mode, clients, servers, args, log))
+            log(f"{config_name(mode, clients, servers)}: {time.perf_counter() - t0:.1f} s")
+    finally:
+        if started:
+            ray.shutdown()
+        torch.set_num_threads(threads_before)
+    elapsed = time.perf_counter() - start
+
+    print(render_table(rows))
+    print()
+    for line in headline(rows):
+        print(line)
+    print(f"total benchmark time: {elapsed:.1f} s")
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "roundtrip",
+        "trace": TRACE,
+        "shape": dict(SHAPE, dtype=str(DTYPE).replace("torch.", "")),
+        "tokens_per_rank": args.context,
+        "layers": args.layers,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "epsilon": EPSILON,
+        "min_shard": MIN_SHARD,
+        "torch_threads": args.threads,
+        "quick": args.quick,
+        "phase_aggregation": "max over participants per phase (*_mean_ms: mean over participants)",
+        "plan_aggregation": "ray: min over clients of the step_for round trip (plan_max_ms: max)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "total_s": elapsed,
+        "headline": headline(rows),
+        "rows": rows,
+    }
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+    if not args.no_png:
+        png = args.png or args.json.with_suffix(".png")
+        try:
+            plot(rows, png)
+            print(f"wrote {png}")
+        except ImportError as exc:  # matplotlib missing: the table and JSON are the results
+            print(f"no chart ({exc})")
+    bad = [r for r in rows if not math.isfinite(r["ratio"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Smoke test of bench/roundtrip.py in --quick mode: the Ray runtime and the local client both run
+the same batches, and the JSON has a timed row per configuration and round kind."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "roundtrip.py"
+MODULE = "bench_roundtrip"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location(MODULE, BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[MODULE] = module  # Ray ships the module's client actor class by value from here
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_timed_rows(tmp_path, capsys):
+    bench = load_bench()
+    out = tmp_path / "r.json"
+    was_running = ray.is_initialized()
+    try:
+        assert bench.main(["--quick", "--json", str(out)]) == 0
+    finally:
+        if not was_running and ray.is_initialized():
+            ray.shutdown()
+        sys.modules.pop(MODULE, None)
+    assert ray.is_initialized() == was_running  # main() shut down the Ray it started
+    printed = capsys.readouterr().out
+    assert "ray/local" in printed and "dedicated 2c+1s" in printed
+    assert out.with_suffix(".png").exists()
+
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    got = {(r["config"], r["round"]) for r in rows}
+    assert got == {(c, k) for c in ("inplace 2c", "dedicated 2c+1s") for k in ("forward", "backward")}
+    assert len(rows) == 4 and result["quick"] is True
+    for r in rows:
+        for runtime in ("ray", "local"):
+            phases = ["pack", "all_to_all", "kernel", "unpack", "total"]
+            if r["round"] == "forward":
+                phases.append("plan")
+            else:
+                assert r[f"{runtime}_plan_ms"] is None  # planned once per step, charged to forward
+            for phase in phases:
+                value = r[f"{runtime}_{phase}_ms"]
+                assert math.isfinite(value) and value > 0, (r["config"], r["round"], runtime, phase, value)
+            sent = r[f"{runtime}_client_bytes_per_round"]
+            assert sent > 0 if r["mode"] == "dedicated" else sent >= 0  # in-place: maybe all local
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+        assert r["same_client_bytes"]  # both runtimes ran the same plans
+        assert r["participants"] == (2 if r["mode"] == "inplace" else 3)
