@@ -1,20 +1,16 @@
 """Smoke test of bench/paper.py: a tiny subset runs in seconds, prints the paper's numbers beside
 ours, and writes JSON rows with the agreed keys and the four figures."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "paper.py"
+from scripts import load_script
+
 KEYS = {"experiment", "model", "gpus", "context", "dataset", "system", "throughput_tokens_s",
         "speedup_vs_wlb"}
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_paper", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/paper.py", "bench_paper")
 
 
 def test_smoke_run_writes_rows_and_figures(tmp_path, capsys):

@@ -1,17 +1,12 @@
 """Smoke test of bench/planner.py in --quick mode (CI): it runs, and its JSON has every row."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "planner.py"
+from scripts import load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_planner", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/planner.py", "bench_planner")
 
 
 def test_quick_run_writes_expected_rows(tmp_path, capsys):

@@ -1,26 +1,21 @@
 """Smoke test of bench/roundtrip.py in --quick mode: the Ray runtime and the local client both run
 the same batches, and the JSON has a timed row per configuration and round kind."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
+from scripts import load_script
+
 ray = pytest.importorskip("ray")
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "roundtrip.py"
 MODULE = "bench_roundtrip"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(MODULE, BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE] = module  # Ray ships the module's client actor class by value from here
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/roundtrip.py", MODULE)  # Ray ships its actor class by value
 
 
 def test_quick_run_writes_timed_rows(tmp_path, capsys):
