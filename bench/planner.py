@@ -34,8 +34,6 @@ Writes JSON to ``--json`` (default ``bench/results/planner.json``).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ if str(ROOT) not in sys.path:
 from scheduler import CostModel, plan_batch  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
 from scheduler.workloads import sample_batch  # noqa: E402
+from bench.report import finish  # noqa: E402
 
 TRACES = ("pretrain", "prolong")
 SERVERS = (8, 32, 128, 256)
@@ -271,14 +270,7 @@ def main(argv=None) -> int:
                     f"{time.perf_counter() - t0:6.1f} s")
     elapsed = time.perf_counter() - start
 
-    print_table(rows)
-    print()
-    for line in headline(rows):
-        print(line)
-    print(f"total benchmark time: {elapsed:.1f} s")
-
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+    finish(lambda: print_table(rows), headline(rows), elapsed, args.json, {
         "benchmark": "planner",
         "cost_model": COST.to_dict(),
         "min_shard": MIN_SHARD,
@@ -288,14 +280,8 @@ def main(argv=None) -> int:
         "warmup": warmup,
         "seed": 0,
         "step": 0,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "total_s": elapsed,
-        "headline": headline(rows),
         "rows": rows,
-    }
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    })
     return 0
 
 

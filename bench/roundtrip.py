@@ -57,10 +57,8 @@ phases next to it (``--png``, default: the JSON path with ``.png``; ``--no-png``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -76,6 +74,7 @@ from distca_client import DistCAClient  # noqa: E402
 from distca_client.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
 from scheduler.workloads import sample_batch  # noqa: E402
+from bench.report import finish  # noqa: E402
 
 TRACE = "pretrain"
 CONFIGS = (("inplace", 2, 0), ("inplace", 3, 0), ("inplace", 4, 0),
@@ -574,14 +573,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - start
 
-    print(render_table(rows))
-    print()
-    for line in headline(rows):
-        print(line)
-    print(f"total benchmark time: {elapsed:.1f} s")
-
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+    finish(lambda: print(render_table(rows)), headline(rows), elapsed, args.json, {
         "benchmark": "roundtrip",
         "trace": TRACE,
         "shape": dict(SHAPE, dtype=str(DTYPE).replace("torch.", "")),
@@ -596,17 +588,11 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "phase_aggregation": "max over participants per phase (*_mean_ms: mean over participants)",
         "plan_aggregation": "ray: min over clients of the step_for round trip (plan_max_ms: max)",
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "total_s": elapsed,
-        "headline": headline(rows),
         "rows": rows,
-    }
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    })
     if not args.no_png:
         png = args.png or args.json.with_suffix(".png")
         try:

@@ -1,4 +1,4 @@
-"""What a CA-task costs: causal attention FLOPs, bytes per token, measured latency.
+"""What a CA-task costs: causal attention FLOPs and bytes per token (measured latency: profile.py).
 
 Pure Python (no torch). Units: FLOPs are floating-point operations (a multiply-add counts 2),
 bytes are bytes, latencies are seconds.
@@ -6,11 +6,7 @@ bytes are bytes, latencies are seconds.
 
 from __future__ import annotations
 
-import bisect
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 # Tensors that cross the network in a round, in the order the wire layout uses them.
 FORWARD_TENSORS = ("q", "k", "v", "out", "lse")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
