@@ -13,7 +13,8 @@ import msgpack
 import numpy as np
 
 from .cost import CostModel
-from .tasks import MODES, Plan
+from .tasks import (MODES, Plan, participant_count, participant_roles,
+                    server_participant_index)
 
 FORMAT = "distca.part"
 VERSION = 1
@@ -68,7 +69,7 @@ class PlanPart:
             raise ValueError(f"inplace part with {self.num_ranks} ranks but {self.num_servers} servers")
         if not 0 <= self.participant < self.num_participants:
             raise ValueError(f"participant {self.participant} out of range [0, {self.num_participants})")
-        want_rank, want_server = self._roles(self.participant)
+        want_rank, want_server = participant_roles(self.mode, self.num_ranks, self.participant)
         if (self.rank, self.server) != (want_rank, want_server):
             raise ValueError(f"participant {self.participant} in {self.mode} mode is rank {want_rank} "
                              f"and server {want_server}, not rank {self.rank} and server {self.server}")
@@ -92,13 +93,6 @@ class PlanPart:
             if (ct[:, 2] >= len(lens)).any() or (ct[:, 4] > lens[np.minimum(ct[:, 2], len(lens) - 1)]).any():
                 raise ValueError("client tasks reach past the rank's documents")
         self._check_coverage()
-
-    def _roles(self, participant: int) -> tuple[int | None, int | None]:
-        if self.mode == "inplace":
-            return participant, participant
-        if participant < self.num_ranks:
-            return participant, None
-        return None, participant - self.num_ranks
 
     def _check_tasks(self, name: str, arr) -> np.ndarray:
         arr = np.asarray(arr)
@@ -142,10 +136,10 @@ class PlanPart:
     # ---- what the runtime asks -----------------------------------------------------------------
     @property
     def num_participants(self) -> int:
-        return self.num_ranks if self.mode == "inplace" else self.num_ranks + self.num_servers
+        return participant_count(self.mode, self.num_ranks, self.num_servers)
 
     def server_participant(self, server: int) -> int:
-        return server if self.mode == "inplace" else self.num_ranks + server
+        return server_participant_index(self.mode, self.num_ranks, server)
 
     @property
     def num_tokens(self) -> int:
@@ -207,12 +201,7 @@ def plan_part(plan: Plan, participant: int, step: int = 0, batch: int = 0) -> Pl
     """Cut participant ``participant``'s part out of ``plan``."""
     if not 0 <= participant < plan.num_participants:
         raise ValueError(f"participant {participant} out of range [0, {plan.num_participants})")
-    if plan.mode == "inplace":
-        rank, server = participant, participant
-    elif participant < plan.num_ranks:
-        rank, server = participant, None
-    else:
-        rank, server = None, participant - plan.num_ranks
+    rank, server = participant_roles(plan.mode, plan.num_ranks, participant)
     arr = plan.task_array
     client = arr[arr[:, 1] == rank] if rank is not None else arr[:0]
     own = arr[arr[:, 0] == server] if server is not None else arr[:0]

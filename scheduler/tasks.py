@@ -49,6 +49,25 @@ class CATask(NamedTuple):
         return (self.q_end - self.q_start) * (self.q_start + self.q_end + 1) // 2
 
 
+def participant_count(mode: str, num_ranks: int, num_servers: int) -> int:
+    """Processes in a plan's all-to-all: the ranks (in-place), or ranks then servers (dedicated)."""
+    return num_ranks if mode == "inplace" else num_ranks + num_servers
+
+
+def server_participant_index(mode: str, num_ranks: int, server: int) -> int:
+    """Participant index of attention server ``server``."""
+    return server if mode == "inplace" else num_ranks + server
+
+
+def participant_roles(mode: str, num_ranks: int, participant: int) -> tuple[int | None, int | None]:
+    """``(client rank, server)`` that participant ``participant`` plays; None where it has no role."""
+    if mode == "inplace":
+        return participant, participant
+    if participant < num_ranks:
+        return participant, None
+    return None, participant - num_ranks
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -206,11 +225,11 @@ class Plan:
     @property
     def num_participants(self) -> int:
         """Processes in the all-to-all: ranks (inplace), or ranks then servers (dedicated)."""
-        return self.num_ranks if self.mode == "inplace" else self.num_ranks + self.num_servers
+        return participant_count(self.mode, self.num_ranks, self.num_servers)
 
     def server_participant(self, server: int) -> int:
         """Participant index of attention server ``server`` in the all-to-all group."""
-        return server if self.mode == "inplace" else self.num_ranks + server
+        return server_participant_index(self.mode, self.num_ranks, server)
 
     @cached_property
     def doc_lens_flat(self) -> np.ndarray:
