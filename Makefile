@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
+# Everything CI runs: the unit tier (no Ray, seconds) and the integration tier (Ray, examples,
+# benchmarks; marked slow by tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not nvshmem" tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu and not nvshmem and not slow" tests/unit
 
 demo: $(STAMP)
 	$(PY) examples/train_llama.py

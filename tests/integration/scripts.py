@@ -1,10 +1,15 @@
-"""Load the project's scripts (bench/, examples/) as modules, for the tests that run them."""
+"""What the integration tests share besides fixtures: the project root, the Ray runtime
+environment of its workers, and loading the project's scripts (bench/, examples/) as modules."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+# Ray workers import the project, the test helpers (ray_workers.py) and the examples by path.
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+    str(p) for p in (ROOT, ROOT / "tests" / "integration", ROOT / "examples"))}}
 
 
 def load_script(relative_path: str, module_name: str):

@@ -1,7 +1,6 @@
 """Workload sampling from the Pretrain / ProLong traces and packing into per-rank chunks."""
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -150,13 +149,11 @@ def test_real_documents_conserve_tokens():
     assert sum(flat) == n * 32 * K
 
 
-def test_sample_batch_is_fast():
-    sample_batch("pretrain", 256, 512 * K)                 # warm the cache
-    t = time.perf_counter()
-    for step in range(5):
+def test_sample_batch_at_cluster_scale():
+    # Its speed is measured in bench/planner.py; here only that 256 ranks come out whole.
+    for step in range(2):
         batch = sample_batch("pretrain", 256, 512 * K, step=step)
-    assert (time.perf_counter() - t) / 5 < 0.05
-    assert all(sum(c) == 512 * K for c in batch)
+        assert len(batch) == 256 and all(sum(c) == 512 * K for c in batch)
 
 
 @pytest.mark.parametrize("call, match", [

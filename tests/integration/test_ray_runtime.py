@@ -6,9 +6,7 @@ One local Ray instance (2 CPUs, no dashboard, small object store) for most tests
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,19 +15,11 @@ ray = pytest.importorskip("ray")
 from distca_server import launch, shutdown  # noqa: E402
 from distca_server.job import status  # noqa: E402
 from distca_server.launch_cli import format_status  # noqa: E402
+from scripts import RUNTIME_ENV  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNTIME_ENV = {"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}}
 TIMEOUT = 10.0
 LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]], [[33, 260], [1, 290]]]
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-             runtime_env=RUNTIME_ENV, namespace="distca", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _workers(name, world, timeout_s=TIMEOUT):

@@ -1,8 +1,7 @@
 """Attention backends against an independent dense float64 oracle.
 
-The oracle builds the whole [T_q, T_k] mask from cu_seqlens (block-diagonal, bottom-right causal
-inside each block) and differentiates plain float64 math with autograd, so it shares no code with
-`distca_server.kernels`. Low-precision backends may be at most 2x worse than the reference backend
+The oracle is `distca_server.refs.attention_ref` in float64 (per-sequence bottom-right causal
+masks, differentiated with autograd), which shares no code with `distca_server.kernels`. Low-precision backends may be at most 2x worse than the reference backend
 run in the same precision (the rule of flash-attention's tests/test_flash_attn.py).
 """
 
@@ -15,6 +14,7 @@ import torch
 
 from distca_server import kernels
 from distca_server.kernels import BACKENDS, available_backends, get_backend
+from distca_server.refs import attention_ref
 
 # name: (q_lens, k_lens, num_heads_q, num_heads_kv, head_dim)
 CASES = {
@@ -45,21 +45,11 @@ def make_inputs(case, dtype, device="cpu", seed=0):
 
 
 def oracle(x):
-    """Dense float64 attention and its autograd gradients: (out, lse, dq, dk, dv)."""
+    """Float64 attention and its autograd gradients: (out, lse, dq, dk, dv)."""
     q, k, v = (x[n].detach().double().cpu().requires_grad_() for n in "qkv")
-    cq, ck = x["cu_seqlens_q"].tolist(), x["cu_seqlens_k"].tolist()
-    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
-    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
-        lq, lk = qb - qa, kb - ka
-        mask[qa:qb, ka:kb] = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)  # bottom-right
-    group = q.shape[1] // k.shape[1]
-    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * x["softmax_scale"]
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(group, 1))
+    out, lse = attention_ref(q, k, v, x["cu_seqlens_q"].cpu(), x["cu_seqlens_k"].cpu(), x["softmax_scale"])
     out.backward(x["dout"].double().cpu())
-    return out.detach(), lse.t().detach(), q.grad, k.grad, v.grad
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def run(backend, x):

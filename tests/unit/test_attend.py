@@ -8,22 +8,7 @@ import pytest
 import torch
 
 from distca_client import DistCAClient
-
-
-def attention_ref(q, k, v, doc_lens, scale):
-    """Plain torch causal attention per document, in the inputs' dtype; differentiable."""
-    group = q.shape[1] // k.shape[1]
-    outs, start = [], 0
-    for n in doc_lens:
-        qs = q[start:start + n].transpose(0, 1)
-        ks = k[start:start + n].repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[start:start + n].repeat_interleave(group, dim=1).transpose(0, 1)
-        s = (qs @ ks.transpose(-1, -2)) * scale
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-        outs.append((p @ vs).transpose(0, 1))
-        start += n
-    return torch.cat(outs)
+from distca_server.refs import varlen_attention_ref as attention_ref
 
 
 def make_inputs(doc_lens, hq, hkv, d, dtype, seed):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import llama_data  # noqa: E402
@@ -126,14 +126,6 @@ def test_model_config_errors_name_every_problem():
 ray = pytest.importorskip("ray")
 train_llama = pytest.importorskip("train_llama")
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'examples'}"}},
-             namespace="distca", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _tiny(tmp_path, **kw):

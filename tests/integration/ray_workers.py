@@ -8,17 +8,7 @@ import ray
 import torch
 
 from distca_client import DistCAClient, DistCAError
-from distca_server.kernels import get_backend
-
-
-def reference(q, k, v, doc_lens, dout, scale):
-    """Single-device causal varlen attention and its gradients, in float64."""
-    be = get_backend("reference", "cpu")
-    cu = torch.tensor([0] + torch.tensor(doc_lens).cumsum(0).tolist(), dtype=torch.int32)
-    n = max(doc_lens)
-    q, k, v, dout = (t.double() for t in (q, k, v, dout))
-    out, lse = be.forward(q, k, v, cu, cu, n, n, scale)
-    return (out, *be.backward(dout, q, k, v, out, lse, cu, cu, n, n, scale))
+from distca_server.refs import attend_with_grads_ref
 
 
 def _inputs(lens, seed, hq=4, hkv=2, d=16):
@@ -48,7 +38,7 @@ class TrainWorker:
             sum((o * c[3]).sum() for o, c in zip(outs, cases)).backward()
             worst = 0.0
             for (q, k, v), out, c in zip(leaves, outs, cases):
-                want = reference(c[0], c[1], c[2], lens, c[3], head_dim ** -0.5)
+                want = attend_with_grads_ref(c[0], c[1], c[2], lens, c[3], head_dim ** -0.5)
                 for g, w in zip((out, q.grad, k.grad, v.grad), want):
                     worst = max(worst, ((g.double() - w).abs().max() / w.abs().max()).item())
             return {"ok": True, "error": worst, "seconds": time.monotonic() - start}
@@ -68,7 +58,7 @@ class TrainWorker:
             worst = 0.0
             for (q, k, v), out, lens, dout in ((a, out_a, lens_a, torch.ones_like(out_a)),
                                                (b, out_b, lens_b, 2 * out_b.detach())):
-                want = reference(q.detach(), k.detach(), v.detach(), lens, dout, 16 ** -0.5)
+                want = attend_with_grads_ref(q.detach(), k.detach(), v.detach(), lens, dout, 16 ** -0.5)
                 for g, w in zip((out, q.grad, k.grad, v.grad), want):
                     worst = max(worst, ((g.double() - w).abs().max() / w.abs().max()).item())
             return {"ok": True, "error": worst}

@@ -1,0 +1,78 @@
+"""Plain-torch references that tests and benchmarks compare the fast paths against.
+
+Nothing here shares code with :mod:`distca_server.kernels`, the executor or the transports: each
+function is the textbook definition, computed segment by segment in the inputs' dtype (pass
+float64 tensors for an oracle). Slow on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def cu_seqlens(lens: Sequence[int], device=None) -> torch.Tensor:
+    """int32 [len(lens) + 1]: ``[0, l0, l0 + l1, ...]``."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k,
+                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal varlen attention with bottom-right alignment, differentiable through autograd.
+
+    Args:
+        q: [total_q, num_heads_q, head_dim]; k, v: [total_k, num_heads_kv, head_dim], any float
+            dtype (computed in that dtype); ``num_heads_q % num_heads_kv == 0`` (GQA).
+        cu_seqlens_q, cu_seqlens_k: [num_seqs + 1] integer offsets (tensor or list).
+        softmax_scale: multiplier of ``Q Kᵀ``.
+
+    Returns:
+        ``(out, lse)``: out like q; lse [total_q, num_heads_q] in q's dtype, natural log, ``-inf``
+        for a row that sees no key (its out row is 0). Row ``i`` of a segment with ``lq`` queries
+        and ``lk`` keys sees keys ``j <= i + lk - lq`` (FlashAttention's convention).
+    """
+    cq = [int(x) for x in (cu_seqlens_q.tolist() if torch.is_tensor(cu_seqlens_q) else cu_seqlens_q)]
+    ck = [int(x) for x in (cu_seqlens_k.tolist() if torch.is_tensor(cu_seqlens_k) else cu_seqlens_k)]
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+        lq, lk = qb - qa, kb - ka
+        qs = q[qa:qb].transpose(0, 1)                                    # [H, lq, D]
+        ks = k[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)    # [H, lk, D]
+        vs = v[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
+        s = (qs @ ks.transpose(-1, -2)) * softmax_scale
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                                 # [H, lq]
+        p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+    if not outs:
+        return q * 0, q.new_zeros(q.shape[:2])
+    return torch.cat(outs), torch.cat(lses)
+
+
+def varlen_attention_ref(q, k, v, doc_lens: Sequence[int], softmax_scale: float) -> torch.Tensor:
+    """Causal attention inside each document of a packed batch (the contract of ``attend``);
+    shapes as :func:`attention_ref` with ``cu_seqlens_q == cu_seqlens_k`` from ``doc_lens``."""
+    cu = cu_seqlens(doc_lens)
+    return attention_ref(q, k, v, cu, cu, softmax_scale)[0]
+
+
+def attend_with_grads_ref(q, k, v, doc_lens, dout, softmax_scale: float) -> list[torch.Tensor]:
+    """``[out, dq, dk, dv]`` of :func:`varlen_attention_ref` in float64, for upstream ``dout``."""
+    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    out = varlen_attention_ref(q, k, v, list(doc_lens), softmax_scale)
+    out.backward(dout.detach().double().cpu())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def all_to_all_ref(messages: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The exchange a transport performs: ``messages[src][dst]`` (1-D tensors) delivered so that
+    receiver ``dst`` gets ``cat(messages[0][dst], messages[1][dst], ...)``."""
+    world = len(messages)
+    return [torch.cat([messages[src][dst] for src in range(world)]) for dst in range(world)]
