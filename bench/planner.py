@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scheduler import CostModel, plan_batch  # noqa: E402
+from scheduler.cost import KV_TENSORS  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
 from scheduler.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
@@ -57,7 +58,6 @@ EPSILONS = (0.0, 0.05, 0.1)
 MIN_SHARD = 128
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 Q_TENSORS = ("q", "out", "lse", "dout", "dq")
-KV_TENSORS = ("k", "v", "dk", "dv")
 MIB = 2 ** 20
 HEADLINE_SERVERS, HEADLINE_TOKENS, TARGET_MS = 256, 131072, 20.0
 SLOW_CONFIG_S = 30.0

@@ -73,6 +73,7 @@ import torch  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
+from scheduler.cost import CostModel  # noqa: E402
 from scheduler.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
 
@@ -100,7 +101,7 @@ def rank_inputs(num_tokens: int, seed: int, step: int, layer: int, rank: int):
 
 
 def row_format() -> RowFormat:
-    return RowFormat(SHAPE["num_heads_q"], SHAPE["num_heads_kv"], SHAPE["head_dim"], DTYPE)
+    return RowFormat(CostModel(**SHAPE, dtype_bytes=DTYPE.itemsize), DTYPE)
 
 
 def step_batch(clients: int, context: int, step: int) -> list[list[int]]:

@@ -90,7 +90,7 @@ class DistCAClient:
             ValueError: as :meth:`attend`, before anything is queued.
         """
         lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
-        fmt = RowFormat(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+        fmt = RowFormat.of(q, k)
         step = self._runtime.step_for(lens, fmt, q.device)
         self._last_step = step
         counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -18,7 +18,7 @@ from distca_server.kernels import get_backend
 from distca_server.participant import Participant
 from distca_server.transport.local import LocalGroup
 from distca_server.wire import RowFormat
-from scheduler import CostModel, Plan, plan_batch
+from scheduler import Plan, plan_batch
 from scheduler.parts import plan_parts
 
 _CACHE_SIZE = 16
@@ -123,9 +123,8 @@ class LocalRuntime:
         key = (tuple(doc_lens), fmt, str(device))
         step = self._steps.get(key)
         if step is None:
-            cost = CostModel(fmt.num_heads_q, fmt.num_heads_kv, fmt.head_dim, fmt.dtype.itemsize)
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
-                              cost=cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard)
+                              cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard)
             step = LocalStep(self, plan, fmt, device)
             self._steps[key] = step
             if len(self._steps) > _CACHE_SIZE:

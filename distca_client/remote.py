@@ -20,12 +20,13 @@ import ray
 import torch
 
 from distca_server.errors import DistCAError
-from distca_server.header import KIND_BACKWARD, KIND_FORWARD, RoundHeader, exchange_header
+from distca_server.header import RoundHeader, exchange_header
 from distca_server.kernels import get_backend
 from distca_server.participant import Participant
 from distca_server.transport.torch_dist import join_group
 from distca_server.wire import RowFormat
 from scheduler.actor import NAMESPACE, scheduler_actor_name
+from scheduler.cost import RoundKind
 from scheduler.parts import PlanPart
 
 
@@ -54,10 +55,10 @@ class RemoteBatch:
         self.part = participant.part
 
     def forward_async(self, q, k, v, softmax_scale, counts_for_step):
-        return self.runtime.submit(self, KIND_FORWARD, (q, k, v), softmax_scale, q.dtype, counts_for_step)
+        return self.runtime.submit(self, RoundKind.FORWARD, (q, k, v), softmax_scale, q.dtype, counts_for_step)
 
     def backward(self, q, k, v, out, lse, dout, softmax_scale):
-        return self.runtime.round(self, KIND_BACKWARD, (q, k, v, out, lse, dout), softmax_scale, q.dtype)
+        return self.runtime.round(self, RoundKind.BACKWARD, (q, k, v, out, lse, dout), softmax_scale, q.dtype)
 
 
 class RemoteRuntime:
@@ -174,9 +175,9 @@ class RemoteRuntime:
                 raise DistCAError(f"batch of step {batch.step} used in step {self.step}")
             seq = self._seq
             self._seq += 1
-            if kind == KIND_FORWARD and counts_for_step:
+            if kind == RoundKind.FORWARD and counts_for_step:
                 self._forward_rounds += 1
-            elif kind == KIND_BACKWARD:
+            elif kind == RoundKind.BACKWARD:
                 self._backward_rounds += 1
         header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale))
         return self._worker.submit(self._run, batch, header, tensors)
@@ -192,7 +193,7 @@ class RemoteRuntime:
         try:
             exchange_header(transport, header, self.world_size)
             p = batch.participant
-            if header.kind == KIND_FORWARD:
+            if header.kind == RoundKind.FORWARD:
                 return p.forward(transport, *tensors, header.softmax_scale)
             return p.backward(transport, *tensors, header.softmax_scale)
         except (DistCAError, ValueError, RuntimeError) as exc:

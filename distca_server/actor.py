@@ -21,7 +21,9 @@ from scheduler.actor import NAMESPACE, scheduler_actor_name
 from scheduler.parts import PlanPart
 
 from .errors import DistCAError
-from .header import KIND_BACKWARD, KIND_FORWARD, exchange_header
+from scheduler.cost import RoundKind
+
+from .header import exchange_header
 from .kernels import get_backend
 from .participant import Participant
 from .transport.torch_dist import join_group
@@ -162,9 +164,9 @@ class AttentionServer:
                     while len(participants) > _PARTS_KEPT:
                         participants.popitem(last=False)
                 before = dict(participant.timings)
-                if header.kind == KIND_FORWARD:
+                if header.kind == RoundKind.FORWARD:
                     participant.forward(transport, None, None, None, header.softmax_scale)
-                elif header.kind == KIND_BACKWARD:
+                elif header.kind == RoundKind.BACKWARD:
                     participant.backward(transport, None, None, None, None, None, None,
                                          header.softmax_scale)
                 self.rounds_served += 1
@@ -182,7 +184,7 @@ class AttentionServer:
         if part is None:
             raise DistCAError(f"server {self.index}: no descriptor for step {header.step} "
                               f"batch {header.batch} within {self.timeout_s:g} s")
-        fmt = RowFormat(part.cost.num_heads_q, part.cost.num_heads_kv, part.cost.head_dim, header.dtype)
+        fmt = RowFormat(part.cost, header.dtype)
         return Participant(part, fmt, get_backend(self.backend_name, device), device)
 
     def _publish(self, epoch: int, host: str, port: int) -> None:

@@ -12,6 +12,8 @@ import torch
 
 from scheduler.layout import ServerLayout
 
+from .dtypes import accumulation_dtype
+
 
 class ServerExecutor:
     """Runs one server's tasks of a plan.
@@ -52,8 +54,7 @@ class ServerExecutor:
             float64 inputs), natural-log log-sum-exp of each row's scaled scores.
         """
         if self.layout.num_tasks == 0:
-            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-            return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+            return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
         kt, vt = self._task_kv(k, v)
         return self.backend.forward(q, kt, vt, *self._args(softmax_scale))
 
@@ -65,7 +66,7 @@ class ServerExecutor:
         dq, dkt, dvt = self.backend.backward(dout, q, kt, vt, out, lse, *self._args(softmax_scale))
         if self.kv_gather is None:
             return dq, dkt, dvt
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(k.dtype)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_gather, dkt.to(acc))
         dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_gather, dvt.to(acc))
         return dq, dk.to(k.dtype), dv.to(v.dtype)

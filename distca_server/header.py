@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-KIND_FORWARD, KIND_BACKWARD = 1, 2
-KINDS = {KIND_FORWARD: "forward", KIND_BACKWARD: "backward"}
-DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32, 4: torch.float64}
-DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+from scheduler.cost import RoundKind
+
+from .dtypes import DTYPE_CODES, DTYPES_BY_CODE
 _FIELDS = 6
 HEADER_BYTES = 8 * _FIELDS
 
@@ -30,24 +29,30 @@ class RoundHeader:
     step: int
     batch: int
     seq: int
-    kind: int
+    kind: RoundKind
     dtype: torch.dtype
     softmax_scale: float
 
     def encode(self) -> torch.Tensor:
         scale_bits = struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
-        values = [self.step, self.batch, self.seq, self.kind, DTYPE_CODES[self.dtype], scale_bits]
+        values = [self.step, self.batch, self.seq, self.kind.code, DTYPE_CODES[self.dtype], scale_bits]
         return torch.tensor(values, dtype=torch.int64).view(torch.uint8)
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> "RoundHeader":
         step, batch, seq, kind, dtype, bits = raw.view(torch.int64).tolist()
-        if kind not in KINDS or dtype not in DTYPES:
-            raise ValueError(f"malformed round header: kind {kind}, dtype code {dtype}")
-        return cls(step, batch, seq, kind, DTYPES[dtype], struct.unpack("<d", struct.pack("<q", bits))[0])
+        if dtype not in DTYPES_BY_CODE:
+            raise ValueError(f"malformed round header: dtype code {dtype}")
+        try:
+            round_kind = RoundKind.from_code(kind)
+        except ValueError:
+            raise ValueError(f"malformed round header: kind code {kind}") from None
+        return cls(step, batch, seq, round_kind, DTYPES_BY_CODE[dtype],
+                   struct.unpack("<d", struct.pack("<q", bits))[0])
 
     def describe(self) -> str:
-        return f"step {self.step} batch {self.batch} round {self.seq} ({KINDS.get(self.kind, self.kind)})"
+        return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}, "
+                f"{str(self.dtype).removeprefix('torch.')})")
 
 
 def exchange_header(transport, mine: RoundHeader | None, num_clients: int,

@@ -32,17 +32,14 @@ import inspect
 
 import torch
 
+from .dtypes import accumulation_dtype
+
 __all__ = [
-    "lse_dtype", "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
+    "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
     "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends",
 ]
 
 _NEG_INF = float("-inf")
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The LSE dtype that goes with activations of `dtype`: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -162,7 +159,7 @@ class ReferenceBackend(AttentionBackend):
 
     def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             if qb == qa:
                 continue
@@ -255,7 +252,7 @@ class TorchCPUBackend(AttentionBackend):
     def _forward_work(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             q0, k0 = self._blocks(qb - qa, kb - ka)
             if qb - qa - q0 <= 0:
@@ -278,7 +275,7 @@ class TorchCPUBackend(AttentionBackend):
     def _backward_work(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        lse = lse.to(lse_dtype(q.dtype))
+        lse = lse.to(accumulation_dtype(q.dtype))
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             q0, k0 = self._blocks(qb - qa, kb - ka)
             if qb - qa - q0 <= 0:

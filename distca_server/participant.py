@@ -15,9 +15,11 @@ import torch
 from scheduler.layout import client_layout_from, server_layout_from
 from scheduler.parts import PlanPart
 
+from .dtypes import accumulation_dtype
 from .executor import ServerExecutor
-from .wire import (BACKWARD_DISPATCH, BACKWARD_RETURN, FORWARD_DISPATCH, FORWARD_RETURN, KV_NAMES,
-                   RowFormat, pack, unpack)
+from scheduler.cost import KV_TENSORS, RoundKind
+
+from .wire import RowFormat, pack, unpack
 
 
 class Participant:
@@ -54,7 +56,7 @@ class Participant:
             self.executor = ServerExecutor(self.server_lay, backend, self.device)
 
     # ---- the two exchanges of a round --------------------------------------------------------------
-    def _exchange(self, transport, kind: str, names, outgoing: dict[int, list[torch.Tensor]],
+    def _exchange(self, transport, kind: RoundKind, names, outgoing: dict[int, list[torch.Tensor]],
                   recv_rows: dict[int, tuple[int, int]]):
         """Send ``outgoing[participant]`` (tensors in ``names`` order); receive messages of
         ``recv_rows[participant] = (q_rows, kv_rows)``; return ``{participant: {name: tensor}}``."""
@@ -66,7 +68,7 @@ class Participant:
             send_splits[dst] = sum(p.numel() for p in parts)
             if dst != self.index:
                 for name, p in zip(names, parts):
-                    self.traffic[(kind, name)] += p.numel()
+                    self.traffic[(kind.value, name)] += p.numel()
         recv_splits = [0] * P
         for src, (qr, kr) in recv_rows.items():
             recv_splits[src] = self.fmt.message_bytes(names, qr, kr)
@@ -84,8 +86,9 @@ class Participant:
         self.timings["unpack"] += time.perf_counter() - t1
         return result
 
-    def _round(self, transport, kind, dispatch_names, return_names, local, compute):
+    def _round(self, transport, kind: RoundKind, local, compute):
         part = self.part
+        dispatch_names, return_names = kind.dispatch, kind.returns
         start = time.perf_counter()
         pre_a2a = self.timings["all_to_all"] + self.timings["unpack"]
         kernel0 = self.timings["kernel"]
@@ -94,7 +97,7 @@ class Participant:
             for s in range(part.num_servers):
                 qi, ki = self.q_index[s], self.kv_index[s]
                 dst = part.server_participant(s)
-                outgoing[dst] = [local[n].index_select(0, ki if n in KV_NAMES else qi)
+                outgoing[dst] = [local[n].index_select(0, ki if n in KV_TENSORS else qi)
                                  for n in dispatch_names]
                 expect_back[dst] = (len(qi), len(ki))
         incoming = {}
@@ -113,7 +116,7 @@ class Participant:
             q_off = k_off = 0
             for r in ranks:
                 qr, kr = incoming[r]
-                replies[r] = [results[n][k_off:k_off + kr] if n in KV_NAMES else results[n][q_off:q_off + qr]
+                replies[r] = [results[n][k_off:k_off + kr] if n in KV_TENSORS else results[n][q_off:q_off + qr]
                               for n in return_names]
                 q_off, k_off = q_off + qr, k_off + kr
         back = self._exchange(transport, kind, return_names, replies, expect_back)
@@ -128,29 +131,39 @@ class Participant:
         return result
 
     # ---- rounds ------------------------------------------------------------------------------------
-    def forward(self, transport, q, k, v, softmax_scale: float):
+    def forward(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None):
         """Forward round. Clients pass their local ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] and
-        get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None."""
+        get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None.
+
+        ``out`` and ``lse``, if given, are where the results are written (e.g. this rank's slice of
+        a batch-wide tensor): q's dtype for out, :attr:`RowFormat.lse_dtype` for lse."""
         local = {"q": q, "k": k, "v": v} if self.rank is not None else None
 
         def compute(x):
             out, lse = self.executor.forward(x["q"], x["k"], x["v"], softmax_scale)
             return {"out": out, "lse": lse}
-        got = self._round(transport, "forward", FORWARD_DISPATCH, FORWARD_RETURN, local, compute)
+        got = self._round(transport, RoundKind.FORWARD, local, compute)
         if got is None:
             return None
         T = self.num_tokens
-        out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
-        lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
+        if out is None:
+            out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
+        if lse is None:
+            lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
         t0 = time.perf_counter()
         out.index_copy_(0, self.q_all, got["out"])
         lse.index_copy_(0, self.q_all, got["lse"])
         self.timings["unpack"] += time.perf_counter() - t0
         return out, lse
 
-    def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float):
+    def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
+                 dv=None):
         """Backward round: clients get ``(dq, dk, dv)`` shaped like their ``q``, ``k``, ``v``;
-        gradients of KV rows used by several servers are summed in float32 (float64)."""
+        gradients of KV rows used by several servers are summed in float32 (float64).
+
+        ``dq``, ``dk``, ``dv``, if given, are where the gradients are written (q's, k's, v's
+        shape and dtype)."""
+        grads_out = (dq, dk, dv)
         local = ({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
                  if self.rank is not None else None)
 
@@ -158,13 +171,18 @@ class Participant:
             dq, dk, dv = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"],
                                                 x["lse"], softmax_scale)
             return {"dq": dq, "dk": dk, "dv": dv}
-        got = self._round(transport, "backward", BACKWARD_DISPATCH, BACKWARD_RETURN, local, compute)
+        got = self._round(transport, RoundKind.BACKWARD, local, compute)
         if got is None:
             return None
         t0 = time.perf_counter()
-        dq = torch.empty_like(q).index_copy_(0, self.q_all, got["dq"])
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dq = (torch.empty_like(q) if grads_out[0] is None else grads_out[0]).index_copy_(0, self.q_all, got["dq"])
+        acc = accumulation_dtype(k.dtype)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_all, got["dk"].to(acc))
         dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_all, got["dv"].to(acc))
         self.timings["unpack"] += time.perf_counter() - t0
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+        if grads_out[1] is not None:
+            dk = grads_out[1].copy_(dk)
+        if grads_out[2] is not None:
+            dv = grads_out[2].copy_(dv)
+        return dq, dk, dv

@@ -1,7 +1,8 @@
 """Byte layout of one message: named tensors' rows back to back, no header.
 
 Both ends know every message's row counts from the plan (see :mod:`scheduler.layout`), so a
-message is just the concatenated bytes of its tensors in a fixed order.
+message is just the concatenated bytes of its tensors in a fixed order: the round's
+:attr:`~scheduler.cost.RoundKind.dispatch` or :attr:`~scheduler.cost.RoundKind.returns` names.
 """
 
 from __future__ import annotations
@@ -10,49 +11,67 @@ from dataclasses import dataclass
 
 import torch
 
-# Per round direction: the tensors of a message, in wire order.
-FORWARD_DISPATCH = ("q", "k", "v")
-FORWARD_RETURN = ("out", "lse")
-BACKWARD_DISPATCH = ("q", "k", "v", "out", "lse", "dout")
-BACKWARD_RETURN = ("dq", "dk", "dv")
-KV_NAMES = frozenset({"k", "v", "dk", "dv"})
+from scheduler.cost import KV_TENSORS, CostModel
+
+from .dtypes import accumulation_dtype
 
 
 @dataclass(frozen=True)
 class RowFormat:
-    """Row shapes and dtypes of one attention layer's tensors.
+    """Row shapes and dtypes of one attention layer's tensors: the :class:`CostModel` shape with
+    the torch dtype of its activations.
 
     ``q``-shaped rows are ``[num_heads_q, head_dim]`` of ``dtype``; ``kv``-shaped rows
-    ``[num_heads_kv, head_dim]``; LSE rows ``[num_heads_q]`` of ``lse_dtype`` (float32, or float64
-    for float64 inputs).
+    ``[num_heads_kv, head_dim]``; LSE rows ``[num_heads_q]`` of :attr:`lse_dtype`. Byte counts
+    come from :meth:`CostModel.bytes_per_token`, so the planner's bytes and the wire's agree.
+
+    Raises:
+        ValueError: ``dtype``'s element size differs from ``cost.dtype_bytes``.
     """
 
-    num_heads_q: int
-    num_heads_kv: int
-    head_dim: int
+    cost: CostModel
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.dtype.itemsize != self.cost.dtype_bytes:
+            raise ValueError(f"dtype {self.dtype} has {self.dtype.itemsize}-byte elements but the "
+                             f"attention shape says {self.cost.dtype_bytes}")
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor) -> "RowFormat":
+        """The format of ``q`` [T, num_heads_q, head_dim] and ``k`` [T, num_heads_kv, head_dim]."""
+        return cls(CostModel(q.shape[1], k.shape[1], q.shape[2], q.dtype.itemsize), q.dtype)
+
+    @property
+    def num_heads_q(self) -> int:
+        return self.cost.num_heads_q
+
+    @property
+    def num_heads_kv(self) -> int:
+        return self.cost.num_heads_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.cost.head_dim
 
     @property
     def lse_dtype(self) -> torch.dtype:
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return accumulation_dtype(self.dtype)
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         if name == "lse":
             return (self.num_heads_q,)
-        heads = self.num_heads_kv if name in KV_NAMES else self.num_heads_q
+        heads = self.num_heads_kv if name in KV_TENSORS else self.num_heads_q
         return (heads, self.head_dim)
 
     def row_dtype(self, name: str) -> torch.dtype:
         return self.lse_dtype if name == "lse" else self.dtype
 
     def row_bytes(self, name: str) -> int:
-        n = 1
-        for d in self.row_shape(name):
-            n *= d
-        return n * self.row_dtype(name).itemsize
+        return self.cost.bytes_per_token(name)
 
     def message_bytes(self, names, q_rows: int, kv_rows: int) -> int:
-        return sum(self.row_bytes(n) * (kv_rows if n in KV_NAMES else q_rows) for n in names)
+        return sum(self.row_bytes(n) * (kv_rows if n in KV_TENSORS else q_rows) for n in names)
 
 
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -72,7 +91,7 @@ def unpack(buf: torch.Tensor, fmt: RowFormat, names, q_rows: int, kv_rows: int) 
                          f"with {q_rows} query rows and {kv_rows} KV rows")
     out, offset = {}, 0
     for name in names:
-        rows = kv_rows if name in KV_NAMES else q_rows
+        rows = kv_rows if name in KV_TENSORS else q_rows
         size = rows * fmt.row_bytes(name)
         piece = buf[offset:offset + size]
         dtype = fmt.row_dtype(name)

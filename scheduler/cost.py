@@ -7,12 +7,48 @@ bytes are bytes, latencies are seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-# Tensors that cross the network in a round, in the order the wire layout uses them.
-FORWARD_TENSORS = ("q", "k", "v", "out", "lse")
-BACKWARD_TENSORS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
-# Rows of these tensors follow the query shard; the rest (k, v, dk, dv) follow the KV rows.
+# Rows of these tensors follow the KV rows of a document; every other tensor follows the query shard.
 KV_TENSORS = frozenset({"k", "v", "dk", "dv"})
+
+
+class RoundKind(str, Enum):
+    """The two uses of a plan in a step, and the tensors each one moves (DESIGN "round").
+
+    A round is a dispatch all-to-all (clients -> servers: :attr:`dispatch`, in wire order) and a
+    return all-to-all (servers -> clients: :attr:`returns`). The value is the name used in
+    metrics, ``Plan.comm_bytes()`` and traffic counters; :attr:`code` is the round header's int.
+    """
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    @property
+    def dispatch(self) -> tuple[str, ...]:
+        return ("q", "k", "v") if self is RoundKind.FORWARD else ("q", "k", "v", "out", "lse", "dout")
+
+    @property
+    def returns(self) -> tuple[str, ...]:
+        return ("out", "lse") if self is RoundKind.FORWARD else ("dq", "dk", "dv")
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """Every tensor that crosses the network in this round: dispatch, then return."""
+        return self.dispatch + self.returns
+
+    @property
+    def code(self) -> int:
+        return 1 if self is RoundKind.FORWARD else 2
+
+    @classmethod
+    def from_code(cls, code: int) -> "RoundKind":
+        """Raises ValueError for a code that names no round kind."""
+        for kind in cls:
+            if kind.code == code:
+                return kind
+        raise ValueError(f"no round kind has code {code!r}")
+
 
 BACKWARD_FLOPS_FACTOR = 2.5
 
@@ -128,7 +164,7 @@ class CostModel:
             return self.num_heads_kv * self.head_dim * self.dtype_bytes
         if tensor in ("q", "out", "dout", "dq"):
             return self.num_heads_q * self.head_dim * self.dtype_bytes
-        raise ValueError(f"unknown tensor {tensor!r}; expected one of {BACKWARD_TENSORS}")
+        raise ValueError(f"unknown tensor {tensor!r}; expected one of {RoundKind.BACKWARD.tensors}")
 
     def step_row_bytes(self) -> tuple[int, int]:
         """Bytes per query row and per KV row moved over one forward plus one backward round.
@@ -136,13 +172,30 @@ class CostModel:
         Returns ``(q_row_bytes, kv_row_bytes)``; the planner ranks moves by FLOPs per these bytes.
         """
         q_row = kv_row = 0
-        for names in (FORWARD_TENSORS, BACKWARD_TENSORS):
-            for name in names:
+        for kind in RoundKind:
+            for name in kind.tensors:
                 if name in KV_TENSORS:
                     kv_row += self.bytes_per_token(name)
                 else:
                     q_row += self.bytes_per_token(name)
         return q_row, kv_row
+
+    def to_wire(self) -> list[int]:
+        """The one msgpack form of an attention shape: ``[num_heads_q, num_heads_kv, head_dim,
+        dtype_bytes]`` (plan and part descriptors, scheduler reports)."""
+        return [self.num_heads_q, self.num_heads_kv, self.head_dim, self.dtype_bytes]
+
+    @classmethod
+    def from_wire(cls, obj) -> "CostModel":
+        """Inverse of :meth:`to_wire`.
+
+        Raises:
+            ValueError: not a list of four ints, or sizes :class:`CostModel` refuses.
+        """
+        if not isinstance(obj, (list, tuple)) or len(obj) != 4 or any(type(x) is not int for x in obj):
+            raise ValueError(f"an attention shape must be four ints [num_heads_q, num_heads_kv, "
+                             f"head_dim, dtype_bytes], got {obj!r}")
+        return cls(*obj)
 
     def to_dict(self) -> dict:
         return {"num_heads_q": self.num_heads_q, "num_heads_kv": self.num_heads_kv,

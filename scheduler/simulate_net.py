@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import BACKWARD_TENSORS, FORWARD_TENSORS, KV_TENSORS, CostModel
+from .cost import KV_TENSORS, CostModel, RoundKind
 from .simulate_hw import DTYPE_BYTES, GPUConfig
 
 __all__ = ["rank_nodes", "alltoall_seconds", "plan_round_bytes", "ring_seconds",
@@ -71,9 +71,9 @@ def plan_round_bytes(q_rows: np.ndarray, kv_rows: np.ndarray,
     ``bwd_dispatch`` (q, k, v, out, lse, dout) and ``bwd_return`` (dq, dk, dv), the wire
     layout of :mod:`scheduler.layout`.
     """
-    fq, fkv = _tensor_bytes(cost, [n for n in FORWARD_TENSORS if n in ("q", "k", "v")])
-    fo, _ = _tensor_bytes(cost, [n for n in FORWARD_TENSORS if n in ("out", "lse")])
-    bq, bkv = _tensor_bytes(cost, [n for n in BACKWARD_TENSORS if n not in ("dq", "dk", "dv")])
+    fq, fkv = _tensor_bytes(cost, [n for n in RoundKind.FORWARD.tensors if n in ("q", "k", "v")])
+    fo, _ = _tensor_bytes(cost, [n for n in RoundKind.FORWARD.tensors if n in ("out", "lse")])
+    bq, bkv = _tensor_bytes(cost, [n for n in RoundKind.BACKWARD.tensors if n not in ("dq", "dk", "dv")])
     gq, gkv = _tensor_bytes(cost, ("dq", "dk", "dv"))
     q = q_rows.astype(np.float64)
     kv = kv_rows.astype(np.float64)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cost import BACKWARD_TENSORS, FORWARD_TENSORS, KV_TENSORS, CostModel
+from .cost import KV_TENSORS, CostModel, RoundKind
 
 MODES = ("inplace", "dedicated")
 
@@ -306,11 +306,11 @@ class Plan:
         mask = self.off_rank_mask()
         q_total, kv_total = int(q_rows[mask].sum()), int(kv_rows[mask].sum())
         result = {}
-        for kind, names in (("forward", FORWARD_TENSORS), ("backward", BACKWARD_TENSORS)):
+        for kind in RoundKind:
             per = {n: (kv_total if n in KV_TENSORS else q_total) * self.cost.bytes_per_token(n)
-                   for n in names}
+                   for n in kind.tensors}
             per["total"] = sum(per.values())
-            result[kind] = per
+            result[kind.value] = per
         return result
 
     def imbalance(self) -> tuple[float, float]:

@@ -6,9 +6,8 @@ from hypothesis import strategies as st
 
 from scheduler.cost import (
     BACKWARD_FLOPS_FACTOR,
-    BACKWARD_TENSORS,
-    FORWARD_TENSORS,
     KV_TENSORS,
+    RoundKind,
     CostModel,
     causal_pairs,
 )
@@ -108,14 +107,14 @@ def test_bytes_per_token(dtype_bytes, lse):
     kv_row = 4 * 64 * dtype_bytes
     expect = {"q": q_row, "out": q_row, "dout": q_row, "dq": q_row,
               "k": kv_row, "v": kv_row, "dk": kv_row, "dv": kv_row, "lse": 12 * lse}
-    assert set(expect) == set(BACKWARD_TENSORS)
+    assert set(expect) == set(RoundKind.BACKWARD.tensors)
     for name, n in expect.items():
         assert cost.bytes_per_token(name) == n, name
         assert isinstance(cost.bytes_per_token(name), int)
     assert KV_TENSORS == {"k", "v", "dk", "dv"}
     # step_row_bytes sums one forward and one backward round
-    q_step = sum(expect[n] for n in FORWARD_TENSORS + BACKWARD_TENSORS if n not in KV_TENSORS)
-    kv_step = sum(expect[n] for n in FORWARD_TENSORS + BACKWARD_TENSORS if n in KV_TENSORS)
+    q_step = sum(expect[n] for n in RoundKind.FORWARD.tensors + RoundKind.BACKWARD.tensors if n not in KV_TENSORS)
+    kv_step = sum(expect[n] for n in RoundKind.FORWARD.tensors + RoundKind.BACKWARD.tensors if n in KV_TENSORS)
     assert cost.step_row_bytes() == (q_step, kv_step)
 
 
