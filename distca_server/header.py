@@ -17,6 +17,7 @@ import torch
 from scheduler.cost import RoundKind
 
 from .dtypes import DTYPE_CODES, DTYPES_BY_CODE
+from .transport.base import all_to_all
 _FIELDS = 6
 HEADER_BYTES = 8 * _FIELDS
 
@@ -66,8 +67,8 @@ def exchange_header(transport, mine: RoundHeader | None, num_clients: int,
     P = transport.world_size
     payload = mine.encode() if mine is not None else torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     send = payload.repeat(P)
-    kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
-    recv = transport.all_to_all(send, [HEADER_BYTES] * P, [HEADER_BYTES] * P, **kwargs).cpu()
+    recv = all_to_all(transport, send.to(transport.device), [HEADER_BYTES] * P, [HEADER_BYTES] * P,
+                      timeout_s=timeout_s).cpu()
     raws = recv.view(P, HEADER_BYTES)[:num_clients]
     if not all(torch.equal(raws[0], r) for r in raws[1:]):
         seen = []

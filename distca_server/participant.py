@@ -1,8 +1,24 @@
 """One process's part in a plan's rounds: client rank, attention server, or both (in-place).
 
-A round is two all-to-alls: dispatch (clients send rows to servers) and return (servers send
-results back). Every participant calls both, even with nothing to send, so a round is always a
-pair of collectives and nobody waits on a peer that skipped one.
+A round is two exchanges: dispatch (clients send rows to servers) and return (servers send results
+back). Every participant takes part in both, even with nothing to send, so nobody waits on a peer
+that skipped one.
+
+Where each byte is written (one copy per byte and direction):
+
+- dispatch: a client gathers each tensor's rows for the other participants straight into the
+  transport's send buffer (``index_select(..., out=view)``), one segment per tensor laid out server
+  by server. An in-place participant gathers its own rows straight into the head of its receive
+  buffer; they never pass through the transport.
+- the server's receive buffer holds each tensor contiguous across senders (its own rows first,
+  then the other ranks in order), exactly the order of its fused kernel call's ``cu_seqlens``, so
+  the kernel reads the received rows where they landed.
+- return: the kernel's outputs are already laid out [own rows][rank 0, rank 1, ...] and are sent as
+  they are; the client scatters each result from the receive buffer (and, in-place, from its own
+  server's outputs) into the output with ``index_copy_`` (``index_add_`` in float32 for KV rows
+  that several servers computed on).
+- a participant whose rows all stay home in order (one in-place server, or a plan that moves
+  nothing) hands its tensors to the kernel as they are and copies nothing.
 """
 
 from __future__ import annotations
@@ -10,16 +26,21 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+from scheduler.cost import KV_TENSORS, RoundKind
 from scheduler.layout import client_layout_from, server_layout_from
 from scheduler.parts import PlanPart
 
 from .dtypes import accumulation_dtype
 from .executor import ServerExecutor
-from scheduler.cost import KV_TENSORS, RoundKind
+from .transport.base import aligned
+from .wire import RowFormat
 
-from .wire import RowFormat, pack, unpack
+
+def _is_identity(index: np.ndarray, n: int) -> bool:
+    return len(index) == n and bool((index == np.arange(n)).all())
 
 
 class Participant:
@@ -29,10 +50,10 @@ class Participant:
     participants ``0..R-1`` are client ranks, ``R..R+S-1`` servers.
 
     Attributes:
-        traffic: ``{(round_kind, tensor): bytes}`` this participant sent to other participants.
-        timings: seconds spent per phase over all rounds: ``pack`` (gathering rows into send
-            buffers), ``all_to_all`` (the exchanges, waiting for peers included), ``kernel`` (the
-            server's fused call) and ``unpack`` (splitting, concatenating, scattering results).
+        traffic: ``{(round kind value, tensor): bytes}`` this participant sent to other participants.
+        timings: seconds spent per phase over all rounds: ``pack`` (gathering rows into send and
+            receive buffers), ``all_to_all`` (the exchanges, waiting for peers included), ``kernel``
+            (the server's fused call) and ``unpack`` (scattering results into the outputs).
             CPU wall time; on a GPU the phases are asynchronous and only the total is meaningful.
     """
 
@@ -40,97 +61,179 @@ class Participant:
         self.part, self.index, self.fmt, self.device = part, part.participant, fmt, torch.device(device)
         self.rank, self.server = part.rank, part.server
         self.traffic: dict[tuple[str, str], int] = defaultdict(int)
-        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, summed over rounds
-        if self.rank is not None:
-            lay = client_layout_from(part.doc_lens, part.client_tasks, part.num_servers, self.rank)
+        self.timings: dict[str, float] = defaultdict(float)
+        P, S, R = part.num_participants, part.num_servers, part.num_ranks
+        # The in-place participant's own server (client side) and own rank (server side).
+        self.own_server = self.server if self.rank is not None else None
+        self.own_rank = self.rank if self.server is not None else None
 
-            def idx(a):
-                return torch.as_tensor(a, dtype=torch.long, device=self.device)
-            self.q_index = [idx(a) for a in lay.q_index]
-            self.kv_index = [idx(a) for a in lay.kv_index]
-            self.q_all = torch.cat(self.q_index)
-            self.kv_all = torch.cat(self.kv_index)
+        def idx(a):
+            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=self.device)
+
+        if self.rank is not None:
+            lay = client_layout_from(part.doc_lens, part.client_tasks, S, self.rank)
+            others = [s for s in range(S) if s != self.own_server]
+            own = self.own_server
             self.num_tokens = part.num_tokens
+            q_send = [lay.q_index[s] for s in others]
+            kv_send = [lay.kv_index[s] for s in others]
+            self.q_send_idx = idx(np.concatenate(q_send) if q_send else np.zeros(0))
+            self.kv_send_idx = idx(np.concatenate(kv_send) if kv_send else np.zeros(0))
+            self.q_own_idx = idx(lay.q_index[own] if own is not None else np.zeros(0))
+            self.kv_own_idx = idx(lay.kv_index[own] if own is not None else np.zeros(0))
+            # Rows per participant that this client sends (and later receives back).
+            self.client_q_rows = [0] * P
+            self.client_kv_rows = [0] * P
+            for s in others:
+                p = part.server_participant(s)
+                self.client_q_rows[p], self.client_kv_rows[p] = len(lay.q_index[s]), len(lay.kv_index[s])
+            self._plan_kv_sums(lay, others, own)
+            # All rows go to the own server, in order: its results are the outputs as they are.
+            self.results_home = (own is not None and not any(self.client_q_rows)
+                                 and _is_identity(lay.q_index[own], self.num_tokens)
+                                 and _is_identity(lay.kv_index[own], self.num_tokens))
         if self.server is not None:
-            self.server_lay = server_layout_from(part.server_tasks, part.num_ranks, self.server)
-            self.executor = ServerExecutor(self.server_lay, backend, self.device)
+            tasks = part.server_tasks
+            if self.own_rank is not None:  # own rank's rows first: they are gathered, not received
+                tasks = tasks[np.argsort(tasks[:, 1] != self.own_rank, kind="stable")]
+            self.server_lay = lay_s = server_layout_from(tasks, R, self.server)
+            self.executor = ServerExecutor(lay_s, backend, self.device)
+            own = self.own_rank
+            self.head_q_rows = lay_s.q_rows[own] if own is not None else 0
+            self.head_kv_rows = lay_s.kv_rows[own] if own is not None else 0
+            self.server_q_rows = [0] * P
+            self.server_kv_rows = [0] * P
+            for r in range(R):
+                if r != own:
+                    self.server_q_rows[r], self.server_kv_rows[r] = lay_s.q_rows[r], lay_s.kv_rows[r]
+        # ... and the own server receives nothing else: the kernel reads the client's tensors.
+        self.inputs_home = (self.server is not None and self.rank is not None and self.results_home
+                            and not any(self.server_q_rows))
 
-    # ---- the two exchanges of a round --------------------------------------------------------------
-    def _exchange(self, transport, kind: RoundKind, names, outgoing: dict[int, list[torch.Tensor]],
-                  recv_rows: dict[int, tuple[int, int]]):
-        """Send ``outgoing[participant]`` (tensors in ``names`` order); receive messages of
-        ``recv_rows[participant] = (q_rows, kv_rows)``; return ``{participant: {name: tensor}}``."""
-        P = self.part.num_participants
-        send_splits, chunks = [0] * P, []
-        for dst in sorted(outgoing):
-            parts = pack(outgoing[dst])
-            chunks.extend(parts)
-            send_splits[dst] = sum(p.numel() for p in parts)
-            if dst != self.index:
-                for name, p in zip(names, parts):
-                    self.traffic[(kind.value, name)] += p.numel()
-        recv_splits = [0] * P
-        for src, (qr, kr) in recv_rows.items():
-            recv_splits[src] = self.fmt.message_bytes(names, qr, kr)
-        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=self.device)
-        t0 = time.perf_counter()
-        recv = transport.all_to_all(send, send_splits, recv_splits)
-        t1 = time.perf_counter()
-        self.timings["all_to_all"] += t1 - t0
-        result, offset = {}, 0
-        for src in range(P):
-            size = recv_splits[src]
-            if src in recv_rows:
-                result[src] = unpack(recv[offset:offset + size], self.fmt, names, *recv_rows[src])
-            offset += size
-        self.timings["unpack"] += time.perf_counter() - t1
-        return result
+    def _plan_kv_sums(self, lay, others, own) -> None:
+        """Which returned dK/dV rows must be summed: a document's KV prefix goes to every server
+        that holds one of its shards. Most rows come back once and are copied into place; only
+        the repeated ones are summed, in :func:`accumulation_dtype`."""
+        pieces = ([lay.kv_index[own]] if own is not None else []) + [np.concatenate(
+            [lay.kv_index[s] for s in others]) if others else np.zeros(0, np.int64)]
+        kv_all = np.concatenate(pieces).astype(np.int64)
+        counts = np.bincount(kv_all, minlength=self.num_tokens)
+        if (counts == 0).any():
+            raise ValueError(f"rank {self.rank}: KV rows {np.flatnonzero(counts == 0)[:5].tolist()} are "
+                             f"sent to no server")
+        repeated = counts[kv_all] > 1
+        self.kv_repeated_rows = None
+        if repeated.any():
+            rows = np.unique(kv_all[repeated])  # the token rows whose gradient is a sum
+            slot = np.searchsorted(rows, kv_all)  # each repeated position's row among them
+            bounds = np.cumsum([0] + [len(x) for x in pieces])
+            idx = (lambda a: torch.as_tensor(a, dtype=torch.long, device=self.device))
+            self.kv_repeated_rows = idx(rows)
+            # Per piece (own results, then the received ones): positions and target slots.
+            self.kv_repeated = [(idx(np.flatnonzero(repeated[a:b])), idx(slot[a:b][repeated[a:b]]))
+                                for a, b in zip(bounds[:-1], bounds[1:])]
 
+    # ---- byte layouts ------------------------------------------------------------------------------
+    def _rows(self, name: str, q_rows, kv_rows):
+        return kv_rows if name in KV_TENSORS else q_rows
+
+    def _splits(self, names, q_rows, kv_rows) -> list[list[int]]:
+        return [[n * self.fmt.row_bytes(name) for n in self._rows(name, q_rows, kv_rows)] for name in names]
+
+    def _typed(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """A byte range of a buffer as rows of tensor ``name``."""
+        rows = buf.numel() // self.fmt.row_bytes(name)
+        return buf.view(self.fmt.row_dtype(name)).view(rows, *self.fmt.row_shape(name))
+
+    def _segments(self, key: str, transport, names, heads: list[int], rest: list[int]):
+        """Carve transport buffer ``key`` into one aligned segment per tensor: ``heads[i]`` bytes the
+        participant fills itself, then ``rest[i]`` bytes the transport fills. Returns the whole
+        segments and their transport parts."""
+        sizes = [aligned(h + r) for h, r in zip(heads, rest)]
+        buf = transport.buffer(key, sum(sizes))
+        whole, tail, off = [], [], 0
+        for h, r, size in zip(heads, rest, sizes):
+            whole.append(buf[off:off + h + r])
+            tail.append(buf[off + h:off + h + r])
+            off += size
+        return whole, tail
+
+    # ---- a round -----------------------------------------------------------------------------------
     def _round(self, transport, kind: RoundKind, local, compute):
-        part = self.part
-        dispatch_names, return_names = kind.dispatch, kind.returns
-        start = time.perf_counter()
-        pre_a2a = self.timings["all_to_all"] + self.timings["unpack"]
-        kernel0 = self.timings["kernel"]
-        outgoing, expect_back = {}, {}
+        """Run one round; returns ``(results from the other servers, own server's results)`` on a
+        client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
+        fmt, P = self.fmt, self.part.num_participants
+        t0 = time.perf_counter()
+        names, back = kind.dispatch, kind.returns
+        zeros = [0] * P
+        # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
+        home = self.inputs_home and all(local[n].is_contiguous() for n in names)
+        # Dispatch: what this participant sends (client role) and receives (server role).
         if self.rank is not None:
-            for s in range(part.num_servers):
-                qi, ki = self.q_index[s], self.kv_index[s]
-                dst = part.server_participant(s)
-                outgoing[dst] = [local[n].index_select(0, ki if n in KV_TENSORS else qi)
-                                 for n in dispatch_names]
-                expect_back[dst] = (len(qi), len(ki))
-        incoming = {}
+            send_splits = self._splits(names, self.client_q_rows, self.client_kv_rows)
+        else:
+            send_splits = [zeros] * len(names)
         if self.server is not None:
-            lay = self.server_lay
-            incoming = {r: (lay.q_rows[r], lay.kv_rows[r]) for r in range(part.num_ranks)}
-        received = self._exchange(transport, kind, dispatch_names, outgoing, incoming)
+            recv_splits = self._splits(names, self.server_q_rows, self.server_kv_rows)
+            heads = [0 if home else self._rows(n, self.head_q_rows, self.head_kv_rows) * fmt.row_bytes(n)
+                     for n in names]
+        else:
+            recv_splits, heads = [zeros] * len(names), [0] * len(names)
+        _, send = self._segments(f"{kind.value}-send", transport, names, [0] * len(names),
+                                 [sum(x) for x in send_splits])
+        inputs, recv = self._segments(f"{kind.value}-recv", transport, names, heads,
+                                      [sum(x) for x in recv_splits])
+        if self.rank is not None:
+            for i, name in enumerate(names):
+                kv = name in KV_TENSORS
+                src = local[name]
+                torch.index_select(src, 0, self.kv_send_idx if kv else self.q_send_idx,
+                                   out=self._typed(send[i], name))
+                if self.server is not None and not home:
+                    torch.index_select(src, 0, self.kv_own_idx if kv else self.q_own_idx,
+                                       out=self._typed(inputs[i][:heads[i]], name))
+                sent = sum(send_splits[i])
+                if sent:
+                    self.traffic[(kind.value, name)] += sent
+        t1 = time.perf_counter()
+        transport.exchange(send, send_splits, recv, recv_splits)
+        t2 = time.perf_counter()
+        self.timings["pack"] += t1 - t0
+        self.timings["all_to_all"] += t2 - t1
 
-        replies = {}
+        # The server's fused kernel call on the received rows, then the return exchange.
+        own_results, ret_send, ret_send_splits = None, [], [zeros] * len(back)
         if self.server is not None:
-            ranks = range(part.num_ranks)
-            inputs = {n: torch.cat([received[r][n] for r in ranks]) for n in dispatch_names}
-            t0 = time.perf_counter()
-            results = compute(inputs)
-            self.timings["kernel"] += time.perf_counter() - t0
-            q_off = k_off = 0
-            for r in ranks:
-                qr, kr = incoming[r]
-                replies[r] = [results[n][k_off:k_off + kr] if n in KV_TENSORS else results[n][q_off:q_off + qr]
-                              for n in return_names]
-                q_off, k_off = q_off + qr, k_off + kr
-        back = self._exchange(transport, kind, return_names, replies, expect_back)
-        result = None
+            results = compute(local if home else {n: self._typed(buf, n) for n, buf in zip(names, inputs)})
+            t3 = time.perf_counter()
+            self.timings["kernel"] += t3 - t2
+            t2 = t3
+            ret_send_splits = self._splits(back, self.server_q_rows, self.server_kv_rows)
+            own_results = {}
+            for name in back:
+                rows = results[name].contiguous()
+                head = self._rows(name, self.head_q_rows, self.head_kv_rows)
+                own_results[name] = rows[:head]
+                ret_send.append(rows[head:].reshape(-1).view(torch.uint8))
+                sent = rows[head:].numel() * rows.element_size()
+                if sent:
+                    self.traffic[(kind.value, name)] += sent
+        else:
+            ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         if self.rank is not None:
-            servers = [part.server_participant(s) for s in range(part.num_servers)]
-            result = {n: torch.cat([back[p][n] for p in servers]) for n in return_names}
-        elapsed = time.perf_counter() - start
-        # Whatever was not exchange, unpack or kernel time in this round was packing.
-        accounted = self.timings["all_to_all"] + self.timings["unpack"] - pre_a2a
-        self.timings["pack"] += max(0.0, elapsed - accounted - (self.timings["kernel"] - kernel0))
-        return result
+            ret_recv_splits = self._splits(back, self.client_q_rows, self.client_kv_rows)
+        else:
+            ret_recv_splits = [zeros] * len(back)
+        _, ret_recv = self._segments(f"{kind.value}-return", transport, back, [0] * len(back),
+                                     [sum(x) for x in ret_recv_splits])
+        transport.exchange(ret_send, ret_send_splits, ret_recv, ret_recv_splits)
+        self.timings["all_to_all"] += time.perf_counter() - t2
+        if self.rank is None:
+            return None, None
+        return {n: self._typed(buf, n) for n, buf in zip(back, ret_recv)}, own_results
 
     # ---- rounds ------------------------------------------------------------------------------------
+    @torch.no_grad()  # rounds run on worker threads, where grad mode is on; autograd is above us
     def forward(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None):
         """Forward round. Clients pass their local ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] and
         get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None.
@@ -140,22 +243,27 @@ class Participant:
         local = {"q": q, "k": k, "v": v} if self.rank is not None else None
 
         def compute(x):
-            out, lse = self.executor.forward(x["q"], x["k"], x["v"], softmax_scale)
-            return {"out": out, "lse": lse}
-        got = self._round(transport, RoundKind.FORWARD, local, compute)
-        if got is None:
+            o, s = self.executor.forward(x["q"], x["k"], x["v"], softmax_scale)
+            return {"out": o, "lse": s}
+        remote, own = self._round(transport, RoundKind.FORWARD, local, compute)
+        if remote is None:
             return None
+        if self.results_home:
+            return self._place(own["out"], out), self._place(own["lse"], lse)
         T = self.num_tokens
+        t0 = time.perf_counter()
         if out is None:
             out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
         if lse is None:
             lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
-        t0 = time.perf_counter()
-        out.index_copy_(0, self.q_all, got["out"])
-        lse.index_copy_(0, self.q_all, got["lse"])
+        for name, dst in (("out", out), ("lse", lse)):
+            dst.index_copy_(0, self.q_send_idx, remote[name])
+            if own is not None:
+                dst.index_copy_(0, self.q_own_idx, own[name])
         self.timings["unpack"] += time.perf_counter() - t0
         return out, lse
 
+    @torch.no_grad()
     def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
                  dv=None):
         """Backward round: clients get ``(dq, dk, dv)`` shaped like their ``q``, ``k``, ``v``;
@@ -163,26 +271,41 @@ class Participant:
 
         ``dq``, ``dk``, ``dv``, if given, are where the gradients are written (q's, k's, v's
         shape and dtype)."""
-        grads_out = (dq, dk, dv)
         local = ({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
                  if self.rank is not None else None)
 
         def compute(x):
-            dq, dk, dv = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"],
-                                                x["lse"], softmax_scale)
-            return {"dq": dq, "dk": dk, "dv": dv}
-        got = self._round(transport, RoundKind.BACKWARD, local, compute)
-        if got is None:
+            g = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"], x["lse"],
+                                       softmax_scale)
+            return dict(zip(("dq", "dk", "dv"), g))
+        remote, own = self._round(transport, RoundKind.BACKWARD, local, compute)
+        if remote is None:
             return None
+        if self.results_home:
+            return self._place(own["dq"], dq), self._place(own["dk"], dk), self._place(own["dv"], dv)
         t0 = time.perf_counter()
-        dq = (torch.empty_like(q) if grads_out[0] is None else grads_out[0]).index_copy_(0, self.q_all, got["dq"])
-        acc = accumulation_dtype(k.dtype)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_all, got["dk"].to(acc))
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_all, got["dv"].to(acc))
+        dq = torch.empty_like(q) if dq is None else dq
+        dq.index_copy_(0, self.q_send_idx, remote["dq"])
+        if own is not None:
+            dq.index_copy_(0, self.q_own_idx, own["dq"])
+        grads = []
+        for name, like, given in (("dk", k, dk), ("dv", v, dv)):
+            pieces = ([own[name]] if own is not None else []) + [remote[name]]
+            indices = ([self.kv_own_idx] if own is not None else []) + [self.kv_send_idx]
+            dst = torch.empty_like(like) if given is None else given
+            for index, rows in zip(indices, pieces):
+                dst.index_copy_(0, index, rows)
+            if self.kv_repeated_rows is not None:  # overwrite the repeated rows with their sums
+                acc = accumulation_dtype(like.dtype)
+                sums = torch.zeros((len(self.kv_repeated_rows), *like.shape[1:]), dtype=acc,
+                                   device=like.device)
+                for (pos, slot), rows in zip(self.kv_repeated, pieces):
+                    sums.index_add_(0, slot, rows.index_select(0, pos).to(acc))
+                dst.index_copy_(0, self.kv_repeated_rows, sums.to(like.dtype))
+            grads.append(dst)
         self.timings["unpack"] += time.perf_counter() - t0
-        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
-        if grads_out[1] is not None:
-            dk = grads_out[1].copy_(dk)
-        if grads_out[2] is not None:
-            dv = grads_out[2].copy_(dv)
-        return dq, dk, dv
+        return dq, grads[0], grads[1]
+
+    @staticmethod
+    def _place(result: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
+        return result if given is None else given.copy_(result)

@@ -13,18 +13,7 @@ from typing import Sequence
 import torch
 
 from ..errors import DistCAError
-
-
-def check_splits(send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                 world_size: int) -> None:
-    """Validate an all-to-all call's arguments; raises ``ValueError`` naming the offenders."""
-    if send.dtype != torch.uint8 or send.dim() != 1:
-        raise ValueError(f"send must be a 1-D uint8 tensor, got {send.dtype} {tuple(send.shape)}")
-    for name, splits in (("send_splits", send_splits), ("recv_splits", recv_splits)):
-        if len(splits) != world_size or any(int(x) < 0 for x in splits):
-            raise ValueError(f"{name} must be {world_size} ints >= 0, got {list(splits)}")
-    if sum(send_splits) != send.numel():
-        raise ValueError(f"send_splits sum to {sum(send_splits)} but send holds {send.numel()} bytes")
+from .base import GrowingBuffers, check_exchange
 
 
 class LocalGroup:
@@ -44,13 +33,14 @@ class LocalGroup:
         self._barrier = threading.Barrier(world_size)
         self._lock = threading.Lock()
         self._entered = [0] * world_size  # exchanges each participant has joined
-        self._slots: list[list[torch.Tensor | None]] = [[None] * world_size for _ in range(world_size)]
+        self._slots: list[tuple | None] = [None] * world_size  # each participant's deposited segments
         self._failed: dict[int, str] = {}
 
-    def endpoint(self, rank: int) -> "LocalTransport":
+    def endpoint(self, rank: int, device="cpu") -> "LocalTransport":
+        """Participant ``rank``'s endpoint; its buffers live on ``device``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
-        return LocalTransport(self, rank)
+        return LocalTransport(self, rank, device)
 
     def abort(self, rank: int, reason: str) -> None:
         """Mark ``rank`` as failed and wake every peer waiting on it."""
@@ -80,31 +70,56 @@ class LocalGroup:
 
 
 class LocalTransport:
-    """One participant's endpoint of a :class:`LocalGroup` (see :class:`..base.Transport`)."""
+    """One participant's endpoint of a :class:`LocalGroup` (see :class:`.base.Transport`).
 
-    def __init__(self, group: LocalGroup, rank: int):
+    An exchange is two barriers: senders deposit their segments, each receiver copies what its
+    peers deposited for it straight into its receive buffers (the one copy an in-process transfer
+    costs), and nobody reuses a send buffer before every receiver has read it.
+    """
+
+    def __init__(self, group: LocalGroup, rank: int, device="cpu"):
         self.group = group
         self.rank = rank
         self.world_size = group.world_size
+        self.device = torch.device(device)
         self.bytes_sent = 0
+        self._buffers = GrowingBuffers(self.device)
 
-    def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int],
-                   recv_splits: Sequence[int]) -> torch.Tensor:
-        g, me = self.group, self.rank
-        check_splits(send, send_splits, recv_splits, self.world_size)
-        for dst, piece in enumerate(torch.split(send, list(send_splits))):
-            g._slots[me][dst] = piece
-        self.bytes_sent += sum(send_splits) - send_splits[me]
+    def buffer(self, key: str, nbytes: int) -> torch.Tensor:
+        return self._buffers.buffer(key, nbytes)
+
+    def exchange(self, send: Sequence[torch.Tensor], send_splits, recv: Sequence[torch.Tensor],
+                 recv_splits, timeout_s: float | None = None) -> None:
+        g, me, P = self.group, self.rank, self.world_size
+        check_exchange(send, send_splits, recv, recv_splits, P, me)
+        offsets = []
+        for splits in send_splits:
+            o, acc = [], 0
+            for n in splits:
+                o.append(acc)
+                acc += int(n)
+            offsets.append(o)
+        g._slots[me] = (list(send), [list(map(int, x)) for x in send_splits], offsets)
+        self.bytes_sent += sum(sum(map(int, x)) - int(x[me]) for x in send_splits)
         g._wait(me, "deposit")
-        pieces = [g._slots[src][me] for src in range(self.world_size)]
-        sizes = [p.numel() for p in pieces]
-        if sizes != list(recv_splits):
-            g.abort(me, f"expected {list(recv_splits)} bytes from each peer, got {sizes}")
-            raise ValueError(f"participant {me}: expected {list(recv_splits)} bytes from each "
-                             f"peer, got {sizes}")
-        out = torch.cat(pieces) if pieces else send.new_empty(0)
-        # Nobody may overwrite a slot for the next exchange before everyone has read this one.
+        try:
+            for s, (buf, expect) in enumerate(zip(recv, recv_splits)):
+                pos = 0
+                for src in range(P):
+                    sends, splits, offs = g._slots[src]
+                    if s >= len(sends):
+                        raise ValueError(f"participant {src} sent {len(sends)} segments, "
+                                         f"participant {me} expects {len(recv)}")
+                    n = splits[s][me]
+                    if n != int(expect[src]):
+                        raise ValueError(f"participant {me}: segment {s} from participant {src} has "
+                                         f"{n} bytes, expected {int(expect[src])}")
+                    if n:
+                        buf[pos:pos + n].copy_(sends[s][offs[s][me]:offs[s][me] + n])
+                    pos += n
+        except ValueError as exc:
+            g.abort(me, str(exc))
+            raise
+        # Nobody may reuse a send buffer for the next exchange before everyone has read this one.
         g._wait(me, "collect")
-        for dst in range(self.world_size):
-            g._slots[me][dst] = None
-        return out
+        g._slots[me] = None

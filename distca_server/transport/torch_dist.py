@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistCAError
-from .local import check_splits
+from .base import GrowingBuffers, check_exchange
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -38,29 +38,34 @@ class TorchDistTransport:
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.timeout_s, self.device, self.store, self.epoch = timeout_s, torch.device(device), store, epoch
         self.bytes_sent = 0
+        self._buffers = GrowingBuffers(self.device)
 
-    def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                   timeout_s: float | None = None) -> torch.Tensor:
-        """Ragged all-to-all of bytes; ``timeout_s`` overrides the transport's deadline (servers
-        wait for the next round's header longer than for data inside a round).
+    def buffer(self, key: str, nbytes: int) -> torch.Tensor:
+        return self._buffers.buffer(key, nbytes)
+
+    def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
+                 recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
+                 timeout_s: float | None = None) -> None:
+        """One ragged ``alltoall_base`` per segment, straight between the given buffers;
+        ``timeout_s`` overrides the transport's deadline (servers wait for the next round's header
+        longer than for data inside a round).
 
         Raises:
-            ValueError: bad splits.
-            DistCAError: the collective failed or timed out (a peer died or never came).
+            ValueError: bad splits or buffers.
+            DistCAError: a collective failed or timed out (a peer died or never came).
         """
-        check_splits(send, send_splits, recv_splits, self.world_size)
-        out = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        check_exchange(send, send_splits, recv, recv_splits, self.world_size, self.rank)
         opts = dist.AllToAllOptions()
         opts.timeout = _td(self.timeout_s if timeout_s is None else timeout_s)
         try:
-            work = self.pg.alltoall_base(out, send.to(self.device), list(map(int, recv_splits)),
-                                         list(map(int, send_splits)), opts)
-            work.wait(opts.timeout)
+            for buf_out, buf_in, rs, ss in zip(recv, send, recv_splits, send_splits):
+                work = self.pg.alltoall_base(buf_out, buf_in.to(self.device), list(map(int, rs)),
+                                             list(map(int, ss)), opts)
+                work.wait(opts.timeout)
         except RuntimeError as exc:  # gloo and NCCL report lost peers and timeouts this way
             raise DistCAError(f"all-to-all failed on participant {self.rank} of group epoch "
                               f"{self.epoch}: {str(exc).splitlines()[0][:300]}") from None
-        self.bytes_sent += sum(send_splits) - send_splits[self.rank]
-        return out
+        self.bytes_sent += sum(sum(map(int, ss)) - int(ss[self.rank]) for ss in send_splits)
 
     def close(self) -> None:
         """Drop the group; peers still in a collective with it see their connection close."""

@@ -1,4 +1,5 @@
-"""The in-process all-to-all: data, splits, timeouts and failure propagation."""
+"""The in-process transport: segment exchanges against the reference, buffers, splits, timeouts
+and failure propagation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from distca_client.local import LocalRuntime
 from distca_server.errors import DistCAError
+from distca_server.refs import all_to_all_ref
+from distca_server.transport.base import ALIGN, all_to_all
 from distca_server.transport.local import LocalGroup
 
 
@@ -44,7 +47,7 @@ def test_all_to_all_delivers_every_message(world):
         got = []
         for _ in range(3):  # several exchanges reuse the group
             send = torch.cat([payload(i, d) for d in range(world)])
-            recv = ep.all_to_all(send, sizes[i], [sizes[s][i] for s in range(world)])
+            recv = all_to_all(ep, send, sizes[i], [sizes[s][i] for s in range(world)])
             got.append(recv)
         return got, ep.bytes_sent
     results, errors = _in_threads(world, participant)
@@ -61,7 +64,7 @@ def test_missing_participant_raises_distca_error_within_timeout():
     def participant(i):
         if i == 2:
             return None  # never joins
-        return group.endpoint(i).all_to_all(torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
+        return all_to_all(group.endpoint(i), torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
     start = time.monotonic()
     _, errors = _in_threads(3, participant)
     elapsed = time.monotonic() - start
@@ -78,7 +81,7 @@ def test_failed_participant_aborts_peers_at_once():
         if i == 1:
             group.abort(1, "kernel exploded")
             raise RuntimeError("kernel exploded")
-        return group.endpoint(i).all_to_all(torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
+        return all_to_all(group.endpoint(i), torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
     start = time.monotonic()
     _, errors = _in_threads(3, participant)
     assert time.monotonic() - start < 5  # not the 30 s timeout
@@ -92,9 +95,9 @@ def test_size_mismatch_is_value_error_and_peers_do_not_hang():
     def participant(i):
         send = torch.zeros(4, dtype=torch.uint8)
         expect = [2, 2] if i == 0 else [2, 1]  # participant 1 expects the wrong size
-        return group.endpoint(i).all_to_all(send, [2, 2], expect)
+        return all_to_all(group.endpoint(i), send, [2, 2], expect)
     _, errors = _in_threads(2, participant)
-    assert isinstance(errors[1], ValueError) and "expected [2, 1]" in str(errors[1])
+    assert isinstance(errors[1], ValueError) and "has 2 bytes, expected 1" in str(errors[1])
     assert isinstance(errors[0], DistCAError)
 
 
@@ -107,7 +110,7 @@ def test_size_mismatch_is_value_error_and_peers_do_not_hang():
 def test_bad_splits_raise_value_error(send, send_splits, recv_splits, fragment):
     ep = LocalGroup(2).endpoint(0)
     with pytest.raises(ValueError, match=fragment):
-        ep.all_to_all(send, send_splits, recv_splits)
+        all_to_all(ep, send, send_splits, recv_splits)
 
 
 def test_runtime_reraises_root_cause_and_recovers():
@@ -116,7 +119,7 @@ def test_runtime_reraises_root_cause_and_recovers():
     empty = torch.zeros(0, dtype=torch.uint8)
 
     def good(t):
-        t.all_to_all(empty, [0] * 3, [0] * 3)
+        all_to_all(t, empty, [0] * 3, [0] * 3)
         return t.rank
 
     def bad(t):
@@ -129,3 +132,38 @@ def test_runtime_reraises_root_cause_and_recovers():
     runtime.close()
     with pytest.raises(DistCAError, match="closed"):
         runtime.run([good, good, good])
+
+
+@pytest.mark.parametrize("world,segments", [(1, 1), (3, 2), (4, 6)])
+def test_segment_exchange_matches_reference(world, segments):
+    g = torch.Generator().manual_seed(10 * world + segments)
+    sizes = torch.randint(0, 30, (segments, world, world), generator=g).tolist()  # [seg][src][dst]
+    data = [[[torch.randint(0, 256, (sizes[s][src][dst],), generator=g, dtype=torch.uint8)
+              for dst in range(world)] for src in range(world)] for s in range(segments)]
+    group = LocalGroup(world, timeout_s=10)
+
+    def participant(i):
+        ep = group.endpoint(i)
+        send = [torch.cat(data[s][i]) for s in range(segments)]
+        send_splits = [sizes[s][i] for s in range(segments)]
+        recv_splits = [[sizes[s][src][i] for src in range(world)] for s in range(segments)]
+        recv = [ep.buffer(f"r{s}", sum(x)) for s, x in enumerate(recv_splits)]
+        ep.exchange(send, send_splits, recv, recv_splits)
+        return [r.clone() for r in recv]
+    results, errors = _in_threads(world, participant)
+    assert errors == [None] * world
+    for s in range(segments):
+        want = all_to_all_ref(data[s])
+        for i in range(world):
+            assert torch.equal(results[i][s], want[i])
+
+
+def test_buffers_are_reused_and_grown_not_reallocated_per_round():
+    ep = LocalGroup(1).endpoint(0)
+    a = ep.buffer("recv", 1000)
+    b = ep.buffer("recv", 10)
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 10
+    c = ep.buffer("recv", 5000)  # grows
+    assert c.numel() == 5000 and ep.buffer("recv", 4000).data_ptr() == c.data_ptr()
+    assert ep.buffer("send", 1).data_ptr() != c.data_ptr()  # one buffer per key
+    assert ep._buffers.reserved_bytes() % ALIGN == 0

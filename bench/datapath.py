@@ -1,0 +1,283 @@
+"""Data-path benchmark: what one forward+backward of ``attend`` copies, holds and costs around the
+kernel, beside single-device ``varlen_attention`` in the same run.
+
+The attention kernel is replaced by a stub backend that only allocates its outputs (``out``,
+``lse`` / ``dq``, ``dk``, ``dv``), so every number below is the data path's own: gathering rows,
+the in-process all-to-all, handing rows to the kernel, scattering results.
+
+For T tokens per batch (one batch of real-looking documents, seed 0), S servers and each mode of
+``DistCAClient.local`` (``inplace``: S ranks that are also servers; ``dedicated``: S ranks and S
+servers), one step = ``attend`` forward, then backward with a random upstream gradient.
+
+Columns (Q+K+V = the bytes of the three input tensors):
+- ``copied``: bytes written by copy operations (index_select, cat, clone, dtype casts, copy_,
+  index_copy_, index_add_, ...) in every thread of the process, as a multiple of Q+K+V. Counted
+  with a ``TorchDispatchMode`` entered in every worker thread.
+- ``peak``: the heap's peak growth during the step (glibc ``mallinfo2``: arena bytes in use plus
+  mmap-ed bytes, sampled after every tensor operation of every thread), as a multiple of Q+K+V.
+  Outputs and gradients count (they are alive at the end).
+- ``ms``: median wall time of the step (no instrumentation), ``--repeats`` runs after a warm-up.
+- ``vs before``: ``ms`` divided by the same configuration's ``ms`` in ``--before`` (a JSON written
+  by this script on an earlier version of distca; see bench/README.md), when given.
+
+Usage::
+
+    python bench/datapath.py                       # T = 4K/16K/32K, S = 1/2/4, both modes
+    python bench/datapath.py --quick               # T = 4K, S = 1/2
+    python bench/datapath.py --before bench/baselines/datapath_before.json
+
+Writes JSON to ``--json`` (default ``bench/results/datapath.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import ctypes
+import ctypes.util
+import functools
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from distca_client import DistCAClient, varlen_attention  # noqa: E402
+from distca_server import kernels  # noqa: E402
+from bench.report import finish  # noqa: E402
+
+HQ, HKV, D, DTYPE = 8, 2, 64, torch.bfloat16
+aten = torch.ops.aten
+
+
+# ---- the stub kernel --------------------------------------------------------------------------------
+class StubBackend:
+    """Allocates what a kernel returns and computes nothing (registered as backend "stub")."""
+
+    name = "stub"
+    device_types = None
+
+    def supports(self, device) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return torch.empty_like(q), torch.empty(q.shape[:2], dtype=lse_dtype, device=q.device)
+
+    def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+kernels.BACKENDS["stub"] = StubBackend()
+
+
+# ---- counting copies and heap growth in every thread -------------------------------------------------
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+# op -> which argument holds the bytes written (None: the output)
+_COPY_OPS = {
+    aten.index_select: None, aten.cat: None, aten.clone: None, aten._to_copy: None,
+    aten.stack: None, aten.gather: None, aten.index: None, aten.repeat: None,
+    aten.repeat_interleave: None, aten.copy_: 1, aten.index_copy_: 3, aten.index_copy: 3,
+    aten.index_add_: 3, aten.index_add: 3, aten.index_put_: 2, aten.scatter_: 3,
+    aten.masked_scatter_: 2,
+}
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"))
+_libc.mallinfo2.restype = _Mallinfo2
+
+
+def heap_in_use() -> int:
+    """Bytes the C heap holds for the process (arena in use + mmap-ed blocks)."""
+    m = _libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class CopyCounter(TorchDispatchMode):
+    """Sums bytes written by copy operations and samples the heap after every operation."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+        self.copied = 0
+        self.by_op: dict[str, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in _COPY_OPS:
+            where = _COPY_OPS[packet]
+            if "out" in kwargs:
+                n = _nbytes(kwargs["out"])
+            elif where is None:
+                n = sum(_nbytes(t) for t in (out if isinstance(out, (tuple, list)) else [out]))
+            else:
+                n = _nbytes(args[where]) if where < len(args) else 0
+                if packet is aten.copy_:
+                    n = _nbytes(args[0])
+            with self.lock:
+                self.copied += n
+                self.by_op[packet.__name__] = self.by_op.get(packet.__name__, 0) + n
+        h = heap_in_use()
+        if h > self.peak:
+            with self.lock:
+                self.peak = max(self.peak, h)
+        return out
+
+
+_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+
+def counting_in_threads(counter: CopyCounter):
+    """Make every ThreadPoolExecutor task run under ``counter`` (dispatch modes are per thread)."""
+    def submit(self, fn, /, *args, **kwargs):
+        @functools.wraps(fn)
+        def run(*a, **kw):
+            with counter:
+                return fn(*a, **kw)
+        return _submit(self, run, *args, **kwargs)
+    concurrent.futures.ThreadPoolExecutor.submit = submit
+
+
+def restore_threads() -> None:
+    concurrent.futures.ThreadPoolExecutor.submit = _submit
+
+
+# ---- the workload ---------------------------------------------------------------------------------------
+def doc_lens(total: int, seed: int = 0) -> list[int]:
+    """Documents of a packed batch: a few long ones and many short ones, odd lengths included."""
+    rng = np.random.default_rng(seed)
+    lens, left = [], total
+    while left > 0:
+        n = int(min(left, max(1, rng.lognormal(6.5, 1.4))))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def inputs(total: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(total, h, D, generator=g).to(DTYPE) for h in (HQ, HKV, HKV, HQ))
+    return q, k, v, dout
+
+
+def one_step(attn, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v)
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def measure(attn, q, k, v, dout, repeats: int) -> dict:
+    qkv = sum(_nbytes(t) for t in (q, k, v))
+    one_step(attn, q, k, v, dout)  # warm-up: plans, threads, buffers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_step(attn, q, k, v, dout)
+        times.append(time.perf_counter() - start)
+    counter = CopyCounter()
+    counting_in_threads(counter)
+    try:
+        base = heap_in_use()
+        counter.peak = base
+        with counter:
+            result = one_step(attn, q, k, v, dout)
+        del result
+    finally:
+        restore_threads()
+    return {"copied_x_qkv": counter.copied / qkv, "peak_x_qkv": (counter.peak - base) / qkv,
+            "ms": statistics.median(times) * 1e3, "copied_by_op": dict(sorted(counter.by_op.items())),
+            "qkv_bytes": qkv}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--modes", nargs="+", default=["inplace", "dedicated"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="T = 4K, S = 1 and 2, 2 repeats")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="JSON of an earlier run to compare times against")
+    parser.add_argument("--label", default="current")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "datapath.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.servers, args.repeats = [4096], [1, 2], 2
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # participants are threads already; keep the timing steady on 2 cores
+    before = {}
+    if args.before is not None:
+        import json
+        before = {(r["tokens"], r["servers"], r["mode"]): r for r in json.loads(args.before.read_text())["rows"]}
+
+    started = time.perf_counter()
+    rows = []
+    for total in args.tokens:
+        lens = doc_lens(total)
+        q, k, v, dout = inputs(total)
+        ref = measure(lambda a, b, c: varlen_attention(a, b, c, lens, backend="stub"), q, k, v, dout,
+                      args.repeats)
+        rows.append({"tokens": total, "servers": 0, "mode": "varlen_attention", **ref})
+        for mode in args.modes:
+            for servers in args.servers:
+                with DistCAClient.local(num_servers=servers, backend="stub", mode=mode) as client:
+                    row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, args.repeats)
+                row.update(tokens=total, servers=servers, mode=mode,
+                           ms_vs_varlen=row["ms"] / ref["ms"])
+                old = before.get((total, servers, mode))
+                if old is not None:
+                    row["ms_vs_before"] = row["ms"] / old["ms"]
+                    row["copied_before"] = old["copied_x_qkv"]
+                    row["peak_before"] = old["peak_x_qkv"]
+                rows.append(row)
+                print(f"  T={total} {mode} S={servers}: copied {row['copied_x_qkv']:.2f}x, "
+                      f"peak {row['peak_x_qkv']:.2f}x, {row['ms']:.2f} ms", flush=True)
+    elapsed = time.perf_counter() - started
+
+    def table():
+        print(f"\ndata path per forward+backward step ({args.label}), Q+K+V multiples; kernel stubbed; "
+              f"hq={HQ} hkv={HKV} d={D} {str(DTYPE).removeprefix('torch.')}")
+        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'peak':>6} {'ms':>8} {'vs varlen':>9} "
+              f"{'copied before':>13} {'peak before':>11} {'ms vs before':>12}")
+        for r in rows:
+            opt = (lambda key, fmt: format(r[key], fmt) if key in r else "-")
+            print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
+                  f"{r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} {opt('ms_vs_varlen', '.2f'):>9} "
+                  f"{opt('copied_before', '.2f'):>13} {opt('peak_before', '.2f'):>11} "
+                  f"{opt('ms_vs_before', '.2f'):>12}")
+
+    worst = max((r for r in rows if r["mode"] != "varlen_attention"), key=lambda r: r["copied_x_qkv"])
+    headline = [f"worst copies: {worst['copied_x_qkv']:.2f}x Q+K+V (T={worst['tokens']}, {worst['mode']}, "
+                f"S={worst['servers']})"]
+    finish(table, headline, elapsed, args.json,
+           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": HKV, "head_dim": D,
+                                           "dtype": str(DTYPE)}, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
