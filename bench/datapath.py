@@ -13,9 +13,14 @@ Columns (Q+K+V = the bytes of the three input tensors):
 - ``copied``: bytes written by copy operations (index_select, cat, clone, dtype casts, copy_,
   index_copy_, index_add_, ...) in every thread of the process, as a multiple of Q+K+V. Counted
   with a ``TorchDispatchMode`` entered in every worker thread.
-- ``peak``: the heap's peak growth during the step (glibc ``mallinfo2``: arena bytes in use plus
-  mmap-ed bytes, sampled after every tensor operation of every thread), as a multiple of Q+K+V.
-  Outputs and gradients count (they are alive at the end).
+- ``moved``: of those, the bytes the plan moves between participants (``plan.comm_bytes()``,
+  forward + backward): the in-process transport's copy, which a network transport does on the wire.
+  One gather and one scatter per byte and direction is the floor of ``copied - moved``: 4.0x for
+  MHA, 5.0x for the default GQA 4:1 shape (O and dO are Q-sized).
+- ``peak``: the heap's peak growth during the step over the heap before the client was made
+  (glibc ``mallinfo2``: arena bytes in use plus mmap-ed bytes, sampled after every tensor operation
+  of every thread), as a multiple of Q+K+V: buffers the client keeps between steps count, and so
+  do outputs and gradients (alive at the end).
 - ``ms``: median wall time of the step (no instrumentation), ``--repeats`` runs after a warm-up.
 - ``vs before``: ``ms`` divided by the same configuration's ``ms`` in ``--before`` (a JSON written
   by this script on an earlier version of distca; see bench/README.md), when given.
@@ -36,6 +41,7 @@ import concurrent.futures
 import ctypes
 import ctypes.util
 import functools
+import gc
 import statistics
 import sys
 import threading
@@ -53,7 +59,7 @@ from distca_client import DistCAClient, varlen_attention  # noqa: E402
 from distca_server import kernels  # noqa: E402
 from bench.report import finish  # noqa: E402
 
-HQ, HKV, D, DTYPE = 8, 2, 64, torch.bfloat16
+HQ, D, DTYPE = 8, 64, torch.bfloat16
 aten = torch.ops.aten
 
 
@@ -177,9 +183,9 @@ def doc_lens(total: int, seed: int = 0) -> list[int]:
     return lens
 
 
-def inputs(total: int, seed: int = 0):
+def inputs(total: int, hkv: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    q, k, v, dout = (torch.randn(total, h, D, generator=g).to(DTYPE) for h in (HQ, HKV, HKV, HQ))
+    q, k, v, dout = (torch.randn(total, h, D, generator=g).to(DTYPE) for h in (HQ, hkv, hkv, HQ))
     return q, k, v, dout
 
 
@@ -190,7 +196,9 @@ def one_step(attn, q, k, v, dout):
     return out, q.grad, k.grad, v.grad
 
 
-def measure(attn, q, k, v, dout, repeats: int) -> dict:
+def measure(attn, q, k, v, dout, repeats: int, base: int | None = None) -> dict:
+    """Copies, peak heap growth over ``base`` (default: the heap before the measured step; pass
+    the heap before the client existed to count what it holds between steps) and time."""
     qkv = sum(_nbytes(t) for t in (q, k, v))
     one_step(attn, q, k, v, dout)  # warm-up: plans, threads, buffers
     times = []
@@ -201,7 +209,8 @@ def measure(attn, q, k, v, dout, repeats: int) -> dict:
     counter = CopyCounter()
     counting_in_threads(counter)
     try:
-        base = heap_in_use()
+        gc.collect()
+        base = heap_in_use() if base is None else base
         counter.peak = base
         with counter:
             result = one_step(attn, q, k, v, dout)
@@ -219,6 +228,7 @@ def main(argv=None) -> int:
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", default=["inplace", "dedicated"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--heads-kv", type=int, default=2, help=f"KV heads (q heads: {HQ})")
     parser.add_argument("--quick", action="store_true", help="T = 4K, S = 1 and 2, 2 repeats")
     parser.add_argument("--before", type=Path, default=None,
                         help="JSON of an earlier run to compare times against")
@@ -238,14 +248,19 @@ def main(argv=None) -> int:
     rows = []
     for total in args.tokens:
         lens = doc_lens(total)
-        q, k, v, dout = inputs(total)
+        q, k, v, dout = inputs(total, args.heads_kv)
         ref = measure(lambda a, b, c: varlen_attention(a, b, c, lens, backend="stub"), q, k, v, dout,
                       args.repeats)
         rows.append({"tokens": total, "servers": 0, "mode": "varlen_attention", **ref})
         for mode in args.modes:
             for servers in args.servers:
+                gc.collect()  # the previous client's cycles must not be freed during this one
+                before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
                 with DistCAClient.local(num_servers=servers, backend="stub", mode=mode) as client:
-                    row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, args.repeats)
+                    row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, args.repeats,
+                                  base=before_client)
+                    comm = client.last_plan.comm_bytes()
+                row["moved_x_qkv"] = (comm["forward"]["total"] + comm["backward"]["total"]) / row["qkv_bytes"]
                 row.update(tokens=total, servers=servers, mode=mode,
                            ms_vs_varlen=row["ms"] / ref["ms"])
                 old = before.get((total, servers, mode))
@@ -260,13 +275,13 @@ def main(argv=None) -> int:
 
     def table():
         print(f"\ndata path per forward+backward step ({args.label}), Q+K+V multiples; kernel stubbed; "
-              f"hq={HQ} hkv={HKV} d={D} {str(DTYPE).removeprefix('torch.')}")
-        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'peak':>6} {'ms':>8} {'vs varlen':>9} "
+              f"hq={HQ} hkv={args.heads_kv} d={D} {str(DTYPE).removeprefix('torch.')}")
+        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} {'vs varlen':>9} "
               f"{'copied before':>13} {'peak before':>11} {'ms vs before':>12}")
         for r in rows:
             opt = (lambda key, fmt: format(r[key], fmt) if key in r else "-")
             print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
-                  f"{r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} {opt('ms_vs_varlen', '.2f'):>9} "
+                  f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} {opt('ms_vs_varlen', '.2f'):>9} "
                   f"{opt('copied_before', '.2f'):>13} {opt('peak_before', '.2f'):>11} "
                   f"{opt('ms_vs_before', '.2f'):>12}")
 
@@ -274,7 +289,7 @@ def main(argv=None) -> int:
     headline = [f"worst copies: {worst['copied_x_qkv']:.2f}x Q+K+V (T={worst['tokens']}, {worst['mode']}, "
                 f"S={worst['servers']})"]
     finish(table, headline, elapsed, args.json,
-           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": HKV, "head_dim": D,
+           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv, "head_dim": D,
                                            "dtype": str(DTYPE)}, "rows": rows})
     return 0
 

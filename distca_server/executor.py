@@ -13,6 +13,7 @@ import torch
 from scheduler.layout import ServerLayout
 
 from .dtypes import accumulation_dtype
+from .rowsum import RowScatter
 
 
 class ServerExecutor:
@@ -31,6 +32,9 @@ class ServerExecutor:
         self.cu_seqlens_k = torch.as_tensor(layout.cu_seqlens_k, dtype=torch.int32, device=device)
         self.kv_gather = (None if layout.kv_gather is None
                           else torch.as_tensor(layout.kv_gather, dtype=torch.long, device=device))
+        # dK/dV of the gathered rows flow back onto the received rows, summed where tasks share them.
+        self.kv_scatter = (None if layout.kv_gather is None
+                           else RowScatter([layout.kv_gather], sum(layout.kv_rows), device))
 
     def _task_kv(self, k: torch.Tensor, v: torch.Tensor):
         if self.kv_gather is None:
@@ -66,7 +70,4 @@ class ServerExecutor:
         dq, dkt, dvt = self.backend.backward(dout, q, kt, vt, out, lse, *self._args(softmax_scale))
         if self.kv_gather is None:
             return dq, dkt, dvt
-        acc = accumulation_dtype(k.dtype)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, self.kv_gather, dkt.to(acc))
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, self.kv_gather, dvt.to(acc))
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return dq, self.kv_scatter([dkt], torch.empty_like(k)), self.kv_scatter([dvt], torch.empty_like(v))

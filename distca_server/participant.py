@@ -15,8 +15,8 @@ Where each byte is written (one copy per byte and direction):
   the kernel reads the received rows where they landed.
 - return: the kernel's outputs are already laid out [own rows][rank 0, rank 1, ...] and are sent as
   they are; the client scatters each result from the receive buffer (and, in-place, from its own
-  server's outputs) into the output with ``index_copy_`` (``index_add_`` in float32 for KV rows
-  that several servers computed on).
+  server's outputs) into the output with ``index_copy_``; KV rows that several servers computed on
+  are summed in float32 (:class:`~distca_server.rowsum.RowScatter`).
 - a participant whose rows all stay home in order (one in-place server, or a plan that moves
   nothing) hands its tensors to the kernel as they are and copies nothing.
 """
@@ -33,8 +33,8 @@ from scheduler.cost import KV_TENSORS, RoundKind
 from scheduler.layout import client_layout_from, server_layout_from
 from scheduler.parts import PlanPart
 
-from .dtypes import accumulation_dtype
 from .executor import ServerExecutor
+from .rowsum import RowScatter
 from .transport.base import aligned
 from .wire import RowFormat
 
@@ -87,7 +87,10 @@ class Participant:
             for s in others:
                 p = part.server_participant(s)
                 self.client_q_rows[p], self.client_kv_rows[p] = len(lay.q_index[s]), len(lay.kv_index[s])
-            self._plan_kv_sums(lay, others, own)
+            # A document's KV prefix goes to every server holding one of its shards: dK/dV sum.
+            kv_pieces = ([lay.kv_index[own]] if own is not None else []) + [np.concatenate(
+                kv_send) if kv_send else np.zeros(0, np.int64)]
+            self.kv_scatter = RowScatter(kv_pieces, self.num_tokens, self.device)
             # All rows go to the own server, in order: its results are the outputs as they are.
             self.results_home = (own is not None and not any(self.client_q_rows)
                                  and _is_identity(lay.q_index[own], self.num_tokens)
@@ -109,29 +112,6 @@ class Participant:
         # ... and the own server receives nothing else: the kernel reads the client's tensors.
         self.inputs_home = (self.server is not None and self.rank is not None and self.results_home
                             and not any(self.server_q_rows))
-
-    def _plan_kv_sums(self, lay, others, own) -> None:
-        """Which returned dK/dV rows must be summed: a document's KV prefix goes to every server
-        that holds one of its shards. Most rows come back once and are copied into place; only
-        the repeated ones are summed, in :func:`accumulation_dtype`."""
-        pieces = ([lay.kv_index[own]] if own is not None else []) + [np.concatenate(
-            [lay.kv_index[s] for s in others]) if others else np.zeros(0, np.int64)]
-        kv_all = np.concatenate(pieces).astype(np.int64)
-        counts = np.bincount(kv_all, minlength=self.num_tokens)
-        if (counts == 0).any():
-            raise ValueError(f"rank {self.rank}: KV rows {np.flatnonzero(counts == 0)[:5].tolist()} are "
-                             f"sent to no server")
-        repeated = counts[kv_all] > 1
-        self.kv_repeated_rows = None
-        if repeated.any():
-            rows = np.unique(kv_all[repeated])  # the token rows whose gradient is a sum
-            slot = np.searchsorted(rows, kv_all)  # each repeated position's row among them
-            bounds = np.cumsum([0] + [len(x) for x in pieces])
-            idx = (lambda a: torch.as_tensor(a, dtype=torch.long, device=self.device))
-            self.kv_repeated_rows = idx(rows)
-            # Per piece (own results, then the received ones): positions and target slots.
-            self.kv_repeated = [(idx(np.flatnonzero(repeated[a:b])), idx(slot[a:b][repeated[a:b]]))
-                                for a, b in zip(bounds[:-1], bounds[1:])]
 
     # ---- byte layouts ------------------------------------------------------------------------------
     def _rows(self, name: str, q_rows, kv_rows):
@@ -179,9 +159,12 @@ class Participant:
                      for n in names]
         else:
             recv_splits, heads = [zeros] * len(names), [0] * len(names)
-        _, send = self._segments(f"{kind.value}-send", transport, names, [0] * len(names),
+        # Two transport buffers per participant, reused by every round: "client" holds the rows a
+        # client sends, then the results it receives back (the send is complete by then);
+        # "server" holds the rows a server receives, until its kernel has run.
+        _, send = self._segments("client", transport, names, [0] * len(names),
                                  [sum(x) for x in send_splits])
-        inputs, recv = self._segments(f"{kind.value}-recv", transport, names, heads,
+        inputs, recv = self._segments("server", transport, names, heads,
                                       [sum(x) for x in recv_splits])
         if self.rank is not None:
             for i, name in enumerate(names):
@@ -224,7 +207,7 @@ class Participant:
             ret_recv_splits = self._splits(back, self.client_q_rows, self.client_kv_rows)
         else:
             ret_recv_splits = [zeros] * len(back)
-        _, ret_recv = self._segments(f"{kind.value}-return", transport, back, [0] * len(back),
+        _, ret_recv = self._segments("client", transport, back, [0] * len(back),
                                      [sum(x) for x in ret_recv_splits])
         transport.exchange(ret_send, ret_send_splits, ret_recv, ret_recv_splits)
         self.timings["all_to_all"] += time.perf_counter() - t2
@@ -291,18 +274,7 @@ class Participant:
         grads = []
         for name, like, given in (("dk", k, dk), ("dv", v, dv)):
             pieces = ([own[name]] if own is not None else []) + [remote[name]]
-            indices = ([self.kv_own_idx] if own is not None else []) + [self.kv_send_idx]
-            dst = torch.empty_like(like) if given is None else given
-            for index, rows in zip(indices, pieces):
-                dst.index_copy_(0, index, rows)
-            if self.kv_repeated_rows is not None:  # overwrite the repeated rows with their sums
-                acc = accumulation_dtype(like.dtype)
-                sums = torch.zeros((len(self.kv_repeated_rows), *like.shape[1:]), dtype=acc,
-                                   device=like.device)
-                for (pos, slot), rows in zip(self.kv_repeated, pieces):
-                    sums.index_add_(0, slot, rows.index_select(0, pos).to(acc))
-                dst.index_copy_(0, self.kv_repeated_rows, sums.to(like.dtype))
-            grads.append(dst)
+            grads.append(self.kv_scatter(pieces, torch.empty_like(like) if given is None else given))
         self.timings["unpack"] += time.perf_counter() - t0
         return dq, grads[0], grads[1]
 

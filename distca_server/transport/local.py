@@ -35,12 +35,18 @@ class LocalGroup:
         self._entered = [0] * world_size  # exchanges each participant has joined
         self._slots: list[tuple | None] = [None] * world_size  # each participant's deposited segments
         self._failed: dict[int, str] = {}
+        self._endpoints: dict[tuple[int, str], "LocalTransport"] = {}
 
     def endpoint(self, rank: int, device="cpu") -> "LocalTransport":
-        """Participant ``rank``'s endpoint; its buffers live on ``device``."""
+        """Participant ``rank``'s endpoint, the same object for every round on ``device`` (its
+        buffers are kept and reused)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
-        return LocalTransport(self, rank, device)
+        key = (rank, str(torch.device(device)))
+        with self._lock:
+            if key not in self._endpoints:
+                self._endpoints[key] = LocalTransport(self, rank, device)
+            return self._endpoints[key]
 
     def abort(self, rank: int, reason: str) -> None:
         """Mark ``rank`` as failed and wake every peer waiting on it."""
