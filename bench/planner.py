@@ -1,7 +1,7 @@
 """Planner benchmark: balance, bytes moved and planning time on real length traces.
 
 For each trace (Pretrain, ProLong), number of servers (= client ranks, in-place mode) and tokens
-per rank, one batch is drawn with :func:`scheduler.workloads.sample_batch` (seed 0, step 0) and
+per rank, one batch is drawn with :func:`distca_sim.workloads.sample_batch` (seed 0, step 0) and
 planned by every system:
 
 - ``plan_batch`` (the communication-aware greedy planner) at ε = 0, 0.05, 0.1, ``min_shard=128``;
@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 from scheduler import CostModel, plan_batch  # noqa: E402
 from scheduler.cost import KV_TENSORS  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
-from scheduler.workloads import sample_batch  # noqa: E402
+from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
 
 TRACES = ("pretrain", "prolong")

@@ -3,8 +3,7 @@
 import subprocess
 import sys
 
-from distca_server.cli import build_parser
-from distca_server.launch_cli import format_status
+from distca_cli import build_parser, format_status
 
 
 def test_subcommands_registered():
@@ -16,7 +15,7 @@ def test_subcommands_registered():
 
 
 def test_cli_import_is_light():
-    code = ("import sys; import distca_server.cli as c; c.build_parser(); "
+    code = ("import sys; import distca_cli as c; c.build_parser(); "
             "print('torch' in sys.modules, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

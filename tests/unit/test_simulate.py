@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
+from distca_sim.hardware import attention_tables
+from distca_sim.network import alltoall_seconds, rank_nodes, ring_seconds
+from distca_sim.pipeline import Round, pipeline_1f1b, run_rounds, tick_schedule
+from distca_sim.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
+                                 get_gpu, get_model, simulate)
+from distca_sim.systems import Context, cp_server_seconds
 from scheduler import CostModel
 from scheduler.baselines import per_doc_cp
-from scheduler.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
-                                get_gpu, get_model, simulate)
-from scheduler.simulate_net import alltoall_seconds, rank_nodes, ring_seconds
-from scheduler.simulate_sched import Round, pipeline_1f1b, run_rounds, tick_schedule
-from scheduler.simulate_systems import Context, cp_server_seconds
-from scheduler.simulate_hw import attention_tables
 
 # A model and a GPU with round numbers, so step times can be written down by hand.
 # Linear weights per layer: 256·(256 + 2·128) + 256² + 3·256·512 = 589,824.
@@ -279,7 +279,7 @@ def test_cluster_comparison_has_every_system_and_a_table():
 
 # ---- command line --------------------------------------------------------------------------------
 def test_cli_single_configuration_and_sweep(tmp_path, capsys):
-    from distca_server.cli import main
+    from distca_cli import main
     assert main(["simulate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "32", "--tp", "8",
                  "--pp", "1", "--context", "64K", "--dataset", "pretrain",
                  "--epsilon", "0.05"]) == 0

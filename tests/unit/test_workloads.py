@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from scheduler.workloads import (
+from distca_sim.workloads import (
     LONG_DOC_TOKENS,
     load_trace,
     pack_documents,
