@@ -1,8 +1,8 @@
 """Quickstart: core attention of a packed batch of real documents, served by in-process servers.
 
-Samples document lengths from the Pretrain trace (packaged with distca_sim), plans them over attention
-servers, runs forward and backward through ``DistCAClient.attend`` and checks the result against
-local causal attention. Run: ``python examples/quickstart.py [--servers 4 --context 4096]``.
+Samples document lengths from the Pretrain trace (package data of distca_sim), plans them over
+attention servers, runs forward and backward through ``DistCAClient.attend`` and checks the result
+against local causal attention. Run: ``python examples/quickstart.py [--servers 4 --context 4096]``.
 """
 
 from __future__ import annotations
