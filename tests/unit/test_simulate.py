@@ -10,7 +10,7 @@ from distca_sim.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelC
                                  get_gpu, get_model, simulate)
 from distca_sim.systems import Context, cp_server_seconds
 from scheduler import CostModel
-from scheduler.baselines import per_doc_cp
+from scheduler.baselines import capped_lpt, per_doc_cp
 
 # A model and a GPU with round numbers, so step times can be written down by hand.
 # Linear weights per layer: 256·(256 + 2·128) + 256² + 3·256·512 = 589,824.
@@ -179,6 +179,20 @@ def test_per_doc_cp_analytic_matches_the_plan_baseline():
 
 
 # ---- memory --------------------------------------------------------------------------------------
+def test_capped_lpt_by_hand():
+    # WLB-ideal's packing (scheduler.baselines.capped_lpt, shared with wlb_packing): costliest
+    # first to the least-loaded bin with room; ties go to the lower index / lower bin.
+    sizes, costs = [4, 3, 3, 2, 1], [16.0, 9.0, 9.0, 4.0, 1.0]
+    assert capped_lpt(sizes, costs, 2, float("inf")) == [[0, 3], [1, 2, 4]]
+    # cap 6: item 3 (size 2) fits only bin 0 (4 + 2); item 4 fits nowhere (6, 6) -> smaller bin 0
+    assert capped_lpt(sizes, costs, 2, 6) == [[0, 3, 4], [1, 2]]
+    assert capped_lpt([], [], 3, 10) == [[], [], []]
+    with pytest.raises(ValueError, match="num_bins"):
+        capped_lpt(sizes, costs, 0, 10)
+    with pytest.raises(ValueError, match="5 != 4"):
+        capped_lpt(sizes, costs[:4], 2, 10)
+
+
 def test_memory_by_hand_llama3_8b():
     m = get_model("llama3-8b")
     assert m.num_params == 8_030_261_248          # Llama-3-8B: 8.03 B weights
