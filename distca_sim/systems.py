@@ -14,8 +14,9 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
   a Plan (that takes seconds at 256 ranks).
 * ``wlb_ideal`` — the paper's baseline (DistCA §6.1): WLB-LLM's variable-length packing of the
   whole step's documents into microbatches of ``cp`` ranks, balancing per-document time
-  (``α·l² + β·l``) longest-first under a token cap set by GPU memory, plus per-document CP inside
-  each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp`` of every
+  (``α·l² + β·l``) longest-first under a token cap set by GPU memory
+  (:func:`scheduler.baselines.capped_lpt`, the packing of ``wlb_packing``), plus per-document CP
+  inside each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp`` of every
   document at the whole document's kernel speed; the K/V all-gather is still paid. The best CP
   degree is chosen per configuration.
 * ``distca`` — core attention disaggregation with in-place servers: every layer of every tick is

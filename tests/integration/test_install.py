@@ -9,6 +9,7 @@ project there stays inactive; PYTHONPATH is cleared so the checkout cannot leak 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -40,8 +41,11 @@ def installed(tmp_path_factory):
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)  # the build writes egg-info next to sources
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-          "-w", tmp / "wheels", src], tmp, env, timeout=180)
+    # Offline with this interpreter's setuptools when it has one (Python < 3.12 venvs do); else
+    # pip's isolated build environment, which needs the package index.
+    offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline, "-w", tmp / "wheels", src],
+         tmp, env, timeout=180)
     wheel, = (tmp / "wheels").glob("distca-*.whl")
 
     venv = tmp / "venv"
