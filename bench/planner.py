@@ -228,7 +228,8 @@ def headline(rows, sampling: dict) -> list[str]:
     verdict = "meets" if sampling["ms_per_call"] < sampling["target_ms"] else "MISSES"
     lines = [f"sample_batch at {sampling['ranks']} ranks x {sampling['tokens_per_rank'] // 1024}K "
              f"tokens: {sampling['ms_per_call']:.2f} ms per call (first call "
-             f"{sampling['first_call_ms']:.0f} ms; {verdict} the {sampling['target_ms']:g} ms target)"]
+             f"{sampling['first_call_ms']:.0f} ms; {verdict} the "
+             f"{sampling['target_ms']:g} ms target)"]
     target = [r for r in rows if r["system"].startswith("plan_batch")
               and r["servers"] == HEADLINE_SERVERS and r["tokens_per_rank"] == HEADLINE_TOKENS]
     if target:

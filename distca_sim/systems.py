@@ -16,9 +16,9 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
   whole step's documents into microbatches of ``cp`` ranks, balancing per-document time
   (``α·l² + β·l``) longest-first under a token cap set by GPU memory
   (:func:`scheduler.baselines.capped_lpt`, the packing of ``wlb_packing``), plus per-document CP
-  inside each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp`` of every
-  document at the whole document's kernel speed; the K/V all-gather is still paid. The best CP
-  degree is chosen per configuration.
+  inside each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp``
+  of every document at the whole document's kernel speed; the K/V all-gather is still paid. The
+  best CP degree is chosen per configuration.
 * ``distca`` — core attention disaggregation with in-place servers: every layer of every tick is
   planned by :func:`scheduler.plan_batch` over all ranks of all stages (ranks idle in a pipeline
   bubble serve CA-tasks, DistCA §4.1), priced per CA-task with the profile table, and run with

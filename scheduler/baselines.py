@@ -119,7 +119,7 @@ def capped_lpt(sizes: Sequence[int], costs: Sequence[float], num_bins: int,
         For each bin, the indices of its items in the order they were placed.
 
     Raises:
-        ValueError: ``num_bins`` not a positive int, or ``sizes`` and ``costs`` of different lengths.
+        ValueError: ``num_bins`` not a positive int, or ``sizes`` and ``costs`` differ in length.
     """
     if not isinstance(num_bins, (int, np.integer)) or isinstance(num_bins, bool) or num_bins < 1:
         raise ValueError(f"num_bins must be a positive int, got {num_bins!r}")

@@ -43,7 +43,8 @@ def installed(tmp_path_factory):
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)  # the build writes egg-info next to sources
     # Offline with this interpreter's setuptools when it has one (Python < 3.12 venvs do); else
     # pip's isolated build environment, which needs the package index.
-    offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
+    has_setuptools = importlib.util.find_spec("setuptools") is not None
+    offline = ["--no-build-isolation", "--no-index"] if has_setuptools else []
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline, "-w", tmp / "wheels", src],
          tmp, env, timeout=180)
     wheel, = (tmp / "wheels").glob("distca-*.whl")
