@@ -1,11 +1,11 @@
 """The DistCA paper's experiments (arXiv 2510.18121, §6), in simulation, beside the paper's figures.
 
-Every number comes from :mod:`scheduler.simulate` (analytic GPU rates, no measured tables yet) on
-batches of the paper's Pretrain and ProLong length traces (:mod:`scheduler.workloads`):
+Every number comes from :mod:`distca_sim.simulate` (analytic GPU rates, no measured tables yet) on
+batches of the paper's Pretrain and ProLong length traces (:mod:`distca_sim.workloads`):
 
 - **Fig. 4** — data-parallel imbalance of fixed-length packing (idle GPU time) and of
   variable-length packing (its idle time and memory divergence) against DP size, Llama-3-8B,
-  TP 8, H200 (:func:`scheduler.simulate.packing_imbalance`, 4 steps averaged).
+  TP 8, H200 (:func:`distca_sim.simulate.packing_imbalance`, 4 steps averaged).
 - **Fig. 9** — 3D parallelism (TP 8 × DP, no pipeline): distca (best of ε = 0, 0.05, 0.1) against
   WLB-ideal (best CP degree) over GPUs, contexts (tokens per rank), 8B and 34B, both traces.
 - **Fig. 10** — 4D parallelism (TP 8 × DP × PP 4, 8 microbatches, 1F1B): the same, with distca
@@ -38,8 +38,8 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from scheduler.simulate import (ParallelConfig, Workload, format_table,  # noqa: E402
-                                packing_imbalance, simulate)
+from distca_sim.simulate import (ParallelConfig, Workload, format_table,  # noqa: E402
+                                 packing_imbalance, simulate)
 
 K = 1024
 GIB = 2 ** 30

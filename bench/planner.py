@@ -1,7 +1,7 @@
 """Planner benchmark: balance, bytes moved and planning time on real length traces.
 
 For each trace (Pretrain, ProLong), number of servers (= client ranks, in-place mode) and tokens
-per rank, one batch is drawn with :func:`scheduler.workloads.sample_batch` (seed 0, step 0) and
+per rank, one batch is drawn with :func:`distca_sim.workloads.sample_batch` (seed 0, step 0) and
 planned by every system:
 
 - ``plan_batch`` (the communication-aware greedy planner) at ε = 0, 0.05, 0.1, ``min_shard=128``;
@@ -22,6 +22,10 @@ Columns:
   validation included, over ``--repeats`` runs after one warm-up run (``--quick``: a single run).
   A call whose warm-up takes longer than ``--slow-s`` seconds is timed by that run alone.
 - ``tasks``: CA-tasks in the plan.
+
+Also timed: :func:`~distca_sim.workloads.sample_batch` itself at 256 ranks × 512K tokens (Pretrain),
+ms per call over 5 successive steps after a first call that samples and caches the stream (target:
+under 50 ms per call); printed under the table and stored as ``sample_batch`` in the JSON.
 
 Usage::
 
@@ -46,7 +50,7 @@ if str(ROOT) not in sys.path:
 from scheduler import CostModel, plan_batch  # noqa: E402
 from scheduler.cost import KV_TENSORS  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
-from scheduler.workloads import sample_batch  # noqa: E402
+from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
 
 TRACES = ("pretrain", "prolong")
@@ -60,6 +64,7 @@ COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 Q_TENSORS = ("q", "out", "lse", "dout", "dq")
 MIB = 2 ** 20
 HEADLINE_SERVERS, HEADLINE_TOKENS, TARGET_MS = 256, 131072, 20.0
+SAMPLE_RANKS, SAMPLE_TOKENS, SAMPLE_STEPS, SAMPLE_TARGET_MS = 256, 524288, 5, 50.0
 SLOW_CONFIG_S = 30.0
 
 
@@ -97,6 +102,22 @@ def time_plan(fn, repeats: int, warmup: bool, slow_s: float):
             fn()
             times.append(time.perf_counter() - t0)
     return plan, statistics.median(times), times, time.perf_counter() - start
+
+
+def time_sample_batch() -> dict:
+    """ms per :func:`sample_batch` call at ``SAMPLE_RANKS`` × ``SAMPLE_TOKENS`` (Pretrain): the first
+    call (sampling and caching the stream) and the mean of ``SAMPLE_STEPS`` successive steps."""
+    t0 = time.perf_counter()
+    sample_batch("pretrain", SAMPLE_RANKS, SAMPLE_TOKENS, seed=0, step=0)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for step in range(1, SAMPLE_STEPS + 1):
+        batch = sample_batch("pretrain", SAMPLE_RANKS, SAMPLE_TOKENS, seed=0, step=step)
+    per_call = (time.perf_counter() - t0) / SAMPLE_STEPS
+    assert len(batch) == SAMPLE_RANKS and all(sum(c) == SAMPLE_TOKENS for c in batch)
+    return {"ranks": SAMPLE_RANKS, "tokens_per_rank": SAMPLE_TOKENS, "steps": SAMPLE_STEPS,
+            "first_call_ms": first * 1e3, "ms_per_call": per_call * 1e3,
+            "target_ms": SAMPLE_TARGET_MS}
 
 
 def bench_config(trace, servers, tokens, repeats, warmup, slow_s, log):
@@ -203,8 +224,12 @@ def print_table(rows) -> None:
     Console(width=200).print(table)
 
 
-def headline(rows) -> list[str]:
-    lines = []
+def headline(rows, sampling: dict) -> list[str]:
+    verdict = "meets" if sampling["ms_per_call"] < sampling["target_ms"] else "MISSES"
+    lines = [f"sample_batch at {sampling['ranks']} ranks x {sampling['tokens_per_rank'] // 1024}K "
+             f"tokens: {sampling['ms_per_call']:.2f} ms per call (first call "
+             f"{sampling['first_call_ms']:.0f} ms; {verdict} the "
+             f"{sampling['target_ms']:g} ms target)"]
     target = [r for r in rows if r["system"].startswith("plan_batch")
               and r["servers"] == HEADLINE_SERVERS and r["tokens_per_rank"] == HEADLINE_TOKENS]
     if target:
@@ -261,6 +286,7 @@ def main(argv=None) -> int:
 
     rows = []
     start = time.perf_counter()
+    sampling = time_sample_batch()
     for trace in args.traces:
         for s in servers:
             for t in tokens:
@@ -270,7 +296,7 @@ def main(argv=None) -> int:
                     f"{time.perf_counter() - t0:6.1f} s")
     elapsed = time.perf_counter() - start
 
-    finish(lambda: print_table(rows), headline(rows), elapsed, args.json, {
+    finish(lambda: print_table(rows), headline(rows, sampling), elapsed, args.json, {
         "benchmark": "planner",
         "cost_model": COST.to_dict(),
         "min_shard": MIN_SHARD,
@@ -281,6 +307,7 @@ def main(argv=None) -> int:
         "seed": 0,
         "step": 0,
         "rows": rows,
+        "sample_batch": sampling,
     })
     return 0
 

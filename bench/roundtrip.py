@@ -10,7 +10,7 @@ Configurations (participants = clients + dedicated servers): in-place with 2, 3 
 dedicated with 2 clients + 1 server and 2 clients + 2 servers (``--quick``: in-place 2 and
 dedicated 2 + 1).
 
-Workload: per step the batch is ``scheduler.workloads.sample_batch("pretrain", W, context)``
+Workload: per step the batch is ``distca_sim.workloads.sample_batch("pretrain", W, context)``
 (``--context`` tokens per rank, seed 0, step = step index); its documents, concatenated, are cut
 into ``W`` ranks by :func:`distca_client.local.split_documents` exactly as the local client does,
 and each Ray client gets its rank's document list and the same rows of Q, K, V and dO (seeded per
@@ -74,7 +74,7 @@ from distca_client import DistCAClient  # noqa: E402
 from distca_client.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
-from scheduler.workloads import sample_batch  # noqa: E402
+from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
 
 TRACE = "pretrain"

@@ -2,7 +2,7 @@
 
 from .errors import DistCAError
 
-__all__ = ["DistCAError", "launch", "shutdown"]
+__all__ = ["DistCAError", "launch", "shutdown", "status"]
 
 
 def launch(*args, **kwargs):
@@ -15,3 +15,9 @@ def shutdown(name: str = "default") -> int:
     """Stop a distca job (see :func:`distca_server.job.shutdown`)."""
     from .job import shutdown as _shutdown
     return _shutdown(name)
+
+
+def status(name: str = "default") -> dict:
+    """A distca job's state (see :func:`distca_server.job.status`)."""
+    from .job import status as _status
+    return _status(name)

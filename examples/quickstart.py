@@ -1,8 +1,8 @@
 """Quickstart: core attention of a packed batch of real documents, served by in-process servers.
 
-Samples document lengths from the Pretrain trace (data/doclens), plans them over attention
-servers, runs forward and backward through ``DistCAClient.attend`` and checks the result against
-local causal attention. Run: ``python examples/quickstart.py [--servers 4 --context 4096]``.
+Samples document lengths from the Pretrain trace (package data of distca_sim), plans them over
+attention servers, runs forward and backward through ``DistCAClient.attend`` and checks the result
+against local causal attention. Run: ``python examples/quickstart.py [--servers 4 --context 4096]``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from distca_client import DistCAClient
 from distca_server.kernels import get_backend
-from scheduler.workloads import sample_batch
+from distca_sim.workloads import sample_batch
 
 
 def local_attention(q, k, v, dout, doc_lens, scale):

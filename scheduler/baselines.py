@@ -5,11 +5,16 @@
   parallelism of WLB-LLM and Megatron CP (DistCA §2.2): perfectly balanced, heavy on KV traffic.
 - :func:`wlb_packing`: WLB-LLM style variable-length packing: documents re-packed across ranks by
   attention workload under a per-rank token cap, longest first (DistCA §2.2, WLB-LLM §4).
+- :func:`capped_lpt`: the capped longest-processing-time packing behind ``wlb_packing``, also used
+  by the simulator's WLB-ideal baseline (``distca_sim.systems``).
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import Sequence
+
+import numpy as np
 
 from .cost import CostModel
 from .planner import _band_shards, _validate
@@ -89,25 +94,55 @@ def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
                                   or token_cap <= 0):
         raise ValueError(f"token_cap must be a positive int, got {token_cap!r}")
     cap = token_cap if token_cap is not None else max(sum(x) for x in doc_lens_per_rank)
-    docs = sorted(((l, g) for g, l in enumerate(x for lens in doc_lens_per_rank for x in lens)),
-                  key=lambda t: (-t[0], t[1]))
-    packed: list[list[int]] = [[] for _ in range(R)]
-    tokens = [0] * R
-    work = [(0, r) for r in range(R)]  # heap of (attention pairs, rank)
-    for l, _ in docs:
-        skipped = []
-        while work and tokens[work[0][1]] + l > cap:
-            skipped.append(heapq.heappop(work))
-        if work:
-            pairs, r = heapq.heappop(work)
-        else:  # nobody has room: the rank with the fewest tokens takes it
-            r = min(range(R), key=lambda x: (tokens[x], x))
-            pairs = next(p for p, rr in skipped if rr == r)
-            skipped = [(p, rr) for p, rr in skipped if rr != r]
-        packed[r].append(l)
-        tokens[r] += l
-        heapq.heappush(work, (pairs + l * (l + 1) // 2, r))
-        for item in skipped:
-            heapq.heappush(work, item)
+    docs = [l for lens in doc_lens_per_rank for l in lens]
+    bins = capped_lpt(docs, [l * (l + 1) // 2 for l in docs], R, cap)  # work: attention pairs
+    packed = [[docs[g] for g in b] for b in bins]
     tasks = [[CATask(r, i, 0, l, 0, l) for i, l in enumerate(lens)] for r, lens in enumerate(packed)]
     return Plan(doc_lens_per_rank=packed, num_servers=R, mode="inplace", cost=cost, server_tasks=tasks)
+
+
+def capped_lpt(sizes: Sequence[int], costs: Sequence[float], num_bins: int,
+               cap: float) -> list[list[int]]:
+    """Capped longest-processing-time packing (WLB-LLM's variable-length packing).
+
+    Items, most expensive first (ties: lower index first), each go to the bin with the least total
+    cost among those whose size stays within ``cap`` after adding the item; if no bin has room, to
+    the bin with the smallest size (ties: lower bin). Deterministic.
+
+    Args:
+        sizes: size of each item (tokens of a document), ints.
+        costs: cost of each item (any unit: attention pairs, seconds), same length as ``sizes``.
+        num_bins: bins to fill (ranks, microbatch groups), ``>= 1``.
+        cap: most size per bin (``float("inf")``: uncapped).
+
+    Returns:
+        For each bin, the indices of its items in the order they were placed.
+
+    Raises:
+        ValueError: ``num_bins`` not a positive int, or ``sizes`` and ``costs`` differ in length.
+    """
+    if not isinstance(num_bins, (int, np.integer)) or isinstance(num_bins, bool) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive int, got {num_bins!r}")
+    cost_arr = np.asarray(costs)
+    if len(sizes) != len(cost_arr):
+        raise ValueError(f"sizes and costs differ in length: {len(sizes)} != {len(cost_arr)}")
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    filled = [0] * num_bins
+    heap = [(0, k) for k in range(num_bins)]  # (total cost, bin)
+    for g in np.argsort(-cost_arr, kind="stable").tolist():
+        size, c = int(sizes[g]), cost_arr[g].item()
+        skipped = []
+        while heap and filled[heap[0][1]] + size > cap:
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            load, k = heapq.heappop(heap)
+        else:  # nobody has room: the bin with the smallest size takes it
+            k = min(range(num_bins), key=lambda x: (filled[x], x))
+            load = next(ld for ld, kk in skipped if kk == k)
+            skipped = [(ld, kk) for ld, kk in skipped if kk != k]
+        bins[k].append(g)
+        filled[k] += size
+        heapq.heappush(heap, (load + c, k))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return bins

@@ -15,8 +15,12 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
     assert bench.main(["--quick", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "mean imbalance after" in printed and "plan_batch eps=0.05" in printed
+    assert "sample_batch at 256 ranks x 512K tokens" in printed
 
     result = json.loads(out.read_text())
+    sampling = result["sample_batch"]
+    assert (sampling["ranks"], sampling["tokens_per_rank"]) == (256, 512 * 1024)
+    assert 0 < sampling["ms_per_call"] < sampling["first_call_ms"]
     rows = result["rows"]
     systems = ["plan_batch eps=0", "plan_batch eps=0.05", "plan_batch eps=0.1",
                "no_balance", "per_doc_cp", "wlb_packing"]

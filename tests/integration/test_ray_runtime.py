@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from distca_server import launch, shutdown  # noqa: E402
 from distca_server.job import status  # noqa: E402
-from distca_server.launch_cli import format_status  # noqa: E402
+from distca_cli import format_status  # noqa: E402
 from scripts import RUNTIME_ENV  # noqa: E402
 
 TIMEOUT = 10.0

@@ -3,21 +3,21 @@
 import subprocess
 import sys
 
-from distca_server.cli import build_parser
-from distca_server.launch_cli import format_status
+from distca_cli import build_parser, format_status
 
 
 def test_subcommands_registered():
     parser = build_parser()
-    for argv in (["up", "--servers", "2", "--mode", "inplace"], ["status", "--name", "x"], ["down"]):
+    for argv in (["up", "--servers", "2", "--mode", "inplace"], ["status", "--name", "x"], ["down"],
+                 ["simulate", "--gpus", "16", "--context", "16K"]):
         args = parser.parse_args(argv)
         assert callable(args.func)
     assert parser.parse_args(["up"]).servers == 1
 
 
 def test_cli_import_is_light():
-    code = ("import sys; import distca_server.cli as c; c.build_parser(); "
-            "print('torch' in sys.modules, 'ray' in sys.modules)")
+    code = ("import sys; import distca_cli as c; import distca_sim.simulate, distca_sim.workloads; "
+            "c.build_parser(); print('torch' in sys.modules, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distca_sim.profile import ProfileTable
 from scheduler.cost import CostModel, causal_pairs
-from scheduler.profile import ProfileTable
 
 Q = [128, 256, 512]
 KV = [512, 1024, 2048]
@@ -64,7 +64,7 @@ def test_saturation_past_grid_is_pair_ratio(table):
 
 
 def test_work_closed_form_matches_causal_pairs():
-    from scheduler.profile import _work_np
+    from distca_sim.profile import _work_np
 
     qs, kvs = np.meshgrid(np.arange(0, 40), np.arange(0, 40), indexing="ij")
     want = np.array([[causal_pairs(k - q, k, 0, k) for k in range(40)] for q in range(40)])

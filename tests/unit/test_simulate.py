@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
+from distca_sim.hardware import attention_tables
+from distca_sim.network import alltoall_seconds, rank_nodes, ring_seconds
+from distca_sim.pipeline import Round, pipeline_1f1b, run_rounds, tick_schedule
+from distca_sim.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
+                                 get_gpu, get_model, simulate)
+from distca_sim.systems import Context, cp_server_seconds
 from scheduler import CostModel
-from scheduler.baselines import per_doc_cp
-from scheduler.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
-                                get_gpu, get_model, simulate)
-from scheduler.simulate_net import alltoall_seconds, rank_nodes, ring_seconds
-from scheduler.simulate_sched import Round, pipeline_1f1b, run_rounds, tick_schedule
-from scheduler.simulate_systems import Context, cp_server_seconds
-from scheduler.simulate_hw import attention_tables
+from scheduler.baselines import capped_lpt, per_doc_cp
 
 # A model and a GPU with round numbers, so step times can be written down by hand.
 # Linear weights per layer: 256·(256 + 2·128) + 256² + 3·256·512 = 589,824.
@@ -179,6 +179,20 @@ def test_per_doc_cp_analytic_matches_the_plan_baseline():
 
 
 # ---- memory --------------------------------------------------------------------------------------
+def test_capped_lpt_by_hand():
+    # WLB-ideal's packing (scheduler.baselines.capped_lpt, shared with wlb_packing): costliest
+    # first to the least-loaded bin with room; ties go to the lower index / lower bin.
+    sizes, costs = [4, 3, 3, 2, 1], [16.0, 9.0, 9.0, 4.0, 1.0]
+    assert capped_lpt(sizes, costs, 2, float("inf")) == [[0, 3], [1, 2, 4]]
+    # cap 6: item 3 (size 2) fits only bin 0 (4 + 2); item 4 fits nowhere (6, 6) -> smaller bin 0
+    assert capped_lpt(sizes, costs, 2, 6) == [[0, 3, 4], [1, 2]]
+    assert capped_lpt([], [], 3, 10) == [[], [], []]
+    with pytest.raises(ValueError, match="num_bins"):
+        capped_lpt(sizes, costs, 0, 10)
+    with pytest.raises(ValueError, match="5 != 4"):
+        capped_lpt(sizes, costs[:4], 2, 10)
+
+
 def test_memory_by_hand_llama3_8b():
     m = get_model("llama3-8b")
     assert m.num_params == 8_030_261_248          # Llama-3-8B: 8.03 B weights
@@ -279,7 +293,7 @@ def test_cluster_comparison_has_every_system_and_a_table():
 
 # ---- command line --------------------------------------------------------------------------------
 def test_cli_single_configuration_and_sweep(tmp_path, capsys):
-    from distca_server.cli import main
+    from distca_cli import main
     assert main(["simulate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "32", "--tp", "8",
                  "--pp", "1", "--context", "64K", "--dataset", "pretrain",
                  "--epsilon", "0.05"]) == 0

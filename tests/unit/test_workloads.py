@@ -5,12 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from scheduler.workloads import (
+from distca_sim.workloads import (
     LONG_DOC_TOKENS,
     load_trace,
     pack_documents,
     sample_batch,
     sample_documents,
+    trace_file,
 )
 
 K = 1024
@@ -26,6 +27,15 @@ def test_load_trace_counts_and_cache(tmp_path):
     path.write_text(json.dumps([3, 1, 4]))
     assert load_trace(path) == (3, 1, 4)
     assert load_trace(str(path)) == (3, 1, 4)
+
+
+def test_traces_are_package_data():
+    # Read through importlib.resources from inside the package, not from the checkout's data/.
+    f = trace_file("prolong")
+    assert f.name == "prolong.json" and "distca_sim" in str(f)
+    assert tuple(json.loads(f.read_text())) == load_trace("prolong")
+    with pytest.raises(ValueError, match="unknown trace 'wiki'"):
+        trace_file("wiki")
 
 
 @pytest.mark.parametrize("name", ["pretrain", "prolong"])

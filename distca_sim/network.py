@@ -13,7 +13,7 @@ moves in parallel.
 Links. Every GPU has an NVLink port into the node's NVSwitch and its own InfiniBand NIC; both are
 full duplex. An all-to-all finishes when its most loaded port finishes: for each rank the bytes it
 sends and receives inside its node over NVLink, and across nodes over InfiniBand, divided by the
-effective bandwidth (:class:`~scheduler.simulate_hw.GPUConfig`), maximised over ranks and port
+effective bandwidth (:class:`~distca_sim.hardware.GPUConfig`), maximised over ranks and port
 kinds. Ring collectives (all-gather, reduce-scatter) move ``(n − 1)/n`` of the gathered data through
 every member's port (Patarasuk & Yuan 2009; NCCL's ring algorithm), at the slowest link of the ring.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import KV_TENSORS, CostModel, RoundKind
-from .simulate_hw import DTYPE_BYTES, GPUConfig
+from scheduler.cost import KV_TENSORS, CostModel, RoundKind
+from .hardware import DTYPE_BYTES, GPUConfig
 
 __all__ = ["rank_nodes", "alltoall_seconds", "plan_round_bytes", "ring_seconds",
            "tp_seconds_per_token", "p2p_seconds"]

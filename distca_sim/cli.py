@@ -1,8 +1,9 @@
 """``distca simulate``: the step-time simulator from the command line.
 
-Registered into ``distca_server/cli.py`` through :func:`register`. One configuration prints one
-comparison table (distca per ε, WLB-ideal, per-document CP, plain packing); ``--sweep`` runs every
-context × ε of the lists given, with a progress bar, and prints one summary table.
+Registered into the ``distca`` command (:mod:`distca_cli`) through :func:`register`. One
+configuration prints one comparison table (distca per ε, WLB-ideal, per-document CP, plain
+packing); ``--sweep`` runs every context × ε of the lists given, with a progress bar, and prints
+one summary table.
 
 Examples::
 
@@ -43,7 +44,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``simulate`` subcommand to an argparse ``subparsers`` object."""
     p = subparsers.add_parser(
         "simulate", help="simulate training step time: distca vs WLB-ideal, per-doc CP, packing",
-        description="Cluster-scale step-time simulator (scheduler.simulate).")
+        description="Cluster-scale step-time simulator (distca_sim.simulate).")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="llama3-8b", help=f"preset: {', '.join(MODELS)}")
     for f in _MODEL_FIELDS:

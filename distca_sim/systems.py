@@ -1,7 +1,7 @@
 """The four systems the simulator compares, each a function of one step's batch.
 
 Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
-:func:`scheduler.simulate.simulate`; see that module for the public API.
+:func:`distca_sim.simulate.simulate`; see that module for the public API.
 
 * ``packing`` — plain packing: every rank trains its own ``context``-token chunks; attention is
   local, so data-parallel ranks wait for the slowest and pipeline stages stall on heavy
@@ -14,32 +14,34 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
   a Plan (that takes seconds at 256 ranks).
 * ``wlb_ideal`` — the paper's baseline (DistCA §6.1): WLB-LLM's variable-length packing of the
   whole step's documents into microbatches of ``cp`` ranks, balancing per-document time
-  (``α·l² + β·l``) longest-first under a token cap set by GPU memory, plus per-document CP inside
-  each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp`` of every
-  document at the whole document's kernel speed; the K/V all-gather is still paid. The best CP
-  degree is chosen per configuration.
+  (``α·l² + β·l``) longest-first under a token cap set by GPU memory
+  (:func:`scheduler.baselines.capped_lpt`, the packing of ``wlb_packing``), plus per-document CP
+  inside each group. *Ideal*: packing is free and exact, and each CP member runs exactly ``1/cp``
+  of every document at the whole document's kernel speed; the K/V all-gather is still paid. The
+  best CP degree is chosen per configuration.
 * ``distca`` — core attention disaggregation with in-place servers: every layer of every tick is
   planned by :func:`scheduler.plan_batch` over all ranks of all stages (ranks idle in a pipeline
   bubble serve CA-tasks, DistCA §4.1), priced per CA-task with the profile table, and run with
-  ping-pong overlap (DistCA §4.2) by :func:`scheduler.simulate_sched.run_rounds`.
+  ping-pong overlap (DistCA §4.2) by :func:`distca_sim.pipeline.run_rounds`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .planner import plan_batch
-from .simulate_hw import MEMORY_HEADROOM, GPUConfig, ModelConfig, attention_tables
-from .simulate_net import (alltoall_seconds, p2p_seconds, plan_round_bytes, rank_nodes,
-                           ring_seconds, tp_seconds_per_token)
-from .simulate_sched import Round, pipeline_1f1b, run_rounds, tick_schedule
+from scheduler import plan_batch
+from scheduler.baselines import capped_lpt
 
-__all__ = ["Context", "RunResult", "lpt_bins", "cp_server_seconds", "run_packing",
+from .hardware import MEMORY_HEADROOM, GPUConfig, ModelConfig, attention_tables
+from .network import (alltoall_seconds, p2p_seconds, plan_round_bytes, rank_nodes, ring_seconds,
+                      tp_seconds_per_token)
+from .pipeline import Round, pipeline_1f1b, run_rounds, tick_schedule
+
+__all__ = ["Context", "RunResult", "cp_server_seconds", "run_packing",
            "run_per_doc_cp", "run_wlb_ideal", "run_distca"]
 
 
@@ -252,31 +254,6 @@ def run_per_doc_cp(ctx: Context, batch) -> RunResult:
 
 
 # ---- WLB-ideal -----------------------------------------------------------------------------------
-def lpt_bins(lens: np.ndarray, cost: np.ndarray, nbins: int, cap: float) -> list[list[int]]:
-    """Longest-processing-time packing: each document, most expensive first, goes to the bin with
-    the least total cost among those with room for its tokens (else to the emptiest bin)."""
-    bins: list[list[int]] = [[] for _ in range(nbins)]
-    tokens = [0] * nbins
-    heap = [(0.0, k) for k in range(nbins)]
-    for g in np.argsort(-cost, kind="stable"):
-        l, c = int(lens[g]), float(cost[g])
-        skipped = []
-        while heap and tokens[heap[0][1]] + l > cap:
-            skipped.append(heapq.heappop(heap))
-        if heap:
-            load, k = heapq.heappop(heap)
-        else:
-            k = min(range(nbins), key=lambda x: (tokens[x], x))
-            load = next(ld for ld, kk in skipped if kk == k)
-            skipped = [(ld, kk) for ld, kk in skipped if kk != k]
-        bins[k].append(l)
-        tokens[k] += l
-        heapq.heappush(heap, (load + c, k))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return bins
-
-
 def run_wlb_ideal(ctx: Context, batch, cp: int, cap_per_rank: int) -> RunResult:
     """WLB-ideal with CP degree ``cp`` (a divisor of the ranks per stage)."""
     m, R, p = ctx.m, ctx.dp, ctx.pp
@@ -288,7 +265,7 @@ def run_wlb_ideal(ctx: Context, batch, cp: int, cap_per_rank: int) -> RunResult:
     cost = (af_doc + ab_doc + rec * af_doc) + lens * (ctx.lin_f + ctx.lin_b + rec * ctx.lin_f)
     nominal = max(sum(batch[i][d]) for i in range(m) for d in range(R))
     cap = cp * max(cap_per_rank, nominal)
-    bins = lpt_bins(lens, cost, m * G, cap)
+    bins = [lens[b].tolist() for b in capped_lpt(lens, cost, m * G, cap)]
     nodes = rank_nodes(R, ctx.tp, ctx.gpu.gpus_per_node)
     spans = any(len(set(nodes[g * cp:(g + 1) * cp].tolist())) > 1 for g in range(G))
     book = _Ledger(ctx, R)

@@ -3,7 +3,7 @@
 Pure Python + numpy. Units: seconds, bytes, FLOPs (a multiply-add counts 2), tokens.
 
 Everything here is a closed-form function of a model shape and a GPU; the simulator
-(:mod:`scheduler.simulate`) adds batches, plans, schedules and networks on top.
+(:mod:`distca_sim.simulate`) adds batches, plans, schedules and networks on top.
 
 Sources of the formulas and constants (each is repeated where it is used):
 
@@ -28,7 +28,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
-from .cost import BACKWARD_FLOPS_FACTOR, CostModel
+from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
 from .profile import ProfileTable
 
 __all__ = ["ModelConfig", "GPUConfig", "MODELS", "GPUS", "get_model", "get_gpu",

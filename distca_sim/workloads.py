@@ -2,7 +2,8 @@
 
 Pure Python + numpy (no torch). Lengths are tokens.
 
-The traces live in ``data/doclens/{pretrain,prolong}.json`` (see ``data/doclens/README.md``): one
+The traces are package data, ``distca_sim/data/doclens/{pretrain,prolong}.json`` (see the
+``README.md`` there), read through :mod:`importlib.resources` so they work from any install: one
 JSON list of per-document token counts each, published with the DistCA paper's evaluation
 (arXiv 2510.18121, §6.1). This module reproduces how that evaluation turned them into batches:
 
@@ -18,11 +19,15 @@ Everything is deterministic: the only randomness is ``numpy.random.default_rng(s
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # importlib.resources.abc is new in 3.11
+    from importlib.resources.abc import Traversable
 
 __all__ = [
     "TRACE_NAMES",
@@ -32,13 +37,13 @@ __all__ = [
     "DEFAULT_NUM_DOCS",
     "PROLONG_FIX_PROB",
     "LEN_MULTIPLE",
+    "trace_file",
     "load_trace",
     "sample_documents",
     "pack_documents",
     "sample_batch",
 ]
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "doclens"
 TRACE_NAMES = ("pretrain", "prolong")
 
 LONG_DOC_TOKENS = 65536        # "long" = at least 64K tokens; also the elongation base
@@ -72,42 +77,62 @@ def _check_nonneg_int(what: str, x: Any) -> int:
 
 
 # ---- traces ----------------------------------------------------------------------------------
+def trace_file(name: str) -> Traversable:
+    """The packaged JSON file of trace ``name`` (``"pretrain"`` or ``"prolong"``).
+
+    A :class:`~importlib.resources.abc.Traversable` (``.read_text()``, ``.open()``), valid from a
+    source checkout, an editable or a regular install alike.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    _check_name(name)
+    return importlib.resources.files("distca_sim") / "data" / "doclens" / f"{name}.json"
+
+
 def load_trace(name: str | Path) -> tuple[int, ...]:
     """Document lengths (tokens) of a trace, in file order.
 
     Args:
-        name: ``"pretrain"`` or ``"prolong"`` (read from ``data/doclens/<name>.json`` next to the
-            ``scheduler`` package), or the path of any JSON file holding a list of positive ints.
+        name: ``"pretrain"`` or ``"prolong"`` (the package's traces, :func:`trace_file`), or the
+            path of any JSON file holding a list of positive ints.
 
-    Returns a tuple (cached: each file is read once per process).
+    Returns a tuple (cached: each trace is read once per process).
 
     Raises:
         ValueError: an unknown name, a missing file, or content that is not a non-empty list of
             positive ints.
     """
     if isinstance(name, str) and name in TRACE_NAMES:
-        path = DATA_DIR / f"{name}.json"
-    elif isinstance(name, (str, Path)):
-        path = Path(name)
-    else:
-        raise ValueError(f"trace must be one of {TRACE_NAMES} or a path, got {name!r}")
-    return _load_trace_path(str(path.resolve()))
+        return _load_packaged(name)
+    if isinstance(name, (str, Path)):
+        return _load_path(str(Path(name).resolve()))
+    raise ValueError(f"trace must be one of {TRACE_NAMES} or a path, got {name!r}")
+
+
+@functools.lru_cache(maxsize=len(TRACE_NAMES))
+def _load_packaged(name: str) -> tuple[int, ...]:
+    return _parse_trace(trace_file(name).read_text(), f"trace {name!r}")
 
 
 @functools.lru_cache(maxsize=16)
-def _load_trace_path(path: str) -> tuple[int, ...]:
+def _load_path(path: str) -> tuple[int, ...]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"trace file {path} does not exist (known names: {TRACE_NAMES})")
+    return _parse_trace(p.read_text(), f"trace file {path}")
+
+
+def _parse_trace(text: str, where: str) -> tuple[int, ...]:
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"trace file {path} is not valid JSON ({e})") from None
+        raise ValueError(f"{where} is not valid JSON ({e})") from None
     if not isinstance(data, list) or not data:
-        raise ValueError(f"trace file {path} must hold a non-empty JSON list of ints")
+        raise ValueError(f"{where} must hold a non-empty JSON list of ints")
     bad = [(i, v) for i, v in enumerate(data) if not _is_int(v) or v <= 0]
     if bad:
-        raise ValueError(f"trace file {path}: {len(bad)} entries are not positive ints, "
+        raise ValueError(f"{where}: {len(bad)} entries are not positive ints, "
                          f"first (index, value): {bad[:5]}")
     return tuple(data)
 

@@ -1,26 +1,45 @@
-"""``distca up``, ``distca status``, ``distca down``: the Ray runtime from the command line."""
+"""The ``distca`` command: ``up``, ``status``, ``down`` (the Ray runtime) and ``simulate``.
+
+``up | status | down`` drive a job through :mod:`distca_server`'s top-level API (``launch``,
+``status``, ``shutdown``); ``simulate`` is :mod:`distca_sim.cli`. Importing this module imports
+neither torch nor ray: the job API loads them when a runtime command runs.
+
+Examples::
+
+    distca up --servers 4 --mode dedicated       # inside a Ray cluster (``ray start`` / ``ray up``)
+    distca status
+    distca down
+    distca simulate --gpus 64 --tp 8 --context 128K
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
+from distca_server import launch, shutdown, status
+from distca_sim import cli as simulate_cli
+
+__all__ = ["build_parser", "format_status", "main"]
+
 
 def _connect(address: str) -> None:
-    import ray
+    import ray  # only the runtime commands need it
     if not ray.is_initialized():
         ray.init(address=address, namespace="distca", log_to_driver=False)
 
 
 def _up(args) -> int:
-    from .job import launch
     _connect(args.address)
-    launch(name=args.name, servers=args.servers, mode=args.mode, epsilon=args.epsilon,
-           timeout_s=args.timeout, detached=True)
+    launch(name=args.name, servers=args.servers, mode=args.mode,
+           epsilon=args.epsilon, timeout_s=args.timeout, detached=True)
     print(f"distca job {args.name!r} up: {args.mode} mode"
           + (f", {args.servers} attention servers" if args.mode == "dedicated" else ""))
     return 0
 
 
 def format_status(st: dict) -> str:
-    """The ``distca status`` table."""
+    """The ``distca status`` table of a job's status dict (:func:`distca_server.status`)."""
     last = st.get("last") or {}
     lines = [f"job {st['name']}: {st['mode']} mode, clients {st['world_size'] or 0} "
              f"(registered {st['clients']}), group epoch {st['epoch']}, next step {st['next_step']}"]
@@ -41,21 +60,19 @@ def format_status(st: dict) -> str:
 
 
 def _status(args) -> int:
-    from .job import status
     _connect(args.address)
     print(format_status(status(args.name)))
     return 0
 
 
 def _down(args) -> int:
-    from .job import shutdown
     _connect(args.address)
     n = shutdown(args.name)
     print(f"stopped {n} actors of job {args.name!r}")
     return 0
 
 
-def register(subparsers) -> None:
+def _register_runtime(subparsers) -> None:
     up = subparsers.add_parser("up", help="start a job's scheduler and attention servers on Ray")
     up.add_argument("--name", default="default")
     up.add_argument("--servers", type=int, default=1)
@@ -72,3 +89,18 @@ def register(subparsers) -> None:
     down.add_argument("--name", default="default")
     down.add_argument("--address", default="auto")
     down.set_defaults(func=_down)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distca`` argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="distca", description="Core attention disaggregation runtime.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _register_runtime(sub)
+    simulate_cli.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``distca`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

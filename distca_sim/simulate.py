@@ -6,7 +6,7 @@ tokens per second over the whole cluster.
 One call, :func:`simulate`, models one training step of a Llama-style model on ``gpus`` GPUs laid
 out as ``tp × dp × pp`` (tensor parallel inside a node, ``dp`` ranks per pipeline stage, ``pp``
 stages, ``microbatches`` per step), on a batch drawn from the Pretrain or ProLong trace
-(:func:`scheduler.workloads.sample_batch`: every rank gets ``context`` tokens per microbatch), and
+(:func:`distca_sim.workloads.sample_batch`: every rank gets ``context`` tokens per microbatch), and
 compares in one run:
 
 * ``distca`` — in-place core attention servers planned by :func:`scheduler.plan_batch` for each ε
@@ -21,8 +21,8 @@ profile table applied to each CA-task the rank runs), communication time and how
 exposed (ping-pong nano-batches for distca, DistCA §4.2), activation memory, and the step time:
 the slowest data-parallel rank, or a 1F1B pipeline with stage imbalance; distca serves CA-tasks
 from ranks idle in pipeline bubbles (DistCA §4.1). The model and its sources are documented in
-:mod:`scheduler.simulate_hw` (costs, memory, GPU presets), :mod:`scheduler.simulate_net` (links),
-:mod:`scheduler.simulate_sched` (schedules) and :mod:`scheduler.simulate_systems` (systems).
+:mod:`distca_sim.hardware` (costs, memory, GPU presets), :mod:`distca_sim.network` (links),
+:mod:`distca_sim.pipeline` (schedules) and :mod:`distca_sim.systems` (systems).
 
 What is not modelled: the data-parallel gradient reduce-scatter / all-gather (the same for every
 system, overlapped with the backward pass by Megatron's distributed optimizer), optimizer step
@@ -31,7 +31,7 @@ outlier documents to later steps.
 
 Example::
 
-    from scheduler.simulate import simulate, ParallelConfig, Workload
+    from distca_sim.simulate import simulate, ParallelConfig, Workload
     cmp = simulate("llama3-8b", "h200", ParallelConfig.from_gpus(64, tp=8),
                    Workload("pretrain", 131072), epsilons=(0.05,))
     print(cmp.table())
@@ -45,10 +45,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .simulate_hw import (GPUS, MEMORY_HEADROOM, MODELS, GPUConfig, ModelConfig, get_gpu,
-                          get_model)
-from .simulate_systems import (Context, RunResult, lpt_bins, run_distca, run_packing,
-                               run_per_doc_cp, run_wlb_ideal)
+from scheduler.baselines import capped_lpt
+
+from .hardware import GPUS, MEMORY_HEADROOM, MODELS, GPUConfig, ModelConfig, get_gpu, get_model
+from .systems import Context, RunResult, run_distca, run_packing, run_per_doc_cp, run_wlb_ideal
 from .workloads import TRACE_NAMES, sample_batch
 
 __all__ = ["simulate", "packing_imbalance", "ParallelConfig", "Workload", "SystemResult",
@@ -127,7 +127,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class Workload:
     """One step's batch: ``microbatches × dp`` chunks of ``context`` tokens drawn from a length
-    trace by :func:`scheduler.workloads.sample_batch` (every pipeline stage sees the same ones).
+    trace by :func:`distca_sim.workloads.sample_batch` (every pipeline stage sees the same ones).
 
     Args:
         dataset: ``"pretrain"`` or ``"prolong"``.
@@ -413,7 +413,7 @@ def packing_imbalance(model: ModelConfig | str, gpu: GPUConfig | str, workload: 
 
     For ``steps`` consecutive batches of ``dp`` ranks × ``workload.context`` tokens, each rank's
     compute time is ``Σ_docs layers · (linear(l) + attention(l)) + LM head``, forward and
-    backward (:class:`~scheduler.simulate_systems.Context` rates, no recomputation).
+    backward (:class:`~distca_sim.systems.Context` rates, no recomputation).
 
     * fixed-length packing: the ranks keep their chunks; idle fraction ``1 − mean / max``;
     * variable-length packing: the step's documents re-packed longest-first to the rank with the
@@ -444,10 +444,9 @@ def packing_imbalance(model: ModelConfig | str, gpu: GPUConfig | str, workload: 
         per_doc = (ctx.layers * (lens * (ctx.lin_f + ctx.lin_b) + attn)
                    + lens * (ctx.head_f + ctx.head_b))
         fixed = np.bincount(owner, per_doc, minlength=dp)
-        bins = lpt_bins(lens, per_doc, dp, float("inf"))
-        cost = dict(zip(map(int, lens), per_doc))  # equal lengths cost the same
-        var = np.array([sum(cost[l] for l in b) for b in bins])
-        toks = np.array([sum(b) for b in bins], dtype=float)
+        bins = capped_lpt(lens, per_doc, dp, float("inf"))
+        var = np.array([sum(per_doc[b].tolist()) for b in bins])
+        toks = np.array([sum(lens[b].tolist()) for b in bins], dtype=float)
         total = float(lens.sum())
         acc["idle_packing"] += 1 - fixed.mean() / fixed.max()
         acc["idle_varlen"] += 1 - var.mean() / var.max()
