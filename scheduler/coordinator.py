@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .checks import is_int, positive_int
+from .checks import finite_nonnegative, is_int, positive_int
 from .cost import CostModel
 from .parts import plan_parts
 from .planner import plan_batch
@@ -143,7 +143,7 @@ class Coordinator:
         timer: clock for measuring planning and cutting (seconds; default ``time.perf_counter``).
 
     Raises:
-        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``.
+        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε or ``min_shard``.
     """
 
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05, min_shard: int = 128,
@@ -151,6 +151,8 @@ class Coordinator:
                  timer: Callable[[], float] = time.perf_counter):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
+        finite_nonnegative("epsilon", epsilon)
+        positive_int("min_shard", min_shard)
         self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
         self.timeout_s, self.failure_grace_s, self.backend = timeout_s, failure_grace_s, backend
         self.timer = timer
@@ -263,7 +265,7 @@ class Coordinator:
         answer of its own (the batch goes on with the first). An unregistered rank gets a
         ``DistCAError`` answer. Document lengths are checked by :meth:`plan`.
         """
-        if self.world_size is None or rank not in self.clients:
+        if self.world_size is None or not is_int(rank) or rank not in self.clients:
             return ReportOutcome(error_answer("DistCAError", f"rank {rank} is not registered with job {self.name!r}"))
         if not (is_int(step) and step >= 0 and is_int(batch) and batch >= 0):
             return ReportOutcome(error_answer("ValueError", f"step and batch must be ints >= 0, got "

@@ -350,6 +350,12 @@ def test_bad_mode_and_server_index():
         Coordinator("job", "sideways")
     with pytest.raises(ValueError, match="-1"):
         Coordinator("job").register_server(-1, {})
+    with pytest.raises(ValueError, match="epsilon must be a finite number >= 0, got -0.5"):
+        Coordinator("job", epsilon=-0.5)
+    with pytest.raises(ValueError, match="min_shard must be a positive int, got 0"):
+        Coordinator("job", min_shard=0)
+    c = make()
+    assert c.report(0, 0, [0], [5], SHAPE).answer["error"] == "DistCAError"  # an unhashable rank
 
 
 # ---- purity -------------------------------------------------------------------------------------------
