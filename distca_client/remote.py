@@ -122,9 +122,7 @@ class RemoteRuntime:
             if found is not None:
                 return found
             batch = len(self._batches)
-            shape = {"num_heads_q": fmt.num_heads_q, "num_heads_kv": fmt.num_heads_kv,
-                     "head_dim": fmt.head_dim, "dtype_bytes": fmt.dtype.itemsize,
-                     "device_type": torch.device(device).type}
+            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type}
             answer = self._get(self.scheduler.report.remote(self.step, batch, self.rank, list(doc_lens), shape),
                                self.timeout_s + 10)
             if "error" in answer:  # every client of the batch gets it: all move on together

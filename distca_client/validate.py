@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from scheduler.checks import is_int
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -54,10 +56,10 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale) -> tuple[list[int], fl
         except TypeError:
             raise ValueError(f"doc_lens must be a list of ints or a 1-D integer tensor, got "
                              f"{type(doc_lens).__name__}") from None
-        bad = [x for x in items if not isinstance(x, int) or isinstance(x, bool)]
+        bad = [x for x in items if not is_int(x)]
         if bad:
             raise ValueError(f"doc_lens must hold ints, got {bad[:5]}")
-        lens = items
+        lens = [int(x) for x in items]
     nonpos = [(i, x) for i, x in enumerate(lens) if x <= 0]
     if nonpos:
         raise ValueError(f"doc_lens must be positive; (index, length) {nonpos[:5]}")

@@ -1,12 +1,15 @@
 """``SchedulerActor``: the job's central scheduler, a named async Ray actor.
 
-Every step each client reports ``(step, batch, rank, doc_lens, shape)``; once all ``W`` clients of
-that batch have reported, the actor plans it with :func:`scheduler.plan_batch` over the live
-servers and answers each client — and pushes each dedicated server — its own msgpack
-:class:`~scheduler.parts.PlanPart`. One round trip per step and batch: every layer and the
-backward pass reuse the plan. The actor also keeps the group epochs (who is in the all-to-all),
-relays the rendezvous address, decides who was lost after a failure, and exports per-step metrics
-with ``ray.util.metrics`` (they appear on the Ray dashboard).
+A thin wrapper of :class:`scheduler.coordinator.Coordinator`, which holds every decision
+(membership, reports -> plan -> parts, group epochs, rendezvous, failure verdicts). This module
+adds only what needs Ray or an event loop: waiting with timeouts (``asyncio.wait_for``), pinging
+dedicated servers and feeding the results to the coordinator, sending them their assignments and
+parts (``assign.remote``, ``install_part.remote``), and exporting per-step metrics with
+``ray.util.metrics`` (they appear on the Ray dashboard).
+
+Every step each client reports ``(step, batch, rank, doc_lens, shape)`` once and gets its own
+msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch; every layer and the
+backward pass reuse the plan.
 
 Only this module of ``scheduler`` imports ray.
 """
@@ -14,16 +17,18 @@ Only this module of ``scheduler`` imports ray.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import ray
 from ray.util import metrics
 
-from .cost import CostModel
-from .parts import plan_part
-from .planner import plan_batch
+from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome
 
 NAMESPACE = "distca"
+log = logging.getLogger(__name__)
+PING_TIMEOUT_S = 2.0  # a server that does not answer a ping within this is dead for the next epoch
+_RETRY_S = 0.25  # while no dedicated server is alive, ping again this often
 
 
 def scheduler_actor_name(name: str) -> str:
@@ -32,23 +37,6 @@ def scheduler_actor_name(name: str) -> str:
 
 def server_actor_name(name: str, index: int) -> str:
     return f"distca-server-{name}-{index}"
-
-
-class _Batch:
-    def __init__(self, world_size: int):
-        self.reports: dict[int, tuple] = {}
-        self.done = asyncio.Event()
-        self.answers: dict[int, dict] | None = None
-        self.error: dict | None = None
-        self.world_size = world_size
-
-
-class _Failure:
-    def __init__(self, members: dict[int, str]):
-        self.members = members  # world rank -> description
-        self.reported: set[int] = set()
-        self.done = asyncio.Event()
-        self.result: dict | None = None
 
 
 @ray.remote(num_cpus=0)
@@ -69,29 +57,20 @@ class SchedulerActor:
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05,
                  min_shard: int = 128, timeout_s: float = 60.0, failure_grace_s: float = 2.0,
                  backend: str = "auto"):
-        if mode not in ("dedicated", "inplace"):
-            raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
-        self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
-        self.timeout_s, self.failure_grace_s, self.backend = timeout_s, failure_grace_s, backend
-        self.world_size: int | None = None
-        self.clients: dict[int, dict] = {}
-        self.servers: dict[int, dict] = {}
-        self.epoch = -1
-        self.members: tuple | None = None
-        self.epoch_servers: list[int] = []  # server ids of the current epoch, in plan order
-        self.batches: dict[tuple[int, int], _Batch] = {}
-        self.stores: dict[int, tuple[str, int]] = {}
-        self.store_events: dict[int, asyncio.Event] = {}
-        self.failures: dict[int, _Failure] = {}
-        self.next_step = 0
-        self.last: dict = {}
-        self.steps_planned = 0
+        self.coord = Coordinator(name, mode, epsilon=epsilon, min_shard=min_shard, timeout_s=timeout_s,
+                                 failure_grace_s=failure_grace_s, backend=backend)
+        self.name, self.mode, self.timeout_s = name, mode, timeout_s
+        self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
+        self._batch_done: dict[tuple[int, int], asyncio.Event] = {}
+        self._store_set: dict[int, asyncio.Event] = {}
+        self._verdict_set: dict[int, asyncio.Event] = {}
         tags = ("job",)
         self._tags = {"job": name}
         self.m = {
             "imbalance_before": metrics.Gauge("distca_imbalance_before", "max/mean attention FLOPs over ranks, no balancing", tags),
             "imbalance_after": metrics.Gauge("distca_imbalance_after", "max/mean attention FLOPs over servers under the plan", tags),
-            "plan_ms": metrics.Gauge("distca_plan_ms", "milliseconds to plan the last batch", tags),
+            "plan_ms": metrics.Gauge("distca_plan_ms", "milliseconds to plan the last batch (planning only)", tags),
+            "cut_ms": metrics.Gauge("distca_cut_ms", "milliseconds to cut and encode the last batch's per-participant parts", tags),
             "bytes_per_round": metrics.Gauge("distca_bytes_per_round", "bytes moved off-rank by one round of one layer", ("job", "round")),
             "server_flops": metrics.Gauge("distca_server_flops", "forward attention FLOPs per layer on a server", ("job", "server")),
             "server_tasks": metrics.Gauge("distca_server_tasks", "CA-tasks on a server", ("job", "server")),
@@ -102,212 +81,144 @@ class SchedulerActor:
     def register_client(self, rank: int, world_size: int, info: dict) -> dict:
         """A client joins (or rejoins after a restart) as ``rank`` of ``world_size``.
 
-        Returns the job's settings and the step it must start at.
+        Returns ``{"name", "mode", "timeout_s", "backend", "next_step"}``: the job's settings and
+        the step it must start at.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's.
         """
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if self.world_size is None:
-            self.world_size = world_size
-        elif world_size != self.world_size:
-            raise ValueError(f"job {self.name!r} has {self.world_size} clients, not {world_size}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-        self.clients[rank] = dict(info, rank=rank, registered=time.time())
-        return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
-                "backend": self.backend, "next_step": self.next_step}
+        return self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
 
     def unregister_client(self, rank: int, incarnation: str) -> None:
-        if self.clients.get(rank, {}).get("incarnation") == incarnation:
-            del self.clients[rank]
+        self.coord.unregister_client(rank, incarnation)
 
     def register_server(self, index: int, handle, info: dict) -> None:
         """A dedicated server (re)starts; it joins the next group epoch."""
-        self.servers[index] = dict(info, index=index, handle=handle, state="alive", registered=time.time())
+        self.coord.register_server(index, dict(info, registered=time.time()))
+        self.handles[index] = handle
 
     async def _live_servers(self) -> list[int]:
+        """Ping every server not known dead; returns the ids that answered."""
         async def alive(i):
             try:
-                await asyncio.wait_for(self.servers[i]["handle"].ping.remote(), timeout=2.0)
+                await asyncio.wait_for(self.handles[i].ping.remote(), timeout=PING_TIMEOUT_S)
                 return True
             except Exception:  # dead or unreachable actor: any Ray error means "not serving"
                 return False
-        ids = sorted(i for i, s in self.servers.items() if s["state"] == "alive")
+        ids = self.coord.servers_to_ping()
         oks = await asyncio.gather(*(alive(i) for i in ids))
-        for i, ok in zip(ids, oks):
-            if not ok:
-                self.servers[i]["state"] = "dead"
-        return [i for i, ok in zip(ids, oks) if ok]
-
-    async def _form_epoch(self, device_type: str) -> tuple[int, list[int]]:
-        """Decide this batch's group: the current epoch, or a new one if membership changed."""
-        servers: list[int] = []
-        if self.mode == "dedicated":
-            deadline = time.monotonic() + self.timeout_s
-            servers = await self._live_servers()
-            while not servers:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"job {self.name!r} has no live attention server")
-                await asyncio.sleep(0.25)
-                servers = await self._live_servers()
-        clients = tuple(self.clients[r]["incarnation"] for r in range(self.world_size))
-        members = (clients, tuple((i, self.servers[i]["incarnation"]) for i in servers), device_type)
-        if members != self.members:
-            self.epoch += 1
-            self.members, self.epoch_servers = members, servers
-            self.store_events[self.epoch] = asyncio.Event()
-            W = self.world_size
-            for plan_index, sid in enumerate(servers):
-                self.servers[sid]["handle"].assign.remote(self.epoch, W + plan_index, W + len(servers),
-                                                          plan_index, device_type)
-        return self.epoch, self.epoch_servers
+        return self.coord.servers_pinged(dict(zip(ids, oks)))
 
     # ---- planning ------------------------------------------------------------------------------
     async def report(self, step: int, batch: int, rank: int, doc_lens: list[int], shape: dict) -> dict:
         """Client ``rank``'s documents for ``(step, batch)``; returns its part once all have reported.
 
-        ``shape`` holds ``num_heads_q``, ``num_heads_kv``, ``head_dim``, ``dtype_bytes`` and
-        ``device_type``. The answer is ``{"part": bytes, "group": {...}}`` or ``{"error": kind,
-        "message": str}`` where kind is ``"ValueError"`` (bad input, sent to every client of the
-        batch) or ``"DistCAError"`` (a client never reported, no live server).
+        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. The answer
+        is ``{"part": bytes, "group": {"epoch", "world_rank", "world_size", "device_type"}}`` or
+        ``{"error": kind, "message": str}`` where kind is ``"ValueError"`` (bad input, sent to
+        every client of the batch) or ``"DistCAError"`` (a client never reported, no live server).
         """
-        if self.world_size is None or rank not in self.clients:
-            return {"error": "DistCAError", "message": f"rank {rank} is not registered with job {self.name!r}"}
+        out = self.coord.report(step, batch, rank, doc_lens, shape)
         key = (step, batch)
-        state = self.batches.setdefault(key, _Batch(self.world_size))
-        state.reports[rank] = (doc_lens, shape)
-        if len(state.reports) == self.world_size and not state.done.is_set():
-            await self._plan(key, state)
+        if out.answer is not None:
+            if out.resolved:
+                self._batch_event(key).set()
+            return out.answer
+        done = self._batch_event(key)
+        if out.plan:
+            await self._plan(key, done)
         try:
-            await asyncio.wait_for(state.done.wait(), timeout=self.timeout_s)
+            await asyncio.wait_for(done.wait(), timeout=self.timeout_s)
         except asyncio.TimeoutError:
-            self.next_step = max(self.next_step, step + 1)
-            missing = sorted(set(range(self.world_size)) - set(state.reports))
-            return {"error": "DistCAError",
-                    "message": f"step {step} batch {batch}: ranks {missing} did not report within "
-                               f"{self.timeout_s:g} s"}
-        if state.error is not None:
-            return state.error
-        return state.answers[rank]
+            answer = self.coord.abort(step, batch, rank)
+            done.set()  # the others of this batch get the same error now
+            return answer
+        return self.coord.answer(step, batch, rank)
 
-    async def _plan(self, key, state: _Batch) -> None:
+    def _batch_event(self, key) -> asyncio.Event:
+        event = self._batch_done.get(key)
+        if event is None:
+            event = self._batch_done[key] = asyncio.Event()
+        return event
+
+    async def _plan(self, key, done: asyncio.Event) -> None:
         step, batch = key
         try:
-            shapes = {r: s for r, (_, s) in state.reports.items()}
-            if len({tuple(sorted(s.items())) for s in shapes.values()}) != 1:
-                raise ValueError(f"clients disagree on the attention shape: {shapes}")
-            shape = shapes[0]
-            cost = CostModel(shape["num_heads_q"], shape["num_heads_kv"], shape["head_dim"],
-                             shape["dtype_bytes"])
-            doc_lens = [list(state.reports[r][0]) for r in range(self.world_size)]
-            try:
-                epoch, servers = await self._form_epoch(shape["device_type"])
-            except TimeoutError as exc:
-                state.error = {"error": "DistCAError", "message": str(exc)}
-                return
-            num_servers = self.world_size if self.mode == "inplace" else len(servers)
-            start = time.perf_counter()
-            plan = plan_batch(doc_lens, num_servers, cost=cost, epsilon=self.epsilon,
-                              mode=self.mode, min_shard=self.min_shard)
-            plan_ms = (time.perf_counter() - start) * 1e3
-            W = self.world_size
-            world = plan.num_participants
-            state.answers = {
-                r: {"part": plan_part(plan, r, step, batch).to_msgpack(),
-                    "group": {"epoch": epoch, "world_rank": r, "world_size": world,
-                              "device_type": shape["device_type"]}}
-                for r in range(W)}
+            servers = None
             if self.mode == "dedicated":
-                for plan_index, sid in enumerate(servers):
-                    data = plan_part(plan, W + plan_index, step, batch).to_msgpack()
-                    self.servers[sid]["handle"].install_part.remote(step, batch, data)
-            self._record(plan, plan_ms, step, batch, servers)
-            self.next_step = max(self.next_step, step + 1)
-            self._forget_old(step)
-        except ValueError as exc:  # bad input: every client of the batch gets the same error
-            state.error = {"error": "ValueError", "message": str(exc)}
-            self.next_step = max(self.next_step, step + 1)
+                deadline = time.monotonic() + self.timeout_s
+                servers = await self._live_servers()
+                while not servers and time.monotonic() < deadline:
+                    await asyncio.sleep(_RETRY_S)
+                    servers = await self._live_servers()
+            out = self.coord.plan(step, batch, servers)
+            self._send(out, step, batch)
+        except Exception as exc:  # a bug must not leave the clients waiting for the timeout
+            log.exception("job %s: planning step %s batch %s failed", self.name, step, batch)
+            self.coord.abort(step, batch, 0, f"step {step} batch {batch}: planning failed: "
+                                             f"{type(exc).__name__}: {exc}")
         finally:
-            state.done.set()
+            done.set()
+            for old in [k for k in self._batch_done if k not in self.coord.batches]:
+                del self._batch_done[old]
 
-    def _forget_old(self, step: int) -> None:
-        for key in [k for k in self.batches if k[0] < step - 2]:
-            del self.batches[key]
+    def _send(self, out: PlanOutcome, step: int, batch: int) -> None:
+        for a in out.assignments:  # before the parts: a server joins the epoch, then serves
+            self.handles[a.server].assign.remote(a.epoch, a.world_rank, a.world_size, a.plan_index,
+                                                 a.device_type)
+        for sid, data in out.server_parts:
+            self.handles[sid].install_part.remote(step, batch, data)
+        if out.record is not None:
+            self._export(out.record)
 
-    def _record(self, plan, plan_ms, step, batch, servers) -> None:
-        before, after = plan.imbalance()
-        comm = plan.comm_bytes()
-        loads = plan.server_loads()
-        tasks = [len(t) for t in plan.server_tasks]
-        ids = servers if self.mode == "dedicated" else list(range(plan.num_servers))
-        self.last = {"step": step, "batch": batch, "imbalance_before": before, "imbalance_after": after,
-                     "plan_ms": plan_ms, "bytes": {k: comm[k]["total"] for k in comm},
-                     "server_flops": dict(zip(ids, loads)), "server_tasks": dict(zip(ids, tasks)),
-                     "num_tasks": sum(tasks), "epoch": self.epoch}
-        self.steps_planned += 1
-        self.m["imbalance_before"].set(before, tags=self._tags)
-        self.m["imbalance_after"].set(after, tags=self._tags)
-        self.m["plan_ms"].set(plan_ms, tags=self._tags)
-        for kind in ("forward", "backward"):
-            self.m["bytes_per_round"].set(comm[kind]["total"], tags={"job": self.name, "round": kind})
-        for sid, load, n in zip(ids, loads, tasks):
+    def _export(self, rec: dict) -> None:
+        tags = self._tags
+        self.m["imbalance_before"].set(rec["imbalance_before"], tags=tags)
+        self.m["imbalance_after"].set(rec["imbalance_after"], tags=tags)
+        self.m["plan_ms"].set(rec["plan_ms"], tags=tags)
+        self.m["cut_ms"].set(rec["cut_ms"], tags=tags)
+        for kind, total in rec["bytes"].items():
+            self.m["bytes_per_round"].set(total, tags={"job": self.name, "round": kind})
+        for sid, load in rec["server_flops"].items():
             self.m["server_flops"].set(load, tags={"job": self.name, "server": str(sid)})
-            self.m["server_tasks"].set(n, tags={"job": self.name, "server": str(sid)})
-        self.m["steps_planned"].inc(tags=self._tags)
+            self.m["server_tasks"].set(rec["server_tasks"][sid], tags={"job": self.name, "server": str(sid)})
+        self.m["steps_planned"].inc(tags=tags)
 
     # ---- rendezvous ----------------------------------------------------------------------------
     def publish_store(self, epoch: int, host: str, port: int) -> None:
-        self.stores[epoch] = (host, port)
-        self.store_events.setdefault(epoch, asyncio.Event()).set()
+        self.coord.publish_store(epoch, host, port)
+        self._store_event(epoch).set()
 
     async def store_address(self, epoch: int) -> tuple[str, int] | None:
         """The rendezvous address of group ``epoch`` once world rank 0 published it (None on timeout)."""
-        event = self.store_events.setdefault(epoch, asyncio.Event())
         try:
-            await asyncio.wait_for(event.wait(), timeout=self.timeout_s)
+            await asyncio.wait_for(self._store_event(epoch).wait(), timeout=self.timeout_s)
         except asyncio.TimeoutError:
             return None
-        return self.stores[epoch]
+        return self.coord.store_address(epoch)
+
+    def _store_event(self, epoch: int) -> asyncio.Event:
+        for old in [e for e in self._store_set if e < self.coord.epoch - KEEP_EPOCHS]:
+            del self._store_set[old]
+        return self._store_set.setdefault(epoch, asyncio.Event())
 
     # ---- failures ------------------------------------------------------------------------------
-    def _describe_members(self, epoch: int) -> dict[int, str]:
-        if epoch != self.epoch or self.members is None:
-            return {}
-        out = {r: f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})"
-               for r in range(self.world_size)}
-        W = self.world_size
-        for plan_index, sid in enumerate(self.epoch_servers):
-            node = self.servers[sid].get("node", "?")
-            out[W + plan_index] = f"attention server {sid} (node {node})"
-        return out
-
     async def report_failure(self, epoch: int, world_rank: int, step: int, detail: str) -> dict:
         """A participant's round of group ``epoch`` failed. Returns ``{"lost": [...], "next_step"}``
         once every member has reported or the grace period ends; silent members are lost."""
-        self.next_step = max(self.next_step, step + 1)
-        fail = self.failures.get(epoch)
-        if fail is None:
-            fail = self.failures[epoch] = _Failure(self._describe_members(epoch))
-            asyncio.get_running_loop().create_task(self._close_failure(epoch, fail))
-        fail.reported.add(world_rank)
-        if fail.members and fail.reported >= set(fail.members):
-            fail.done.set()
-        await fail.done.wait()
-        return dict(fail.result, next_step=self.next_step)
-
-    async def _close_failure(self, epoch: int, fail: _Failure) -> None:
-        try:
-            await asyncio.wait_for(fail.done.wait(), timeout=self.failure_grace_s)
-        except asyncio.TimeoutError:
-            pass
-        lost = [desc for r, desc in sorted(fail.members.items()) if r not in fail.reported]
-        if self.mode == "dedicated":
-            await self._live_servers()  # servers that no longer answer are left out from now on
-        self.members = None  # whatever happened, the next batch forms a fresh group
-        fail.result = {"lost": lost}
-        fail.done.set()
+        out = self.coord.failure(epoch, world_rank, step, time.monotonic())
+        decided = self._verdict_set.setdefault(epoch, asyncio.Event())
+        verdict = out.verdict
+        while verdict is None:
+            try:
+                await asyncio.wait_for(decided.wait(), timeout=max(0.0, out.deadline - time.monotonic()) + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+            verdict = self.coord.close_failure(epoch, time.monotonic())
+        decided.set()  # wake the other members waiting for this verdict
+        for old in [e for e in self._verdict_set if e < self.coord.epoch - KEEP_EPOCHS]:
+            del self._verdict_set[old]
+        return verdict
 
     # ---- inspection ----------------------------------------------------------------------------
     def ping(self) -> bool:
@@ -315,22 +226,17 @@ class SchedulerActor:
 
     async def status(self) -> dict:
         """Job state for ``distca status``: servers (with their own counters), last plan, epoch."""
-        servers = []
-        for sid, s in sorted(self.servers.items()):
-            row = {"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None}
-            if s["state"] == "alive":
-                try:
-                    st = await asyncio.wait_for(s["handle"].stats.remote(), timeout=2.0)
-                    row["rounds_served"] = st["rounds_served"]
-                    row["state"] = st["state"]
-                except Exception:  # a dead actor answers with some Ray error
-                    row["state"] = "unreachable"
-            row["last_flops"] = self.last.get("server_flops", {}).get(sid)
-            row["last_tasks"] = self.last.get("server_tasks", {}).get(sid)
-            servers.append(row)
-        return {"name": self.name, "mode": self.mode, "world_size": self.world_size,
-                "clients": sorted(self.clients), "epoch": self.epoch, "next_step": self.next_step,
-                "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
+        st = self.coord.status()
+        for row in st["servers"]:
+            if row["state"] != "alive":
+                continue
+            try:
+                stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)
+                row["rounds_served"] = stats["rounds_served"]
+                row["state"] = stats["state"]
+            except Exception:  # a dead actor answers with some Ray error
+                row["state"] = "unreachable"
+        return st
 
     def metric_names(self) -> list[str]:
         """Names of the metrics this actor exports."""

@@ -39,8 +39,9 @@ import heapq
 import math
 from typing import Sequence
 
+from .checks import positive_int
 from .cost import CostModel
-from .tasks import MODES, CATask, Plan, _is_int
+from .tasks import CATask, Plan, check_batch
 
 
 def _band_tokens(l: int, a: int, b: int) -> int:
@@ -72,28 +73,9 @@ class _Doc:
 
 
 def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(cost, CostModel):
-        raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
-    if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
-        raise ValueError(f"num_servers must be a positive int, got {num_servers!r}")
-    if (not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool)
-            or not (epsilon >= 0 and math.isfinite(epsilon))):
-        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
-    if not isinstance(min_shard, int) or isinstance(min_shard, bool) or min_shard < 1:
-        raise ValueError(f"min_shard must be a positive int, got {min_shard!r}")
-    if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
-        raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
-    for r, lens in enumerate(doc_lens_per_rank):
-        if not isinstance(lens, (list, tuple)):
-            raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got {lens!r}")
-        bad = [x for x in lens if not _is_int(x) or x <= 0]
-        if bad:
-            raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
-    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
-        raise ValueError(f"inplace mode needs num_servers == ranks, got num_servers={num_servers}, "
-                         f"ranks={len(doc_lens_per_rank)}")
+    """The checks of :func:`plan_batch` (and the baselines): the plan's own plus ``min_shard``."""
+    positive_int("min_shard", min_shard)
+    check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
 
 
 class _Planner:

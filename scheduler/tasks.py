@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import descriptor
+from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import KV_TENSORS, CostModel, RoundKind
 
 MODES = ("inplace", "dedicated")
@@ -68,8 +70,35 @@ def participant_roles(mode: str, num_ranks: int, participant: int) -> tuple[int 
     return None, participant - num_ranks
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> None:
+    """The checks every plan's inputs pass, shared by :func:`~scheduler.plan_batch`, the baselines
+    and :class:`Plan` itself.
+
+    Raises:
+        ValueError: a mode other than :data:`MODES`; ``cost`` not a :class:`CostModel`;
+            ``num_servers`` not a positive int; ``epsilon`` not a finite number >= 0;
+            ``doc_lens_per_rank`` not a non-empty list of lists of positive int64 lengths (the
+            message names the rank and its first bad lengths); in-place mode with
+            ``num_servers != len(doc_lens_per_rank)``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
+    positive_int("num_servers", num_servers)
+    finite_nonnegative("epsilon", epsilon)
+    if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
+        raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
+    for r, lens in enumerate(doc_lens_per_rank):
+        if not isinstance(lens, (list, tuple)):
+            raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got "
+                             f"{type(lens).__name__} {str(lens)[:80]}")
+        bad = bad_lengths(lens)
+        if bad:
+            raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
+    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
+        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
+                         f"ranks={len(doc_lens_per_rank)}")
 
 
 def _tasks_array(server_tasks) -> np.ndarray:
@@ -132,27 +161,7 @@ class Plan:
 
     # ---- validation ---------------------------------------------------------------------------
     def _validate_header(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.cost, CostModel):
-            raise ValueError(f"cost must be a CostModel, got {type(self.cost).__name__}")
-        if not _is_int(self.num_servers) or self.num_servers < 1:
-            raise ValueError(f"num_servers must be a positive int, got {self.num_servers!r}")
-        if not isinstance(self.epsilon, (int, float)) or not (0.0 <= float(self.epsilon) < float("inf")):
-            raise ValueError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
-        if not isinstance(self.doc_lens_per_rank, (list, tuple)) or not self.doc_lens_per_rank:
-            raise ValueError("doc_lens_per_rank must be a non-empty list of lists of lengths")
-        for r, lens in enumerate(self.doc_lens_per_rank):
-            if not isinstance(lens, (list, tuple)):
-                raise ValueError(f"doc_lens_per_rank[{r}] is {type(lens).__name__}, not a list")
-            arr = np.asarray(lens) if lens else np.zeros(0, dtype=np.int64)
-            if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr <= 0).any():
-                bad = [x for x in lens if not _is_int(x) or x <= 0]
-                raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5] or lens[:5]}")
-        if self.mode == "inplace" and self.num_servers != len(self.doc_lens_per_rank):
-            raise ValueError(
-                f"inplace mode needs one server per client rank: num_servers={self.num_servers}, "
-                f"ranks={len(self.doc_lens_per_rank)}")
+        check_batch(self.doc_lens_per_rank, self.num_servers, self.mode, self.cost, self.epsilon)
         if not isinstance(self.server_tasks, (list, tuple)) or len(self.server_tasks) != self.num_servers:
             raise ValueError(f"server_tasks must hold one list per server ({self.num_servers})")
         for s, tasks in enumerate(self.server_tasks):
@@ -160,7 +169,7 @@ class Plan:
                 raise ValueError(f"server_tasks[{s}] is {type(tasks).__name__}, not a list")
             for t in tasks:
                 if type(t) is not CATask and (not isinstance(t, (tuple, list)) or len(t) != 6
-                                              or not all(_is_int(x) for x in t)):
+                                              or not all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
 
     def _validate_tasks(self) -> None:
@@ -350,12 +359,61 @@ class Plan:
 
     # ---- wire format --------------------------------------------------------------------------------
     def to_msgpack(self) -> bytes:
-        """Serialise to msgpack bytes (see :mod:`scheduler.codec`)."""
-        from .codec import plan_to_msgpack
-        return plan_to_msgpack(self)
+        """Serialise to msgpack bytes: a :mod:`scheduler.descriptor` map of format ``distca.plan``.
+
+        Fields: ``mode``, ``num_servers``, ``epsilon``, ``cost`` (:meth:`CostModel.to_wire`),
+        and int64 ``bin`` arrays ``doc_counts`` [num_ranks], ``doc_lens`` [num_docs],
+        ``task_counts`` [num_servers] and ``tasks`` [num_tasks, 6] (the CATask fields, server
+        after server).
+        """
+        return descriptor.pack(PLAN_FORMAT, PLAN_VERSION, {
+            "mode": self.mode,
+            "num_servers": self.num_servers,
+            "epsilon": float(self.epsilon),
+            "cost": self.cost.to_wire(),
+            "doc_counts": descriptor.int_bin([len(x) for x in self.doc_lens_per_rank]),
+            "doc_lens": descriptor.int_bin(self.doc_lens_flat),
+            "task_counts": descriptor.int_bin([len(tasks) for tasks in self.server_tasks]),
+            "tasks": descriptor.int_bin(self.task_array[:, 1:]),
+        })
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "Plan":
-        """Parse and validate msgpack bytes; raises ``ValueError`` on anything malformed."""
-        from .codec import plan_from_msgpack
-        return plan_from_msgpack(data)
+        """Parse and validate a plan descriptor (the trust boundary: every check runs).
+
+        Raises:
+            ValueError: bytes that are not msgpack, not a plan map, of another version, with a
+                field of the wrong type, size or range, or whose tasks do not form a valid plan.
+        """
+        obj = descriptor.unpack(data, PLAN_FORMAT, PLAN_VERSION, _PLAN_KEYS, "plan")
+        mode = descriptor.choice_field(obj, "mode", MODES)
+        num_servers = descriptor.int_field(obj, "num_servers", 1, 1 << 20)
+        epsilon = descriptor.number_field(obj, "epsilon")
+        cost = descriptor.cost_field(obj)
+        doc_counts = descriptor.int_array(obj, "doc_counts")
+        doc_lens = descriptor.int_array(obj, "doc_lens")
+        task_counts = descriptor.int_array(obj, "task_counts")
+        tasks = descriptor.int_array(obj, "tasks")
+        # Bound every count before summing, so an int64 sum cannot wrap around.
+        if len(doc_counts) == 0 or (doc_counts > len(doc_lens)).any() or int(doc_counts.sum()) != len(doc_lens):
+            raise ValueError(f"doc_counts (sum {int(doc_counts.sum())}, {len(doc_counts)} ranks) "
+                             f"disagree with {len(doc_lens)} document lengths")
+        if len(task_counts) != num_servers:
+            raise ValueError(f"task_counts has {len(task_counts)} entries for {num_servers} servers")
+        if len(tasks) % 6 or (task_counts > len(tasks) // 6).any() or int(task_counts.sum()) * 6 != len(tasks):
+            raise ValueError(f"tasks field holds {len(tasks)} ints, expected 6 x {int(task_counts.sum())}")
+        bounds = np.concatenate([[0], np.cumsum(doc_counts)]).tolist()
+        lens = doc_lens.tolist()
+        rows = list(map(CATask._make, tasks.reshape(-1, 6).tolist()))
+        tb = np.concatenate([[0], np.cumsum(task_counts)]).tolist()
+        try:
+            return cls(doc_lens_per_rank=[lens[bounds[r]:bounds[r + 1]] for r in range(len(doc_counts))],
+                       num_servers=num_servers, mode=mode, cost=cost,
+                       server_tasks=[rows[tb[s]:tb[s + 1]] for s in range(num_servers)], epsilon=epsilon)
+        except (TypeError, OverflowError, IndexError) as exc:  # defensive: report as bad input
+            raise ValueError(f"invalid plan: {exc}") from None
+
+
+PLAN_FORMAT, PLAN_VERSION = "distca.plan", 1
+_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "cost", "doc_counts", "doc_lens",
+                        "task_counts", "tasks"})

@@ -85,3 +85,76 @@ def test_bit_flips_never_raise_anything_but_value_error():
             PlanPart.from_msgpack(bytes(data))
         except ValueError:
             pass
+
+
+# ---- one-pass cut without re-validation ---------------------------------------------------------------
+def _validated(plan, p, step, batch):
+    """Participant p's part the slow way: mask the task array, then the validating constructor."""
+    from scheduler.tasks import participant_roles
+    rank, server = participant_roles(plan.mode, plan.num_ranks, p)
+    arr = plan.task_array
+    return PlanPart(step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
+                    num_servers=plan.num_servers, cost=plan.cost, participant=p, rank=rank, server=server,
+                    doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
+                    client_tasks=arr[arr[:, 1] == rank] if rank is not None else arr[:0],
+                    server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches, st.sampled_from(["inplace", "dedicated"]), st.integers(1, 5), st.integers(0, 9))
+def test_one_pass_cut_equals_the_validated_cut(doc_lens, mode, servers, step):
+    servers = len(doc_lens) if mode == "inplace" else servers
+    plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8)
+    parts = plan_parts(plan, step, 1)
+    assert [p.participant for p in parts] == list(range(plan.num_participants))
+    for p, part in enumerate(parts):
+        want = _validated(plan, p, step, 1)  # passes every check of the public constructor
+        single = plan_part(plan, p, step, 1)
+        for got in (part, single):
+            for name in ("step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant",
+                         "rank", "server", "doc_lens"):
+                assert getattr(got, name) == getattr(want, name), name
+            assert got.client_tasks.dtype == np.int64 and got.client_tasks.shape[1:] == (7,)
+            assert np.array_equal(got.client_tasks, want.client_tasks)
+            assert np.array_equal(got.server_tasks, want.server_tasks)
+            assert got.to_msgpack() == want.to_msgpack()
+            # a part shares rows with the plan: it must not be able to change them
+            assert not got.client_tasks.flags.writeable and not got.server_tasks.flags.writeable
+
+
+def test_cut_skips_validation_but_decoding_does_not(monkeypatch):
+    plan = plan_batch([[300, 40], [7]], 2, cost=COST, mode="inplace", min_shard=8)
+    calls = []
+    real = PlanPart.__post_init__
+    monkeypatch.setattr(PlanPart, "__post_init__", lambda self: (calls.append(1), real(self)))
+    parts = plan_parts(plan)
+    plan_part(plan, 1)
+    assert calls == []
+    for part in parts:
+        PlanPart.from_msgpack(part.to_msgpack())
+    assert len(calls) == len(parts)
+
+
+@pytest.mark.parametrize("args, match", [((2,), r"participant must be an int in \[0, 1\], got 2"),
+                                         ((-1,), "got -1"), ((True,), "got True"),
+                                         ((0, -1), "step must be an int"), ((0, 0, 1.5), "batch must be an int")])
+def test_plan_part_rejects(args, match):
+    plan = plan_batch([[300, 40], [7]], 2, cost=COST, mode="inplace", min_shard=8)
+    with pytest.raises(ValueError, match=match):
+        plan_part(plan, *args)
+
+
+def test_plan_parts_rejects_a_non_plan():
+    with pytest.raises(ValueError, match="plan must be a Plan, got dict"):
+        plan_parts({})
+
+
+def test_constructor_converts_numpy_ints_and_rejects_bools():
+    part = plan_part(plan_batch([[300, 40], [7]], 2, cost=COST, mode="inplace", min_shard=8), 1)
+    fields = {k: getattr(part, k) for k in ("mode", "num_ranks", "num_servers", "cost", "participant", "rank",
+                                            "server", "doc_lens", "client_tasks", "server_tasks")}
+    again = PlanPart(step=np.int64(4), batch=np.int32(1), **fields)
+    assert type(again.step) is int and type(again.batch) is int
+    assert PlanPart.from_msgpack(again.to_msgpack()).step == 4
+    with pytest.raises(ValueError, match="step must be an int"):
+        PlanPart(step=True, batch=0, **fields)

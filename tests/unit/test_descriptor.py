@@ -1,4 +1,5 @@
-"""The plan's msgpack wire format: round trips, 1,000 malformed messages, bit-flip fuzzing."""
+"""The descriptor envelope (scheduler/descriptor.py) and the plan's wire format on it: round trips,
+1,000 malformed messages, bit-flip fuzzing; the shared argument checks (scheduler/checks.py)."""
 
 import copy
 import math
@@ -596,3 +597,59 @@ def test_counts_that_overflow_int64_are_rejected():
     put(obj, "doc_lens", [9])
     with pytest.raises(ValueError):
         Plan.from_msgpack(pack(obj))
+
+
+# ---- the one envelope, shared by Plan and PlanPart ------------------------------------------------------
+def test_plan_and_part_share_the_envelope():
+    from scheduler import descriptor
+    from scheduler.parts import PlanPart, plan_part
+    plan = base_plans()[0]
+    part = plan_part(plan, 0)
+    for data, other in ((plan.to_msgpack(), PlanPart.from_msgpack), (part.to_msgpack(), Plan.from_msgpack)):
+        obj = msgpack.unpackb(data, raw=False)
+        assert obj["version"] == 1 and obj["format"] in ("distca.plan", "distca.part")
+        with pytest.raises(ValueError, match="must be a map with keys"):
+            other(data)  # one kind of descriptor is never read as the other
+    for decode, what in ((Plan.from_msgpack, "plan"), (PlanPart.from_msgpack, "part")):
+        with pytest.raises(ValueError, match=f"{what} descriptor must be bytes, got str"):
+            decode("abc")
+        with pytest.raises(ValueError, match=f"{what} descriptor is not valid msgpack: ExtraData"):
+            decode((plan if what == "plan" else part).to_msgpack() + b"\x00")
+    obj = decode_map(plan)
+    obj["cost"] = [4, 3, 8, 2]
+    with pytest.raises(ValueError, match=r"field 'cost': num_heads_q=4 is not a multiple of num_heads_kv=3"):
+        Plan.from_msgpack(pack(obj))
+    assert obj.keys() == set(KEYS) and len(descriptor.int_bin([1, 2])) == 16
+
+
+def test_size_limit_before_unpacking(monkeypatch):
+    from scheduler import descriptor
+    data = base_plans()[0].to_msgpack()
+    monkeypatch.setattr(descriptor, "MAX_BYTES", len(data) - 1)
+    with pytest.raises(ValueError, match=f"plan descriptor of {len(data)} bytes exceeds {len(data) - 1}"):
+        Plan.from_msgpack(data)
+
+
+# ---- the shared argument checks ------------------------------------------------------------------
+def test_checks():
+    from scheduler.checks import (bad_lengths, finite_nonnegative, int_in_range, is_int, is_number,
+                                  positive_int)
+    assert all(is_int(x) for x in (0, -3, np.int64(5), np.uint8(1), 2**70))
+    assert not any(is_int(x) for x in (True, np.bool_(False), 1.0, "1", None, np.float32(2)))
+    assert all(is_number(x) for x in (0, 1.5, np.float32(2), np.int16(3), math.inf))
+    assert not any(is_number(x) for x in (True, "1", None, [1]))
+    assert positive_int("n", np.int64(3)) == 3 and type(positive_int("n", np.int64(3))) is int
+    for bad in (0, -1, True, 1.0, "2"):
+        with pytest.raises(ValueError, match=f"n must be a positive int, got {bad!r}"):
+            positive_int("n", bad)
+    assert int_in_range("k", 5, 0, 5) == 5
+    with pytest.raises(ValueError, match=r"k must be an int in \[0, 4\], got 5"):
+        int_in_range("k", 5, 0, 4)
+    assert finite_nonnegative("eps", 0) == 0.0
+    for bad in (-0.1, math.nan, math.inf, True, "0.1", None):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            finite_nonnegative("eps", bad)
+    # the fast path (all plain ints) and the slow path agree on what is a token count
+    assert bad_lengths([]) == [] and bad_lengths([1, 2**63 - 1]) == [] and bad_lengths((3, np.int64(4))) == []
+    assert bad_lengths([3, 0, -2, 2**63, 2.0, True, "4", None, np.int32(-1)]) == [0, -2, 2**63, 2.0, True, "4",
+                                                                                  None, np.int32(-1)]
