@@ -43,10 +43,7 @@ from scheduler.parts import PlanPart, plan_parts  # noqa: E402
 from scheduler.tasks import participant_roles  # noqa: E402
 from bench.report import finish  # noqa: E402
 
-try:  # the workloads move to the simulator package; read them from wherever they are
-    from distca_sim.workloads import sample_batch  # noqa: E402
-except ImportError:
-    from scheduler.workloads import sample_batch  # noqa: E402
+from distca_sim.workloads import sample_batch  # noqa: E402
 
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 TRACE, EPSILON, MIN_SHARD = "pretrain", 0.05, 128

@@ -47,7 +47,8 @@ def format_status(st: dict) -> str:
         lines.append(f"last plan: step {last['step']} batch {last['batch']}, imbalance "
                      f"{last['imbalance_before']:.3f} -> {last['imbalance_after']:.3f}, "
                      f"{last['num_tasks']} CA-tasks, forward {last['bytes']['forward'] / 2**20:.1f} MiB, "
-                     f"backward {last['bytes']['backward'] / 2**20:.1f} MiB per round, plan {last['plan_ms']:.2f} ms")
+                     f"backward {last['bytes']['backward'] / 2**20:.1f} MiB per round, plan {last['plan_ms']:.2f} ms, "
+                     f"cut {last.get('cut_ms', 0.0):.2f} ms")
     header = f"{'server':>6}  {'node':<15}  {'state':<18}  {'rounds':>7}  {'last GFLOP':>10}  {'tasks':>5}"
     lines.append(header)
     for s in st["servers"]:

@@ -30,15 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from scheduler.checks import is_int
+
 from scheduler.cost import CostModel, causal_pairs
 
 __all__ = ["ProfileTable"]
 
 _JSON_KEYS = ("q_lens", "kv_lens", "latency_s", "meta")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_axis(name: str, values: Any) -> list[int]:
@@ -49,7 +47,7 @@ def _check_axis(name: str, values: Any) -> list[int]:
         raise ValueError(f"{name} must be a list of ints, got {values!r}") from None
     if not vals:
         raise ValueError(f"{name} must not be empty")
-    bad = [v for v in vals if not _is_int(v)]
+    bad = [v for v in vals if not is_int(v)]
     if bad:
         raise ValueError(f"{name} must hold ints, got non-int values {bad[:5]!r}")
     vals = [int(v) for v in vals]
@@ -156,7 +154,7 @@ class ProfileTable:
     # ---- lookup ------------------------------------------------------------------------------
     @staticmethod
     def _check_lens(q_len: Any, kv_len: Any) -> tuple[int, int]:
-        if not _is_int(q_len) or not _is_int(kv_len):
+        if not is_int(q_len) or not is_int(kv_len):
             raise ValueError(f"q_len and kv_len must be ints, got q_len={q_len!r}, kv_len={kv_len!r}")
         q_len, kv_len = int(q_len), int(kv_len)
         if q_len < 0 or kv_len < 0:

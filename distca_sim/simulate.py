@@ -46,6 +46,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from scheduler.baselines import capped_lpt
+from scheduler.checks import at_least
 
 from .hardware import GPUS, MEMORY_HEADROOM, MODELS, GPUConfig, ModelConfig, get_gpu, get_model
 from .systems import Context, RunResult, run_distca, run_packing, run_per_doc_cp, run_wlb_ideal
@@ -57,12 +58,6 @@ __all__ = ["simulate", "packing_imbalance", "ParallelConfig", "Workload", "Syste
 
 SYSTEMS = ("distca", "wlb_ideal", "per_doc_cp", "packing")
 GIB = 2 ** 30
-
-
-def _check_int(name: str, v, lo: int = 1) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -86,7 +81,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for f in ("tp", "dp", "pp", "microbatches"):
-            _check_int(f, getattr(self, f))
+            at_least(f, getattr(self, f))
 
     @property
     def gpus(self) -> int:
@@ -102,7 +97,7 @@ class ParallelConfig:
             ValueError: ``gpus`` not a multiple of ``tp · pp``.
         """
         for name, v in (("gpus", gpus), ("tp", tp), ("pp", pp)):
-            _check_int(name, v)
+            at_least(name, v)
         if gpus % (tp * pp):
             raise ValueError(f"gpus={gpus} is not a multiple of tp*pp={tp * pp}")
         m = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)
@@ -146,9 +141,9 @@ class Workload:
     def __post_init__(self) -> None:
         if self.dataset not in TRACE_NAMES:
             raise ValueError(f"unknown dataset {self.dataset!r}; expected one of {TRACE_NAMES}")
-        _check_int("context", self.context, 16)
-        _check_int("seed", self.seed, 0)
-        _check_int("step", self.step, 0)
+        at_least("context", self.context, 16)
+        at_least("seed", self.seed, 0)
+        at_least("step", self.step, 0)
 
     def batch(self, par: ParallelConfig) -> list[list[list[int]]]:
         """``batch[i][d]``: document lengths of microbatch ``i`` on rank ``d`` (each sums to
@@ -352,7 +347,7 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
     if unknown or not systems:
         raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
     eps = _check_epsilons(epsilons)
-    _check_int("min_shard", min_shard)
+    at_least("min_shard", min_shard)
     R = parallel.dp
     cps = tuple(cp_degrees) if cp_degrees is not None else tuple(
         c for c in (2 ** k for k in range(int(math.log2(R)) + 1)) if R % c == 0)
@@ -429,7 +424,7 @@ def packing_imbalance(model: ModelConfig | str, gpu: GPUConfig | str, workload: 
     """
     model = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    _check_int("steps", steps)
+    at_least("steps", steps)
     ParallelConfig(tp=tp, dp=dp).check(model, gpu)
     ctx = Context(model=model, gpu=gpu, tp=tp, pp=1, dp=dp, microbatches=1, recompute=False,
                   min_shard=128)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from scheduler.checks import is_int, nonnegative_int, positive_int
+
 if TYPE_CHECKING:  # importlib.resources.abc is new in 3.11
     from importlib.resources.abc import Traversable
 
@@ -54,26 +56,10 @@ PROLONG_FIX_PROB = 0.3         # ProLong: a long document becomes exactly contex
 LEN_MULTIPLE = 16              # every sampled length is rounded up to a multiple of this
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _check_name(name: Any) -> str:
     if name not in TRACE_NAMES:
         raise ValueError(f"unknown trace {name!r}; expected one of {TRACE_NAMES}")
     return name
-
-
-def _check_pos_int(what: str, x: Any) -> int:
-    if not _is_int(x) or x <= 0:
-        raise ValueError(f"{what} must be a positive int, got {x!r}")
-    return int(x)
-
-
-def _check_nonneg_int(what: str, x: Any) -> int:
-    if not _is_int(x) or x < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {x!r}")
-    return int(x)
 
 
 # ---- traces ----------------------------------------------------------------------------------
@@ -130,7 +116,7 @@ def _parse_trace(text: str, where: str) -> tuple[int, ...]:
         raise ValueError(f"{where} is not valid JSON ({e})") from None
     if not isinstance(data, list) or not data:
         raise ValueError(f"{where} must hold a non-empty JSON list of ints")
-    bad = [(i, v) for i, v in enumerate(data) if not _is_int(v) or v <= 0]
+    bad = [(i, v) for i, v in enumerate(data) if not is_int(v) or v <= 0]
     if bad:
         raise ValueError(f"{where}: {len(bad)} entries are not positive ints, "
                          f"first (index, value): {bad[:5]}")
@@ -207,10 +193,10 @@ def sample_documents(name: str, context_len: int, num_docs: int | None = None,
         ValueError: an unknown name or a bad ``context_len``, ``num_docs`` or ``seed``.
     """
     _check_name(name)
-    context_len = _check_pos_int("context_len", context_len)
+    context_len = positive_int("context_len", context_len)
     if num_docs is not None:
-        num_docs = _check_pos_int("num_docs", num_docs)
-    seed = _check_nonneg_int("seed", seed)
+        num_docs = positive_int("num_docs", num_docs)
+    seed = nonnegative_int("seed", seed)
     return _sample_documents(name, context_len, num_docs, seed).tolist()
 
 
@@ -259,7 +245,7 @@ def _check_doc_lens(doc_lens: Any) -> np.ndarray:
         raise ValueError(f"doc_lens must be a list of ints, got {doc_lens!r}") from None
     if not vals:
         raise ValueError("doc_lens must not be empty")
-    bad = [(i, v) for i, v in enumerate(vals) if not _is_int(v) or v <= 0]
+    bad = [(i, v) for i, v in enumerate(vals) if not is_int(v) or v <= 0]
     if bad:
         raise ValueError(f"doc_lens must be positive ints; {len(bad)} bad, first (index, value): "
                          f"{bad[:5]}")
@@ -289,8 +275,8 @@ def pack_documents(doc_lens: Sequence[int], context_len: int, num_ranks: int) ->
             ``context_len`` / ``num_ranks``.
     """
     lens = _check_doc_lens(doc_lens)
-    context_len = _check_pos_int("context_len", context_len)
-    num_ranks = _check_pos_int("num_ranks", num_ranks)
+    context_len = positive_int("context_len", context_len)
+    num_ranks = positive_int("num_ranks", num_ranks)
     return _Stream(lens, context_len).chunks(0, num_ranks)
 
 
@@ -317,8 +303,8 @@ def sample_batch(name: str, num_ranks: int, context_len: int, seed: int = 0,
         ValueError: an unknown name or a bad ``num_ranks``, ``context_len``, ``seed`` or ``step``.
     """
     _check_name(name)
-    num_ranks = _check_pos_int("num_ranks", num_ranks)
-    context_len = _check_pos_int("context_len", context_len)
-    seed = _check_nonneg_int("seed", seed)
-    step = _check_nonneg_int("step", step)
+    num_ranks = positive_int("num_ranks", num_ranks)
+    context_len = positive_int("context_len", context_len)
+    seed = nonnegative_int("seed", seed)
+    step = nonnegative_int("step", step)
     return _stream(name, context_len, seed).chunks(step * num_ranks, num_ranks)

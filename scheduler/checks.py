@@ -46,6 +46,22 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
+def at_least(name: str, value, lo: int = 1) -> int:
+    """``value`` as a Python int if it is an integer >= ``lo``.
+
+    Raises:
+        ValueError: ``"<name> must be an int >= lo, got <value>"``.
+    """
+    if not is_int(value) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+def nonnegative_int(name: str, value) -> int:
+    """``value`` as a Python int if it is an integer >= 0."""
+    return at_least(name, value, 0)
+
+
 def finite_nonnegative(name: str, value) -> float:
     """``value`` as a float if it is a finite number >= 0 (an ε, a duration).
 
