@@ -248,8 +248,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Starts a local Ray instance only if none is running (and stops only that one). Returns the
     metrics written to metrics.json, plus ``model_state`` (rank 0's final parameters).
     """
-    from distca_server import launch, shutdown
-    from distca_server.job import status
+    from distca_server import launch, shutdown, status
     from scheduler import CostModel
 
     cfg.validate()

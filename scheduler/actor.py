@@ -24,6 +24,7 @@ from .parts import plan_part
 from .planner import plan_batch
 
 NAMESPACE = "distca"
+PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
 
 
 def scheduler_actor_name(name: str) -> str:
@@ -80,6 +81,7 @@ class SchedulerActor:
         self.members: tuple | None = None
         self.epoch_servers: list[int] = []  # server ids of the current epoch, in plan order
         self.batches: dict[tuple[int, int], _Batch] = {}
+        self.plans: dict[tuple[int, int], object] = {}  # (step, batch) -> Plan, the newest PLANS_KEPT
         self.stores: dict[int, tuple[str, int]] = {}
         self.store_events: dict[int, asyncio.Event] = {}
         self.failures: dict[int, _Failure] = {}
@@ -168,10 +170,10 @@ class SchedulerActor:
     async def report(self, step: int, batch: int, rank: int, doc_lens: list[int], shape: dict) -> dict:
         """Client ``rank``'s documents for ``(step, batch)``; returns its part once all have reported.
 
-        ``shape`` holds ``num_heads_q``, ``num_heads_kv``, ``head_dim``, ``dtype_bytes`` and
-        ``device_type``. The answer is ``{"part": bytes, "group": {...}}`` or ``{"error": kind,
-        "message": str}`` where kind is ``"ValueError"`` (bad input, sent to every client of the
-        batch) or ``"DistCAError"`` (a client never reported, no live server).
+        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. The answer
+        is ``{"part": bytes, "group": {...}}`` or ``{"error": kind, "message": str}`` where kind
+        is ``"ValueError"`` (bad input, sent to every client of the batch) or ``"DistCAError"`` (a
+        client never reported, no live server).
         """
         if self.world_size is None or rank not in self.clients:
             return {"error": "DistCAError", "message": f"rank {rank} is not registered with job {self.name!r}"}
@@ -196,11 +198,10 @@ class SchedulerActor:
         step, batch = key
         try:
             shapes = {r: s for r, (_, s) in state.reports.items()}
-            if len({tuple(sorted(s.items())) for s in shapes.values()}) != 1:
-                raise ValueError(f"clients disagree on the attention shape: {shapes}")
             shape = shapes[0]
-            cost = CostModel(shape["num_heads_q"], shape["num_heads_kv"], shape["head_dim"],
-                             shape["dtype_bytes"])
+            if any(s != shape for s in shapes.values()):
+                raise ValueError(f"clients disagree on the attention shape: {shapes}")
+            cost = CostModel.from_wire(shape["cost"])
             doc_lens = [list(state.reports[r][0]) for r in range(self.world_size)]
             try:
                 epoch, servers = await self._form_epoch(shape["device_type"])
@@ -212,6 +213,9 @@ class SchedulerActor:
             plan = plan_batch(doc_lens, num_servers, cost=cost, epsilon=self.epsilon,
                               mode=self.mode, min_shard=self.min_shard)
             plan_ms = (time.perf_counter() - start) * 1e3
+            self.plans[key] = plan
+            while len(self.plans) > PLANS_KEPT:
+                del self.plans[next(iter(self.plans))]
             W = self.world_size
             world = plan.num_participants
             state.answers = {
@@ -256,6 +260,12 @@ class SchedulerActor:
             self.m["server_flops"].set(load, tags={"job": self.name, "server": str(sid)})
             self.m["server_tasks"].set(n, tags={"job": self.name, "server": str(sid)})
         self.m["steps_planned"].inc(tags=self._tags)
+
+    def plan_descriptor(self, step: int, batch: int) -> bytes | None:
+        """The whole plan of ``(step, batch)`` as ``Plan.to_msgpack()`` bytes, or None if it is
+        not among the newest ``PLANS_KEPT`` planned (``DistCAClient.last_plan`` on Ray)."""
+        plan = self.plans.get((step, batch))
+        return None if plan is None else plan.to_msgpack()
 
     # ---- rendezvous ----------------------------------------------------------------------------
     def publish_store(self, epoch: int, host: str, port: int) -> None:

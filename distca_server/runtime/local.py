@@ -2,26 +2,33 @@
 
 The batch handed to ``attend`` is cut into ``num_ranks`` virtual client ranks (whole documents,
 contiguous, about equal tokens); each participant runs exactly the code a distributed participant
-runs, over the in-process all-to-all of :mod:`distca_server.transport.local`.
+runs, over the in-process all-to-all of :mod:`distca_server.transport.local`, and writes its
+rank's results straight into its rows of one batch-wide output. Steps end as on Ray (see
+:class:`~distca_server.runtime.base.StepState`); plans are cached across steps per batch shape
+(planning is deterministic), participants are built per step and batch.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
 
-from distca_server.errors import DistCAError
-from distca_server.kernels import get_backend
-from distca_server.participant import Participant
-from distca_server.transport.local import LocalGroup
-from distca_server.wire import RowFormat
 from scheduler import Plan, plan_batch
+from scheduler.cost import RoundKind
 from scheduler.parts import plan_parts
 
-_CACHE_SIZE = 16
+from ..errors import DistCAError
+from ..kernels import get_backend
+from ..participant import Participant
+from ..transport.local import LocalGroup
+from ..wire import RowFormat
+from .base import PlannedBatch, Runtime, StepState
+
+PLANS_KEPT = 16
 
 
 def split_documents(doc_lens: list[int], num_ranks: int) -> list[list[int]]:
@@ -41,61 +48,70 @@ def split_documents(doc_lens: list[int], num_ranks: int) -> list[list[int]]:
     return groups
 
 
-class LocalStep:
-    """One plan bound to its in-process participants; the ``step`` of :class:`DistCAAttention`."""
+class LocalBatch(PlannedBatch):
+    """One batch of one step bound to every participant of its plan (threads of this process)."""
 
-    def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device):
-        self.runtime, self.plan = runtime, plan
+    def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device,
+                 step: int, batch: int):
+        self.runtime, self._plan, self.fmt, self.step, self.batch = runtime, plan, fmt, step, batch
         backend = get_backend(runtime.backend, device)
         self.backend_name = backend.name
-        self.participants = [Participant(part, fmt, backend, device) for part in plan_parts(plan)]
+        self.participants = [Participant(part, fmt, backend, device)
+                             for part in plan_parts(plan, step, batch)]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
-        self.bounds = np.concatenate([[0], np.cumsum(tokens)]).tolist()
+        self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
 
-    def _slices(self, *tensors):
-        """Per participant: its rank's rows of each tensor, or Nones for server-only ones."""
-        args = []
-        for p in self.participants:
-            if p.rank is None:
-                args.append((None,) * len(tensors))
-            else:
-                a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
-                args.append(tuple(t[a:b] for t in tensors))
-        return args
+    @property
+    def plan(self) -> Plan:
+        return self._plan
 
-    def _gather(self, results, count):
-        per_rank = [r for p, r in zip(self.participants, results) if p.rank is not None]
-        return tuple(torch.cat([r[i] for r in per_rank]) for i in range(count))
+    def _rows(self, p: Participant, tensors):
+        """Participant ``p``'s rank's rows of each tensor (views), or Nones for a server-only one."""
+        if p.rank is None:
+            return (None,) * len(tensors)
+        a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
+        return tuple(t[a:b] for t in tensors)
 
     def _forward(self, q, k, v, softmax_scale):
-        jobs = [(lambda t, p=p, a=a: p.forward(t, *a, softmax_scale))
-                for p, a in zip(self.participants, self._slices(q, k, v))]
-        return self._gather(self.runtime.run(jobs), 2)
+        T = q.shape[0]
+        out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
+        lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
+
+        def job(p):
+            rq, rk, rv, ro, rl = self._rows(p, (q, k, v, out, lse))
+            return lambda t: p.forward(t, rq, rk, rv, softmax_scale, out=ro, lse=rl)
+        self.runtime.run([job(p) for p in self.participants])
+        return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, softmax_scale):
-        jobs = [(lambda t, p=p, a=a: p.backward(t, *a, softmax_scale))
-                for p, a in zip(self.participants, self._slices(q, k, v, out, lse, dout))]
-        return self._gather(self.runtime.run(jobs), 3)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def job(p):
+            rows = self._rows(p, (q, k, v, out, lse, dout, dq, dk, dv))
+            return lambda t: p.backward(t, *rows[:6], softmax_scale, dq=rows[6], dk=rows[7], dv=rows[8])
+        self.runtime.run([job(p) for p in self.participants])
+        return dq, dk, dv
 
     def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
-        """Queue the forward round; a future of ``(out, lse)``."""
-        return self.runtime.submit(self._forward, q, k, v, softmax_scale)
+        return self.runtime.submit(self, RoundKind.FORWARD, counts_for_step, self._forward,
+                                   q, k, v, softmax_scale)
 
     def backward(self, q, k, v, out, lse, dout, softmax_scale):
-        return self.runtime.submit(self._backward, q, k, v, out, lse, dout, softmax_scale).result()
-
-    def traffic(self) -> dict[str, dict[str, int]]:
-        """Bytes all participants sent to other participants so far: ``{kind: {tensor: bytes}}``."""
-        total: dict[str, dict[str, int]] = {}
-        for p in self.participants:
-            for (kind, name), n in p.traffic.items():
-                total.setdefault(kind, {}).setdefault(name, 0)
-                total[kind][name] += n
-        return total
+        return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward,
+                                   q, k, v, out, lse, dout, softmax_scale).result()
 
 
-class LocalRuntime:
-    """Plans, participants and threads of a ``DistCAClient.local`` client."""
+class LocalRuntime(Runtime):
+    """Plans, participants and threads of a ``DistCAClient.local`` client.
+
+    Args:
+        num_servers: attention servers (threads).
+        num_ranks: virtual client ranks the batch is cut into.
+        mode: "inplace" or "dedicated".
+        epsilon, min_shard: planner settings.
+        backend: kernel backend name or "auto".
+        timeout_s: how long an in-process all-to-all waits for a participant.
+    """
 
     def __init__(self, num_servers: int, num_ranks: int, mode: str, epsilon: float,
                  backend: str, min_shard: int, timeout_s: float):
@@ -105,33 +121,57 @@ class LocalRuntime:
         self.world_size = num_ranks if mode == "inplace" else num_ranks + num_servers
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
         self._group: LocalGroup | None = None
-        self._steps: OrderedDict = OrderedDict()
+        self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
+        self._state = StepState()
+        self._lock = threading.RLock()
+        self._closed = False
         # Rounds run one at a time, in call order, like a distributed client's rounds.
         self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
 
-    def submit(self, fn, *args):
-        """Queue one round (``fn(*args)``) behind the earlier ones; returns its future."""
-        if self._pool is None:
-            raise DistCAError("this DistCAClient is closed")
-        return self._rounds.submit(fn, *args)
+    @property
+    def step(self) -> int:
+        """The current step."""
+        return self._state.step
 
     def new_step(self) -> None:
-        """Nothing to do locally: plans are cached per batch shape."""
+        with self._lock:
+            if self._state.batches:
+                self._state.advance()
 
-    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> LocalStep:
-        """The cached step for this batch shape, planning it on first sight."""
-        key = (tuple(doc_lens), fmt, str(device))
-        step = self._steps.get(key)
-        if step is None:
+    def _plan(self, key, doc_lens: list[int], fmt: RowFormat) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
                               cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard)
-            step = LocalStep(self, plan, fmt, device)
-            self._steps[key] = step
-            if len(self._steps) > _CACHE_SIZE:
-                self._steps.popitem(last=False)
+            self._plans[key] = plan
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
         else:
-            self._steps.move_to_end(key)
-        return step
+            self._plans.move_to_end(key)
+        return plan
+
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> LocalBatch:
+        """The current step's batch for this batch shape; planned on first sight of the shape
+        (cached across steps), bound to fresh participants on first sight in the step."""
+        if self._closed:
+            raise DistCAError("this DistCAClient is closed")
+        key = (tuple(doc_lens), fmt, str(device))
+        with self._lock:
+            found = self._state.lookup(key)
+            if found is None:
+                found = LocalBatch(self, self._plan(key, doc_lens, fmt), fmt, device,
+                                   self._state.step, self._state.next_batch_index())
+                self._state.add(key, found)
+            return found
+
+    def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, fn, *args):
+        """Count a round of ``batch`` toward its step and queue ``fn(*args)`` behind the earlier
+        rounds; returns its future."""
+        with self._lock:
+            if self._closed:
+                raise DistCAError("this DistCAClient is closed")
+            self._state.count_round(batch, kind, counts_for_step)
+            return self._rounds.submit(fn, *args)
 
     def run(self, jobs):
         """Run one exchange-synchronised job per participant; return their results in order.
@@ -164,8 +204,12 @@ class LocalRuntime:
         return [f.result() for f in futures]
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._rounds.shutdown(wait=True)
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._steps.clear()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._rounds.shutdown(wait=True)  # rounds already queued still run
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self._plans.clear()
+        self._state.advance()

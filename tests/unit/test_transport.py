@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from distca_client.local import LocalRuntime
+from distca_server.runtime.local import LocalRuntime
 from distca_server.errors import DistCAError
 from distca_server.transport.local import LocalGroup
 
