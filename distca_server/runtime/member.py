@@ -116,8 +116,8 @@ class GroupMember:
                 much longer than for data inside a round); default the member's timeout.
 
         Returns:
-            ``(participant, result)``: the participant that ran it and what its round returned
-            (``(out, lse)`` or ``(dq, dk, dv)`` on a client, None on a dedicated server).
+            What the participant's round returns: ``(out, lse)`` or ``(dq, dk, dv)`` on a client,
+            None on a dedicated server.
 
         Raises:
             DistCAError: not in a group (an earlier round failed; a new step forms a new one).
@@ -137,8 +137,8 @@ class GroupMember:
             participant = participant_for(common)
             args = tensors or (None,) * len(common.kind.dispatch)
             if common.kind == RoundKind.FORWARD:
-                return participant, participant.forward(transport, *args, common.softmax_scale)
-            return participant, participant.backward(transport, *args, common.softmax_scale)
+                return participant.forward(transport, *args, common.softmax_scale)
+            return participant.backward(transport, *args, common.softmax_scale)
         except (DistCAError, ValueError, RuntimeError) as exc:
             raise self.fail(step, what, str(exc)) from None
 

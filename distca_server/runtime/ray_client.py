@@ -193,7 +193,7 @@ class RayClientRuntime(Runtime):
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
         participant = batch.participants[0]
         try:
-            return self.member.run_round(header, self.world_size, lambda _: participant, tensors)[1]
+            return self.member.run_round(header, self.world_size, lambda _: participant, tensors)
         except GroupFailure as failure:
             raise self._resume_after(failure) from None
 
