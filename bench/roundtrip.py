@@ -1,7 +1,7 @@
 """Round-trip benchmark: per-round latency of the Ray runtime, phase by phase, against the local client.
 
 For every configuration a local Ray instance runs a distca job (scheduler actor, and in dedicated
-mode ``S`` :class:`~distca_server.actor.AttentionServer` actors) and ``W`` client actors that
+mode ``S`` :class:`~distca_server.runtime.server_actor.AttentionServer` actors) and ``W`` client actors that
 ``DistCAClient.connect`` to it; rounds move over gloo. The same batches then go through
 ``DistCAClient.local(num_servers=S, mode=..., num_ranks=W)`` in this process (participants as
 threads, in-process all-to-all): the baseline.
@@ -12,7 +12,7 @@ dedicated 2 + 1).
 
 Workload: per step the batch is ``distca_sim.workloads.sample_batch("pretrain", W, context)``
 (``--context`` tokens per rank, seed 0, step = step index); its documents, concatenated, are cut
-into ``W`` ranks by :func:`distca_client.local.split_documents` exactly as the local client does,
+into ``W`` ranks by :func:`distca_server.runtime.local.split_documents` exactly as the local client does,
 and each Ray client gets its rank's document list and the same rows of Q, K, V and dO (seeded per
 step, layer and rank). Attention shape: 8 query heads, 2 KV heads, head_dim 64, float32. A step is
 ``--layers`` forward rounds (one ``attend`` per layer) followed by one backward round per layer
@@ -24,7 +24,7 @@ the same machine load; the Ray job and its actors stay up (idle) while the local
 Columns (milliseconds, mean over measured steps):
 
 - ``plan``: once per step (forward rows only). Ray: the client's scheduler round trip for the new
-  step, ``RemoteRuntime.step_for`` (report the batch, the scheduler plans once all ``W`` clients
+  step, ``RayClientRuntime.step_for`` (report the batch, the scheduler plans once all ``W`` clients
   reported, each client decodes its plan part and builds its participant), the minimum over
   clients (the last client to report sees the pure round trip; the others also wait for it; the
   maximum is in the JSON, and so is the scheduler's own ``plan_batch`` time). Local:
@@ -71,7 +71,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from distca_client import DistCAClient  # noqa: E402
-from distca_client.local import split_documents  # noqa: E402
+from distca_server.runtime.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
@@ -130,7 +130,7 @@ class BenchClient:
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads()}
 
     def _snapshot(self) -> dict:
-        p = self.client.last_step.participant
+        p = self.client.last_step.participants[0]  # this client's one participant
         return {"timings": dict(p.timings), "traffic": _traffic_by_kind(p.traffic)}
 
     def forward(self, lens: list[int], seed: int, step: int, layers: int) -> dict:
@@ -252,7 +252,7 @@ class RayRunner:
         the bytes the clients sent per round."""
         import ray
 
-        from distca_server.job import status
+        from distca_server import status
 
         args, layers = self.args, self.args.layers
         stats = _server_stats(self.servers)

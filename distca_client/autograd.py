@@ -8,9 +8,9 @@ import torch
 class DistCAAttention(torch.autograd.Function):
     """``out = attention(q, k, v)`` whose forward round already runs (or ran) in ``pending``.
 
-    ``pending`` has ``result() -> (out, lse)`` (the queued forward round) and ``step``, an object
-    with ``backward(q, k, v, out, lse, dout, softmax_scale) -> (dq, dk, dv)`` bound to the step's
-    plan. Saves q, k, v, out and the LSE (float32, or float64 for float64 inputs; FlashAttention-2
+    ``pending`` has ``result() -> (out, lse)`` (the queued forward round) and ``step``, the
+    :class:`~distca_server.runtime.base.PlannedBatch` whose ``backward(q, k, v, out, lse, dout,
+    softmax_scale) -> (dq, dk, dv)`` runs the backward round on the same plan. Saves q, k, v, out and the LSE (float32, or float64 for float64 inputs; FlashAttention-2
     Alg. 2 recomputes the softmax from it), nothing quadratic.
     """
 
@@ -29,7 +29,7 @@ class DistCAAttention(torch.autograd.Function):
 
 
 class Pending:
-    """A queued forward round of ``step`` (its future) and the step it belongs to."""
+    """A queued forward round (its future) and ``step``, the planned batch it belongs to."""
 
     def __init__(self, step, future, timeout_s: float | None = None):
         self.step, self.future, self.timeout_s = step, future, timeout_s

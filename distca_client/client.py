@@ -5,24 +5,29 @@ from __future__ import annotations
 import torch
 
 from distca_server.kernels import BACKENDS
+from distca_server.runtime.base import PlannedBatch, Runtime, Traffic, sum_traffic
+from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
 from scheduler.tasks import MODES, Plan
 
 from .autograd import DistCAAttention, Pending
-from .local import LocalRuntime
 from .validate import check_attend_inputs
 
 
 class DistCAClient:
     """Core attention served by attention servers; ``attend`` equals local causal varlen attention.
 
-    Build one with :meth:`local` (in-process virtual servers) or :meth:`connect` (a job on Ray).
-    Plans are cached per distinct ``doc_lens``, so every layer of a step reuses its step's plan.
+    Build one with :meth:`local` (in-process virtual servers) or :meth:`connect` (a job on Ray);
+    both run on a :class:`~distca_server.runtime.base.Runtime` and behave the same. Each distinct
+    batch (``doc_lens``, attention shape, device) of a step is planned once, so every layer of a
+    step reuses its plan. A step ends once every grad-requiring forward round has had its backward
+    round, or at :meth:`new_step`.
     """
 
-    def __init__(self, runtime):
+    def __init__(self, runtime: Runtime):
         self._runtime = runtime
-        self._last_step = None
+        self._last_step: PlannedBatch | None = None
+        self._step_batches: list[PlannedBatch] = []  # the batches of the last step, in first use order
 
     @classmethod
     def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
@@ -76,8 +81,8 @@ class DistCAClient:
             ValueError: no job of that name, or rank/world size missing or inconsistent.
             DistCAError: Ray is not initialised or the scheduler does not answer.
         """
-        from .remote import RemoteRuntime
-        return cls(RemoteRuntime(name, rank, world_size, timeout_s))
+        from distca_server.runtime.ray_client import RayClientRuntime
+        return cls(RayClientRuntime(name, rank, world_size, timeout_s))
 
     def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                      softmax_scale: float | None = None) -> "AttendHandle":
@@ -92,7 +97,7 @@ class DistCAClient:
         lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
         fmt = RowFormat.of(q, k)
         step = self._runtime.step_for(lens, fmt, q.device)
-        self._last_step = step
+        self._remember(step)
         counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
         return AttendHandle(Pending(step, future), q, k, v, scale)
@@ -127,18 +132,46 @@ class DistCAClient:
         forward only (evaluation)."""
         self._runtime.new_step()
 
+    def _remember(self, batch: PlannedBatch) -> None:
+        if self._step_batches and self._step_batches[0].step != batch.step:
+            self._step_batches = []
+        if all(b is not batch for b in self._step_batches):
+            self._step_batches.append(batch)
+        self._last_step = batch
+
     @property
     def last_plan(self) -> Plan | None:
-        """The plan of the most recent ``attend`` call (for inspection and metrics)."""
+        """The whole :class:`~scheduler.tasks.Plan` of the most recent ``attend`` call's batch
+        (every rank's documents and every server's CA-tasks), or None before the first call.
+
+        On a :meth:`connect` client it is fetched from the scheduler on first read.
+
+        Raises:
+            DistCAError: the scheduler no longer keeps that plan or does not answer (connect).
+        """
         return None if self._last_step is None else self._last_step.plan
 
     @property
-    def last_step(self):
-        """The most recent step (plan, participants, traffic counters)."""
+    def last_step(self) -> PlannedBatch | None:
+        """The most recent ``attend`` call's batch bound to its plan: ``plan``, ``part``,
+        ``participants`` (with their ``traffic`` and ``timings`` counters), ``traffic()``."""
         return self._last_step
 
+    def traffic(self) -> Traffic:
+        """Bytes this process's participants sent to other participants during the most recent
+        step, summed over its batches: ``{round_kind: {tensor: bytes}}`` (``{}`` before the first
+        ``attend``).
+
+        On a :meth:`local` client every participant runs here, so one forward and one backward
+        round of a one-batch step equal ``last_plan.comm_bytes()`` tensor by tensor; on a
+        :meth:`connect` client it is this client's participant's share (its rows' dispatch, and
+        in in-place mode what its server sent back).
+        """
+        return sum_traffic(b.traffic() for b in self._step_batches)
+
     def close(self) -> None:
-        """Stop the client's threads; further ``attend`` calls raise ``DistCAError``."""
+        """Stop the client's threads (and leave the job's group); further ``attend`` calls raise
+        ``DistCAError``."""
         self._runtime.close()
 
     def __enter__(self) -> "DistCAClient":

@@ -221,6 +221,11 @@ class SchedulerActor:
         return verdict
 
     # ---- inspection ----------------------------------------------------------------------------
+    def plan_descriptor(self, step: int, batch: int) -> bytes | None:
+        """The whole plan of ``(step, batch)`` as msgpack (for ``DistCAClient.last_plan``), or None
+        once the scheduler no longer keeps it."""
+        return self.coord.plan_descriptor(step, batch)
+
     def ping(self) -> bool:
         return True
 

@@ -37,6 +37,7 @@ from .tasks import MODES, Plan
 DEVICE_TYPES = ("cpu", "cuda")
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
 KEEP_EPOCHS = 2  # rendezvous addresses and failure verdicts of older epochs are forgotten
+PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
 
 
 def error_answer(kind: str, message: str) -> dict:
@@ -168,6 +169,7 @@ class Coordinator:
         self.next_step = 0
         self.steps_planned = 0
         self.last: dict = {}
+        self.plans: dict[tuple[int, int], Plan] = {}  # (step, batch) -> plan, the newest PLANS_KEPT
 
     # ---- membership --------------------------------------------------------------------------
     def register_client(self, rank: int, world_size: int, info: dict) -> dict:
@@ -321,6 +323,9 @@ class Coordinator:
         except ValueError as exc:  # bad documents: every client of the batch gets the same error
             self._resolve(key, state, error_answer("ValueError", str(exc)))
             return PlanOutcome(resolved=True)
+        self.plans[key] = plan
+        while len(self.plans) > PLANS_KEPT:
+            del self.plans[next(iter(self.plans))]
         decision = self.epoch_for(servers, device_type)
         group = {"epoch": decision.epoch, "world_size": plan.num_participants, "device_type": device_type}
         self._resolve(key, state, None, {r: {"part": parts[r], "group": dict(group, world_rank=r)}
@@ -329,6 +334,11 @@ class Coordinator:
         return PlanOutcome(resolved=True, assignments=decision.assignments,
                            server_parts=[(sid, parts[W + i]) for i, sid in enumerate(servers)],
                            record=record)
+
+    def plan_descriptor(self, step: int, batch: int) -> bytes | None:
+        """The whole plan of ``(step, batch)`` as msgpack, or None once it is no longer kept."""
+        plan = self.plans.get((step, batch))
+        return None if plan is None else plan.to_msgpack()
 
     def answer(self, step: int, batch: int, rank: int) -> dict:
         """Client ``rank``'s answer for a resolved batch (a ``DistCAError`` answer if the batch is

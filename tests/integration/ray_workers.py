@@ -88,6 +88,19 @@ class TrainWorker:
             return {"ok": False, "type": type(exc).__name__, "message": str(exc),
                     "seconds": time.monotonic() - start}
 
+    def plan_and_traffic(self, lens, seed):
+        """One one-layer step (forward and backward); returns the client's ``last_plan`` (msgpack),
+        its ``traffic()``, its part's participant index, and the error against the reference."""
+        try:
+            result = self.step(lens, seed, layers=1)
+            plan = self.client.last_plan
+            assert plan is self.client.last_plan  # fetched once, then cached
+            part = self.client.last_step.part
+            return dict(result, plan=plan.to_msgpack(), traffic=self.client.traffic(),
+                        participant=part.participant, rank=part.rank, step=self.client.last_step.step)
+        except (DistCAError, ValueError) as exc:
+            return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
     def bad_shape_step(self, lens, head_dim):
         q, k, v, _ = _inputs(lens, 0, d=head_dim)
         try:

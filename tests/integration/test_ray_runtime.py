@@ -12,9 +12,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from distca_server import launch, shutdown  # noqa: E402
-from distca_server.job import status  # noqa: E402
+from distca_server import launch, shutdown, status  # noqa: E402
 from distca_cli import format_status  # noqa: E402
+from distca_server.runtime.base import sum_traffic  # noqa: E402
+from scheduler.cost import KV_TENSORS, RoundKind  # noqa: E402
+from scheduler.tasks import Plan  # noqa: E402
 from scripts import RUNTIME_ENV  # noqa: E402
 
 TIMEOUT = 10.0
@@ -32,6 +34,64 @@ def _step(workers, lens_per_rank, seed, **kwargs):
                    timeout=120)
 
 
+def _nonzero(traffic):
+    return {kind: {n: b for n, b in per.items() if b} for kind, per in traffic.items()
+            if any(per.values())}
+
+
+def _comm(plan):
+    """``plan.comm_bytes()`` in ``traffic()``'s form (no totals, no zero tensors)."""
+    return _nonzero({kind: {n: b for n, b in per.items() if n != "total"}
+                     for kind, per in plan.comm_bytes().items()})
+
+
+def _client_share(plan, rank):
+    """What client ``rank``'s participant sends off-participant in one round of each kind: its
+    rows to other servers, and in in-place mode its server's results for other ranks."""
+    q_rows, kv_rows = plan.row_matrix
+    off = plan.off_rank_mask()
+    share = {}
+    for kind in RoundKind:
+        per = {}
+        for n in kind.dispatch:
+            per[n] = int((kv_rows if n in KV_TENSORS else q_rows)[rank][off[rank]].sum())
+        if plan.mode == "inplace":
+            for n in kind.returns:
+                per[n] = int((kv_rows if n in KV_TENSORS else q_rows)[:, rank][off[:, rank]].sum())
+        share[kind.value] = {n: rows * plan.cost.bytes_per_token(n) for n, rows in per.items()}
+    return _nonzero(share)
+
+
+def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
+    """One step on every client: each ``last_plan`` is the same whole plan, each client's
+    ``traffic()`` is its rows' share of it, and clients plus servers moved ``comm_bytes()``."""
+    def server_stats():
+        return ray.get([s.stats.remote() for s in servers], timeout=30)
+    before = server_stats()
+    results = ray.get([w.plan_and_traffic.remote(lens_per_rank[r], seed) for r, w in enumerate(workers)],
+                      timeout=120)
+    assert all(r["ok"] for r in results), results
+    assert max(r["error"] for r in results) <= 1e-5
+    assert len({r["plan"] for r in results}) == 1
+    plan = Plan.from_msgpack(results[0]["plan"])
+    assert plan.doc_lens_per_rank == [list(x) for x in lens_per_rank]
+    assert plan.num_servers == (len(servers) or len(workers))
+    for r, res in enumerate(results):
+        assert (res["rank"], res["participant"]) == (r, r)
+        assert _nonzero(res["traffic"]) == _client_share(plan, r), r
+    deadline = time.monotonic() + 30  # a server counts a round just after sending its results
+    after = server_stats()
+    while any(a["rounds_served"] < b["rounds_served"] + 2 for a, b in zip(after, before)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        after = server_stats()
+    moved = sum_traffic([r["traffic"] for r in results] + [a["traffic"] for a in after]
+                        + [{k: {n: -b for n, b in per.items()} for k, per in s["traffic"].items()}
+                           for s in before])
+    assert _nonzero(moved) == _comm(plan)
+    return plan
+
+
 def test_dedicated_two_clients_two_servers(local_ray):
     job = launch(name="ded", servers=2, mode="dedicated", timeout_s=TIMEOUT, detached=False,
                  server_options={"num_cpus": 0}, min_shard=8)
@@ -47,7 +107,7 @@ def test_dedicated_two_clients_two_servers(local_ray):
         assert "imbalance" in format_status(st)
         names = ray.get(job["scheduler"].metric_names.remote())
         for metric in ("distca_imbalance_before", "distca_imbalance_after", "distca_plan_ms",
-                       "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks"):
+                       "distca_cut_ms", "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks"):
             assert metric in names
 
         # a malformed descriptor is refused, and the server keeps serving
@@ -70,6 +130,10 @@ def test_dedicated_two_clients_two_servers(local_ray):
         assert "disagree on the attention shape" in results[0]["message"]
         results = _step(workers, LENS[2], 3)  # and the job goes on
         assert all(r["ok"] for r in results)
+
+        # last_plan and traffic() on connect() clients, against the servers' counters
+        plan = _check_plan_and_traffic(workers, LENS[1], 4, servers=job["servers"])
+        assert plan.mode == "dedicated" and plan.num_servers == 2
     finally:
         shutdown("ded")
 
@@ -85,6 +149,8 @@ def test_inplace_three_clients(local_ray):
             assert max(r["error"] for r in results) <= 1e-5
         assert status("inp")["last"]["imbalance_after"] <= status("inp")["last"]["imbalance_before"]
         assert job["servers"] == []  # in-place: the clients serve
+        plan = _check_plan_and_traffic(workers, lens3[1], 5)
+        assert plan.mode == "inplace" and plan.num_servers == 3
     finally:
         shutdown("inp")
 

@@ -112,7 +112,7 @@ def test_bytes_moved_equal_plan_comm_bytes(mode, seed):
     q, k, v, dout = make_inputs(lens, 4, 2, 16, torch.float32, seed)
     with _client(servers, rng.choice([0.0, 0.05, 0.2]), mode) as client:
         run(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout)
-        moved = client.last_step.traffic()
+        moved = client.traffic()
         expected = client.last_plan.comm_bytes()
     for kind in ("forward", "backward"):
         for name, n in expected[kind].items():

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from distca_client.local import LocalRuntime
+from distca_server.runtime.local import LocalRuntime
 from distca_server.errors import DistCAError
 from distca_server.refs import all_to_all_ref
 from distca_server.transport.base import ALIGN, all_to_all

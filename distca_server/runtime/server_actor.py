@@ -1,10 +1,11 @@
 """``AttentionServer``: a dedicated attention server as a Ray actor.
 
-A background thread serves rounds: it waits for the round header, finds the step's part (pushed by
-the scheduler), runs the server's CA-tasks as one fused kernel call and sends the results back. It
-keeps no state between rounds: backward receives Q, K, V, O, LSE and dO again. Method calls
-(``ping``, ``assign``, ``install_part``, ``stats``) run on other threads of the actor, so the job can
-be inspected while a round is in flight.
+A background thread serves rounds: it joins the group epoch the scheduler assigns (through
+:class:`~distca_server.runtime.member.GroupMember`, as the clients do), waits for the round
+header, finds the step's part (pushed by the scheduler), runs the server's CA-tasks as one fused
+kernel call and sends the results back. It keeps no state between rounds: backward receives Q, K,
+V, O, LSE and dO again. Method calls (``ping``, ``assign``, ``install_part``, ``stats``) run on
+other threads of the actor, so the job can be inspected while a round is in flight.
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ import torch
 from scheduler.actor import NAMESPACE, scheduler_actor_name
 from scheduler.parts import PlanPart
 
-from .errors import DistCAError
-from scheduler.cost import RoundKind
-
-from .header import exchange_header
-from .kernels import get_backend
-from .participant import Participant
-from .transport.torch_dist import join_group
-from .wire import RowFormat
+from ..errors import DistCAError
+from ..kernels import get_backend
+from ..participant import Participant
+from ..wire import RowFormat
+from .base import as_traffic, sum_traffic
+from .member import GroupFailure, GroupMember
 
 _PARTS_KEPT = 8
 
@@ -58,7 +57,11 @@ class AttentionServer:
         self.state = "waiting"
         self.rounds_served = 0
         self.phase_seconds: dict[str, float] = {}  # pack / all_to_all / kernel / unpack, all rounds
+        self.traffic: dict[str, dict[str, int]] = {}  # bytes sent to other participants, all rounds
+        self._retired_seconds: dict[str, float] = {}
+        self._retired_traffic: dict[str, dict[str, int]] = {}
         self.last_error = ""
+        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}")
         self._rounds_metric = ray.util.metrics.Counter(
             "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
         handle = ray.get_runtime_context().current_actor
@@ -95,10 +98,13 @@ class AttentionServer:
             self._cond.notify_all()
 
     def stats(self) -> dict:
+        """The server's counters over every round it served: ``rounds_served``, ``phase_seconds``
+        (see :attr:`~distca_server.participant.Participant.timings`), ``traffic`` (bytes sent to
+        other participants, ``{round_kind: {tensor: bytes}}``), and its state and last error."""
         return {"index": self.index, "node": self.node, "state": self.state,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "rounds_served": self.rounds_served, "last_error": self.last_error,
-                "phase_seconds": dict(self.phase_seconds),
+                "phase_seconds": dict(self.phase_seconds), "traffic": self.traffic,
                 "assignment": self._assignment}
 
     def stop(self) -> None:
@@ -120,90 +126,77 @@ class AttentionServer:
                 self._cond.wait(min(left, 1.0))
         return None
 
-    def _newer_assignment(self, joined_epoch):
+    def _newer_assignment(self):
         a = self._assignment
-        return a if a is not None and a[0] != joined_epoch else None
+        return a if a is not None and a[0] != self.member.epoch else None
 
     def _serve(self) -> None:
-        transport, epoch, num_clients = None, None, 0
+        member, num_clients, device = self.member, 0, None
         participants: OrderedDict = OrderedDict()
         while not self._stop:
-            pending = self._newer_assignment(epoch)
-            if transport is None and pending is None:
-                pending = self._wait(lambda: self._newer_assignment(epoch), timeout_s=1.0)
+            pending = self._newer_assignment()
+            if not member.joined and pending is None:
+                pending = self._wait(self._newer_assignment, timeout_s=1.0)
                 if pending is None:
                     continue
             if pending is not None:  # a new group epoch: leave the old group, join the new one
-                if transport is not None:
-                    transport.close()
-                    transport = None
                 epoch, world_rank, world_size, plan_index, device_type = pending
                 num_clients = world_rank - plan_index  # world ranks: clients first, then servers
                 device = torch.device("cuda" if device_type == "cuda" else "cpu")
                 self.state = f"joining epoch {epoch}"
-                participants.clear()
+                self._retire(participants, keep=0)
                 try:
-                    transport = join_group(
-                        epoch=epoch, rank=world_rank, world_size=world_size, host=self.node,
-                        timeout_s=self.timeout_s, device=device,
-                        publish=lambda h, p, e=epoch: self._publish(e, h, p),
-                        lookup=lambda e=epoch: self._lookup(e))
-                except DistCAError as exc:
-                    self._fail(epoch, world_rank, -1, str(exc))
+                    member.join(epoch, world_rank, world_size, device, step=-1)
+                except GroupFailure as failure:
+                    self._failed(failure)
                     continue
             self.state = "serving"
-            step = -1
             try:
-                header = exchange_header(transport, None, num_clients, timeout_s=self.idle_timeout_s)
-                step = header.step
-                key = (header.step, header.batch, header.dtype)
-                participant = participants.get(key)
-                if participant is None:
-                    participant = self._participant(header, transport.device)
-                    participants[key] = participant
-                    while len(participants) > _PARTS_KEPT:
-                        participants.popitem(last=False)
-                before = dict(participant.timings)
-                if header.kind == RoundKind.FORWARD:
-                    participant.forward(transport, None, None, None, header.softmax_scale)
-                elif header.kind == RoundKind.BACKWARD:
-                    participant.backward(transport, None, None, None, None, None, None,
-                                         header.softmax_scale)
-                self.rounds_served += 1
-                for phase, seconds in participant.timings.items():
-                    self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds - before.get(phase, 0.0)
-                self._rounds_metric.inc(tags={"job": self.name, "server": str(self.index)})
-            except (DistCAError, ValueError, RuntimeError) as exc:
-                rank = transport.rank
-                transport.close()
-                transport = None
-                self._fail(epoch, rank, step, str(exc))
+                member.run_round(None, num_clients,
+                                 lambda header: self._participant(header, device, participants),
+                                 header_timeout_s=self.idle_timeout_s)
+            except GroupFailure as failure:
+                self._failed(failure)
+                continue
+            self.rounds_served += 1
+            self._count(participants)
+            self._rounds_metric.inc(tags={"job": self.name, "server": str(self.index)})
 
-    def _participant(self, header, device) -> Participant:
+    def _participant(self, header, device, participants: OrderedDict) -> Participant:
+        """The participant of the header's batch, built from its part on first sight."""
+        key = (header.step, header.batch, header.dtype)
+        found = participants.get(key)
+        if found is not None:
+            return found
         part = self._wait(lambda: self._parts.get((header.step, header.batch)), self.timeout_s)
         if part is None:
             raise DistCAError(f"server {self.index}: no descriptor for step {header.step} "
                               f"batch {header.batch} within {self.timeout_s:g} s")
         fmt = RowFormat(part.cost, header.dtype)
-        return Participant(part, fmt, get_backend(self.backend_name, device), device)
+        found = participants[key] = Participant(part, fmt, get_backend(self.backend_name, device), device)
+        self._retire(participants, keep=_PARTS_KEPT)
+        return found
 
-    def _publish(self, epoch: int, host: str, port: int) -> None:
-        ray.get(self.scheduler.publish_store.remote(epoch, host, port), timeout=self.timeout_s)
+    def _retire(self, participants: OrderedDict, keep: int) -> None:
+        """Drop all but the newest ``keep`` participants, keeping their counters in the totals."""
+        while len(participants) > keep:
+            _, p = participants.popitem(last=False)
+            self._retired_seconds = {ph: self._retired_seconds.get(ph, 0.0) + s for ph, s in p.timings.items()}
+            self._retired_traffic = sum_traffic([self._retired_traffic, as_traffic(p.traffic)])
 
-    def _lookup(self, epoch: int) -> tuple[str, int]:
-        addr = ray.get(self.scheduler.store_address.remote(epoch), timeout=self.timeout_s + 5)
-        if addr is None:
-            raise DistCAError(f"no rendezvous address for group epoch {epoch}")
-        return tuple(addr)
+    def _count(self, participants: OrderedDict) -> None:
+        """Totals over every round served: retired participants' counters plus the live ones'."""
+        seconds = dict(self._retired_seconds)
+        for p in participants.values():
+            for ph, s in p.timings.items():
+                seconds[ph] = seconds.get(ph, 0.0) + s
+        self.phase_seconds = seconds
+        self.traffic = sum_traffic([self._retired_traffic] + [as_traffic(p.traffic) for p in participants.values()])
 
-    def _fail(self, epoch, world_rank, step, detail: str) -> None:
-        self.state = "recovering"
-        self.last_error = detail[:500]
-        try:
-            ray.get(self.scheduler.report_failure.remote(epoch, world_rank, step, detail),
-                    timeout=self.timeout_s)
-        except Exception:  # the scheduler itself may be gone; keep waiting for an assignment
-            pass
+    def _failed(self, failure: GroupFailure) -> None:
+        """The failure is reported (GroupMember did); keep serving once the scheduler assigns a
+        new epoch."""
+        self.last_error = str(failure)[:500]
         self.state = "waiting"
 
 

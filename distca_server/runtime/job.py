@@ -1,8 +1,9 @@
 """Start, inspect and stop a distca job on the current Ray cluster.
 
 ``launch`` starts the job's :class:`~scheduler.actor.SchedulerActor` and, in dedicated mode, its
-:class:`~distca_server.actor.AttentionServer` actors (detached by default, so they outlive the
-driver that started them); clients then ``DistCAClient.connect(name)`` from any Ray task or actor.
+:class:`~distca_server.runtime.server_actor.AttentionServer` actors (detached by default, so they
+outlive the driver that started them); clients then ``DistCAClient.connect(name)`` from any Ray
+task or actor.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import ray
 
 from scheduler.actor import NAMESPACE, SchedulerActor, scheduler_actor_name, server_actor_name
 
-from .actor import AttentionServerActor
+from .server_actor import AttentionServerActor
 
 
 def _scheduler(name: str):

@@ -1,0 +1,224 @@
+"""The interface every runtime implements, and the step bookkeeping they share.
+
+A *runtime* turns ``attend`` calls into rounds: :class:`Runtime` binds each batch of a training
+step to its plan and to the participants this process runs (:meth:`Runtime.step_for`), and the
+returned :class:`PlannedBatch` runs that batch's forward and backward rounds. Two runtimes
+implement it: :class:`~distca_server.runtime.local.LocalRuntime` (every participant a thread of
+this process) and :class:`~distca_server.runtime.ray_client.RayClientRuntime` (this process is one
+client of a job on Ray). ``DistCAClient`` and its autograd function see only this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future
+
+import torch
+
+from scheduler.cost import RoundKind
+from scheduler.parts import PlanPart
+from scheduler.tasks import Plan
+
+from ..errors import DistCAError
+from ..wire import RowFormat
+
+Traffic = dict[str, dict[str, int]]
+"""Bytes sent to other participants: ``{round_kind.value: {tensor: bytes}}``, e.g.
+``{"forward": {"q": ..., "k": ..., "v": ..., "out": ..., "lse": ...}, "backward": {...}}``;
+tensors and kinds with nothing sent are absent."""
+
+BATCHES_KEPT = 16
+"""Batches a step keeps bound (an evaluation loop over many batch shapes without ``new_step``
+would otherwise hold every one); an evicted batch is planned again under a new batch index."""
+
+
+def as_traffic(counter) -> Traffic:
+    """A participant's ``traffic`` counter (``{(kind, tensor): bytes}``, see
+    :attr:`~distca_server.participant.Participant.traffic`) as a :data:`Traffic` dict."""
+    out: Traffic = {}
+    for (kind, name), n in list(counter.items()):
+        out.setdefault(kind, {})[name] = int(n)
+    return out
+
+
+def sum_traffic(traffics) -> Traffic:
+    """Sum :data:`Traffic` dicts, tensor by tensor."""
+    total: Traffic = {}
+    for traffic in traffics:
+        for kind, per in traffic.items():
+            into = total.setdefault(kind, {})
+            for name, n in per.items():
+                into[name] = into.get(name, 0) + n
+    return total
+
+
+class PlannedBatch(ABC):
+    """One batch of one training step bound to its plan and to this process's participants.
+
+    The ``step`` object of :class:`~distca_client.autograd.DistCAAttention`: every layer's forward
+    round and, later, its backward round run through it. Rounds run in call order, one at a time.
+
+    Attributes:
+        step: the training step this batch belongs to (counted by the runtime from 0).
+        batch: its index within the step (ping-pong nano-batches are batches 0 and 1).
+        participants: the :class:`~distca_server.participant.Participant` s this process runs for
+            it, in participant order: every participant of the plan on the local runtime, this
+            client's one participant on Ray. Built for this batch, so their ``traffic`` and
+            ``timings`` counters cover this batch's rounds only.
+        backend_name: the attention kernel backend the participants' servers use.
+    """
+
+    step: int
+    batch: int
+    participants: list
+    backend_name: str
+
+    @property
+    @abstractmethod
+    def plan(self) -> Plan:
+        """The whole :class:`~scheduler.tasks.Plan` of this batch (every rank's documents, every
+        server's CA-tasks).
+
+        Raises:
+            DistCAError: the Ray runtime could not fetch it from the scheduler.
+        """
+
+    @property
+    def parts(self) -> list[PlanPart]:
+        """The :class:`~scheduler.parts.PlanPart` of each participant this process runs, in
+        participant order (all of them locally, this client's one on Ray)."""
+        return [p.part for p in self.participants]
+
+    @property
+    def part(self) -> PlanPart:
+        """The part of this process's first participant: on Ray this client's part; locally
+        participant 0's (client rank 0, and server 0 in in-place mode)."""
+        return self.participants[0].part
+
+    @abstractmethod
+    def forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                      counts_for_step: bool = True) -> Future:
+        """Queue the forward round behind this process's earlier rounds.
+
+        Args:
+            q: [T, num_heads_q, head_dim]; k, v: [T, num_heads_kv, head_dim]: this process's
+                rows of the batch (detached), T its tokens.
+            softmax_scale: multiplier of ``Q Kᵀ``.
+            counts_for_step: whether a backward round will follow (the forward ran with grad);
+                the step ends once every counted forward round has had its backward round.
+
+        Returns:
+            A future of ``(out [T, num_heads_q, head_dim] in q's dtype, lse [T, num_heads_q] in
+            :attr:`~distca_server.wire.RowFormat.lse_dtype`)``; its ``result()`` raises
+            :class:`DistCAError` if a participant was lost or timed out.
+
+        Raises:
+            DistCAError: the runtime is closed, or this batch belongs to a step that has ended.
+        """
+
+    @abstractmethod
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dout: torch.Tensor, softmax_scale: float):
+        """Run the backward round (blocking) and return ``(dq, dk, dv)``, shaped and typed like
+        ``q``, ``k``, ``v``. ``out``, ``lse`` are the forward round's results, ``dout`` the
+        gradient of ``out`` (contiguous).
+
+        Raises:
+            DistCAError: a participant was lost or timed out, the runtime is closed, or the step
+                of this batch has ended.
+        """
+
+    def traffic(self) -> Traffic:
+        """Bytes this process's participants sent to *other* participants in this batch's rounds
+        so far (rows a client hands its own in-place server are not counted). Locally: all
+        virtual participants, so one forward and one backward round equal
+        ``plan.comm_bytes()``; on Ray: this client's participant."""
+        return sum_traffic(as_traffic(p.traffic) for p in self.participants)
+
+
+class Runtime(ABC):
+    """Plans batches, binds them to participants and runs their rounds in call order."""
+
+    @abstractmethod
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> PlannedBatch:
+        """The batch of the current step with these documents, attention shape and device, bound
+        on first sight (planned, or the plan fetched from the scheduler).
+
+        Ends the current step first if as many backward rounds as counted forward rounds have run.
+
+        Raises:
+            ValueError: bad input (the Ray scheduler reports it to every client of the batch).
+            DistCAError: the runtime is closed, or a participant or the scheduler failed.
+        """
+
+    @abstractmethod
+    def new_step(self) -> None:
+        """End the current step now (forward-only loops: nothing counts toward the step)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the runtime's threads and leave any group; later calls raise DistCAError."""
+
+
+class StepState:
+    """Which step a runtime is in, the batches bound in it, and when it ends.
+
+    A step ends once as many backward rounds as counted forward rounds have run (checked when the
+    next batch is looked up), or at :meth:`advance`. Not thread-safe: the runtime holds its lock.
+    """
+
+    def __init__(self, step: int = 0):
+        self.step = step
+        self.batches: OrderedDict = OrderedDict()
+        self._next_batch = 0
+        self.forward_rounds = self.backward_rounds = self.seq = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.forward_rounds > 0 and self.backward_rounds >= self.forward_rounds
+
+    def advance(self, step: int | None = None) -> None:
+        """Start step ``step`` (default: the next one) with no batches."""
+        self.step = self.step + 1 if step is None else step
+        self.batches.clear()
+        self._next_batch = 0
+        self.forward_rounds = self.backward_rounds = self.seq = 0
+
+    def lookup(self, key):
+        """The batch bound to ``key`` in the current step (ending the step first if it is done),
+        or None."""
+        if self.ended:
+            self.advance()
+        found = self.batches.get(key)
+        if found is not None:
+            self.batches.move_to_end(key)
+        return found
+
+    def next_batch_index(self) -> int:
+        return self._next_batch
+
+    def add(self, key, batch: PlannedBatch) -> None:
+        """Bind ``batch`` (whose index is :meth:`next_batch_index`) to ``key``."""
+        self.batches[key] = batch
+        self._next_batch += 1
+        while len(self.batches) > BATCHES_KEPT:
+            self.batches.popitem(last=False)
+
+    def count_round(self, batch: PlannedBatch, kind: RoundKind, counts_for_step: bool = True) -> int:
+        """Count one round of ``batch``; returns its sequence number within the step.
+
+        Raises:
+            DistCAError: ``batch`` belongs to an earlier step.
+        """
+        if batch.step != self.step:
+            raise DistCAError(f"batch {batch.batch} of step {batch.step} used in step {self.step} "
+                              f"(its step ended: every counted forward round had its backward round, "
+                              f"or new_step() was called)")
+        seq = self.seq
+        self.seq += 1
+        if kind == RoundKind.FORWARD and counts_for_step:
+            self.forward_rounds += 1
+        elif kind == RoundKind.BACKWARD:
+            self.backward_rounds += 1
+        return seq

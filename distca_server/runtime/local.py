@@ -1,0 +1,215 @@
+"""``DistCAClient.local``: every participant of the plan as a thread of this process.
+
+The batch handed to ``attend`` is cut into ``num_ranks`` virtual client ranks (whole documents,
+contiguous, about equal tokens); each participant runs exactly the code a distributed participant
+runs, over the in-process all-to-all of :mod:`distca_server.transport.local`, and writes its
+rank's results straight into its rows of one batch-wide output. Steps end as on Ray (see
+:class:`~distca_server.runtime.base.StepState`); plans are cached across steps per batch shape
+(planning is deterministic), participants are built per step and batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+import torch
+
+from scheduler import Plan, plan_batch
+from scheduler.cost import RoundKind
+from scheduler.parts import plan_parts
+
+from ..errors import DistCAError
+from ..kernels import get_backend
+from ..participant import Participant
+from ..transport.local import LocalGroup
+from ..wire import RowFormat
+from .base import PlannedBatch, Runtime, StepState
+
+PLANS_KEPT = 16
+
+
+def split_documents(doc_lens: list[int], num_ranks: int) -> list[list[int]]:
+    """Cut documents into ``num_ranks`` contiguous groups of about equal tokens.
+
+    Document ``i`` goes to rank ``floor(R · midpoint_i / total)``, so ranks keep the batch's order
+    and a rank may be empty (fewer documents than ranks).
+    """
+    if not doc_lens:
+        return [[] for _ in range(num_ranks)]
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    mid2 = 2 * np.cumsum(lens) - lens  # twice each document's midpoint, in exact integers
+    rank = np.minimum(num_ranks - 1, (mid2 * num_ranks) // (2 * int(lens.sum())))
+    groups: list[list[int]] = [[] for _ in range(num_ranks)]
+    for r, l in zip(rank.tolist(), doc_lens):
+        groups[r].append(l)
+    return groups
+
+
+class LocalBatch(PlannedBatch):
+    """One batch of one step bound to every participant of its plan (threads of this process)."""
+
+    def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device,
+                 step: int, batch: int):
+        self.runtime, self._plan, self.fmt, self.step, self.batch = runtime, plan, fmt, step, batch
+        backend = get_backend(runtime.backend, device)
+        self.backend_name = backend.name
+        self.participants = [Participant(part, fmt, backend, device)
+                             for part in plan_parts(plan, step, batch)]
+        tokens = [sum(x) for x in plan.doc_lens_per_rank]
+        self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def _rows(self, p: Participant, tensors):
+        """Participant ``p``'s rank's rows of each tensor (views), or Nones for a server-only one."""
+        if p.rank is None:
+            return (None,) * len(tensors)
+        a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
+        return tuple(t[a:b] for t in tensors)
+
+    def _forward(self, q, k, v, softmax_scale):
+        T = q.shape[0]
+        out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
+        lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
+
+        def job(p):
+            rq, rk, rv, ro, rl = self._rows(p, (q, k, v, out, lse))
+            return lambda t: p.forward(t, rq, rk, rv, softmax_scale, out=ro, lse=rl)
+        self.runtime.run([job(p) for p in self.participants])
+        return out, lse
+
+    def _backward(self, q, k, v, out, lse, dout, softmax_scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def job(p):
+            rows = self._rows(p, (q, k, v, out, lse, dout, dq, dk, dv))
+            return lambda t: p.backward(t, *rows[:6], softmax_scale, dq=rows[6], dk=rows[7], dv=rows[8])
+        self.runtime.run([job(p) for p in self.participants])
+        return dq, dk, dv
+
+    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
+        return self.runtime.submit(self, RoundKind.FORWARD, counts_for_step, self._forward,
+                                   q, k, v, softmax_scale)
+
+    def backward(self, q, k, v, out, lse, dout, softmax_scale):
+        return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward,
+                                   q, k, v, out, lse, dout, softmax_scale).result()
+
+
+class LocalRuntime(Runtime):
+    """Plans, participants and threads of a ``DistCAClient.local`` client.
+
+    Args:
+        num_servers: attention servers (threads).
+        num_ranks: virtual client ranks the batch is cut into.
+        mode: "inplace" or "dedicated".
+        epsilon, min_shard: planner settings.
+        backend: kernel backend name or "auto".
+        timeout_s: how long an in-process all-to-all waits for a participant.
+    """
+
+    def __init__(self, num_servers: int, num_ranks: int, mode: str, epsilon: float,
+                 backend: str, min_shard: int, timeout_s: float):
+        self.num_servers, self.num_ranks, self.mode = num_servers, num_ranks, mode
+        self.epsilon, self.backend, self.min_shard = epsilon, backend, min_shard
+        self.timeout_s = timeout_s
+        self.world_size = num_ranks if mode == "inplace" else num_ranks + num_servers
+        self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
+        self._group: LocalGroup | None = None
+        self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
+        self._state = StepState()
+        self._lock = threading.RLock()
+        self._closed = False
+        # Rounds run one at a time, in call order, like a distributed client's rounds.
+        self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
+
+    @property
+    def step(self) -> int:
+        """The current step."""
+        return self._state.step
+
+    def new_step(self) -> None:
+        with self._lock:
+            if self._state.batches:
+                self._state.advance()
+
+    def _plan(self, key, doc_lens: list[int], fmt: RowFormat) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
+                              cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard)
+            self._plans[key] = plan
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> LocalBatch:
+        """The current step's batch for this batch shape; planned on first sight of the shape
+        (cached across steps), bound to fresh participants on first sight in the step."""
+        if self._closed:
+            raise DistCAError("this DistCAClient is closed")
+        key = (tuple(doc_lens), fmt, str(device))
+        with self._lock:
+            found = self._state.lookup(key)
+            if found is None:
+                found = LocalBatch(self, self._plan(key, doc_lens, fmt), fmt, device,
+                                   self._state.step, self._state.next_batch_index())
+                self._state.add(key, found)
+            return found
+
+    def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, fn, *args):
+        """Count a round of ``batch`` toward its step and queue ``fn(*args)`` behind the earlier
+        rounds; returns its future."""
+        with self._lock:
+            if self._closed:
+                raise DistCAError("this DistCAClient is closed")
+            self._state.count_round(batch, kind, counts_for_step)
+            return self._rounds.submit(fn, *args)
+
+    def run(self, jobs):
+        """Run one exchange-synchronised job per participant; return their results in order.
+
+        A failing participant aborts the group so the others stop waiting; the first real
+        error (not the peers' resulting :class:`DistCAError`) is re-raised.
+        """
+        if self._pool is None:
+            raise DistCAError("this DistCAClient is closed")
+        if self._group is None or self._group.broken:
+            self._group = LocalGroup(self.world_size, self.timeout_s)
+        group = self._group
+
+        def call(i, job):
+            try:
+                return job(group.endpoint(i))
+            except BaseException as exc:
+                group.abort(i, f"{type(exc).__name__}: {exc}")
+                raise
+        futures = [self._pool.submit(call, i, job) for i, job in enumerate(jobs)]
+        done, pending = wait(futures, timeout=2 * self.timeout_s + 5)
+        if pending:
+            group.abort(-1, "round did not finish")
+            raise DistCAError(f"{len(pending)} local participants did not finish within "
+                              f"{2 * self.timeout_s + 5:g} s")
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            root = [e for e in errors if not isinstance(e, DistCAError)]
+            raise (root or errors)[0]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._rounds.shutdown(wait=True)  # rounds already queued still run
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self._plans.clear()
+        self._state.advance()

@@ -1,0 +1,210 @@
+"""``DistCAClient.connect``: a client of a distca job running on Ray.
+
+Per step the client reports its batch to the scheduler actor once and gets its part of the plan;
+then every layer's forward round and, later, backward round runs over the job's all-to-all group
+(joined, run and left through :class:`~distca_server.runtime.member.GroupMember`). Steps end as in
+:class:`~distca_server.runtime.base.StepState`; within a step, each distinct batch (ping-pong
+nano-batches) gets its own plan. All rounds of a client run in order on one worker thread, so
+``attend_async`` rounds keep the same order on every client.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+import torch
+
+from scheduler.actor import NAMESPACE, scheduler_actor_name
+from scheduler.cost import RoundKind
+from scheduler.parts import PlanPart
+from scheduler.tasks import Plan
+
+from ..errors import DistCAError
+from ..header import RoundHeader
+from ..kernels import get_backend
+from ..participant import Participant
+from ..wire import RowFormat
+from .base import PlannedBatch, Runtime, StepState
+from .member import GroupFailure, GroupMember, ask
+
+
+def _ray_rank_and_size(rank, world_size):
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    try:  # inside a Ray Train worker
+        from ray import train
+        ctx = train.get_context()
+        r, w = ctx.get_world_rank(), ctx.get_world_size()
+        return (rank if rank is not None else r), (world_size if world_size is not None else w)
+    except Exception:  # not in a Ray Train session: fall back to the torchrun-style environment
+        pass
+    env_rank, env_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if env_rank is not None and env_size is not None:
+        return (rank if rank is not None else int(env_rank)), (world_size if world_size is not None else int(env_size))
+    raise ValueError("connect() needs rank and world_size (pass them, run inside Ray Train, "
+                     "or set RANK and WORLD_SIZE)")
+
+
+class RayBatch(PlannedBatch):
+    """One batch of one step bound to this client's participant in the job's group."""
+
+    def __init__(self, runtime: "RayClientRuntime", participant: Participant, step: int, batch: int,
+                 backend_name: str):
+        self.runtime, self.step, self.batch = runtime, step, batch
+        self.participants, self.backend_name = [participant], backend_name
+        self._plan: Plan | None = None
+        self._plan_lock = threading.Lock()
+
+    @property
+    def plan(self) -> Plan:
+        """The whole plan, fetched from the scheduler on first read (clients get only their part
+        when the batch is planned) and cached.
+
+        Raises:
+            DistCAError: the scheduler no longer keeps this batch's plan (it keeps the last few),
+                or does not answer.
+        """
+        with self._plan_lock:
+            if self._plan is None:
+                self._plan = self.runtime.fetch_plan(self.step, self.batch)
+            return self._plan
+
+    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
+        return self.runtime.submit(self, RoundKind.FORWARD, (q, k, v), softmax_scale, q.dtype, counts_for_step)
+
+    def backward(self, q, k, v, out, lse, dout, softmax_scale):
+        return self.runtime.submit(self, RoundKind.BACKWARD, (q, k, v, out, lse, dout), softmax_scale,
+                                   q.dtype).result()
+
+
+class RayClientRuntime(Runtime):
+    """The client side of a job: scheduler round trips, group membership, ordered rounds.
+
+    Args:
+        name: the job.
+        rank, world_size: this client's rank and the number of clients (None: from Ray Train or
+            ``RANK``/``WORLD_SIZE``).
+        timeout_s: deadline of every wait (None: the job's).
+
+    Raises:
+        ValueError: no job of that name, or rank/world size missing or inconsistent.
+        DistCAError: Ray is not initialised or the scheduler does not answer.
+    """
+
+    def __init__(self, name: str, rank: int | None, world_size: int | None, timeout_s: float | None):
+        if not ray.is_initialized():
+            raise DistCAError("DistCAClient.connect needs Ray: call it from a Ray task or actor, "
+                              "or ray.init() first")
+        self.rank, self.world_size = _ray_rank_and_size(rank, world_size)
+        try:
+            self.scheduler = ray.get_actor(scheduler_actor_name(name), namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"no distca job named {name!r}; start one with `distca up --name {name}` "
+                             f"or distca_server.launch(name={name!r})") from None
+        self.name = name
+        self.node = ray.util.get_node_ip_address()
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        cfg = ask(self.scheduler.register_client.remote(
+            self.rank, self.world_size,
+            {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation}), timeout_s or 60.0)
+        self.mode, self.backend = cfg["mode"], cfg["backend"]
+        self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
+        self._state = StepState(cfg["next_step"])
+        self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-client-{self.rank}")
+        self._lock = threading.RLock()
+        self.closed = False
+
+    @property
+    def step(self) -> int:
+        """The current step."""
+        return self._state.step
+
+    # ---- steps and batches -----------------------------------------------------------------------
+    def new_step(self) -> None:
+        with self._lock:
+            if self._state.batches:
+                self._state.advance()
+
+    def _resume_after(self, failure: GroupFailure) -> DistCAError:
+        """Go on at the step the scheduler's verdict names (every client does the same); returns
+        the verdict as the plain :class:`DistCAError` users see."""
+        with self._lock:
+            self._state.advance(max(failure.next_step, self._state.step + 1))
+        return DistCAError(str(failure))
+
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> RayBatch:
+        """The batch object for ``doc_lens`` in the current step, asking the scheduler on first sight."""
+        if self.closed:
+            raise DistCAError("this DistCAClient is closed")
+        with self._lock:
+            key = (tuple(doc_lens), fmt, str(device))
+            found = self._state.lookup(key)
+            if found is not None:
+                return found
+            step, batch = self._state.step, self._state.next_batch_index()
+            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type}
+            answer = ask(self.scheduler.report.remote(step, batch, self.rank, list(doc_lens), shape),
+                         self.timeout_s + 10)
+            if "error" in answer:  # every client of the batch gets it: all move on together
+                self._state.advance()
+                if answer["error"] == "ValueError":
+                    raise ValueError(answer["message"])
+                raise DistCAError(answer["message"])
+            part = PlanPart.from_msgpack(answer["part"])
+            group = answer["group"]
+            try:
+                self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step)
+            except GroupFailure as failure:
+                raise self._resume_after(failure) from None
+            backend = get_backend(self.backend, device)
+            found = RayBatch(self, Participant(part, fmt, backend, device), step, batch, backend.name)
+            self._state.add(key, found)
+            return found
+
+    def fetch_plan(self, step: int, batch: int) -> Plan:
+        """The whole plan of ``(step, batch)`` from the scheduler (``plan_descriptor``).
+
+        Raises:
+            DistCAError: the scheduler no longer keeps it, or does not answer.
+        """
+        data = ask(self.scheduler.plan_descriptor.remote(step, batch), self.timeout_s)
+        if data is None:
+            raise DistCAError(f"the scheduler of job {self.name!r} no longer keeps the plan of step "
+                              f"{step} batch {batch} (it keeps the most recent ones)")
+        return Plan.from_msgpack(data)
+
+    # ---- rounds ----------------------------------------------------------------------------------
+    def submit(self, batch: RayBatch, kind: RoundKind, tensors, softmax_scale: float, dtype,
+               counts_for_step: bool = True):
+        """Count a round toward its step and queue it on the client's worker thread; returns a
+        future of its result."""
+        with self._lock:
+            if self.closed:
+                raise DistCAError("this DistCAClient is closed")
+            seq = self._state.count_round(batch, kind, counts_for_step)
+        header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale))
+        return self._worker.submit(self._run, batch, header, tensors)
+
+    def _run(self, batch: RayBatch, header: RoundHeader, tensors):
+        participant = batch.participants[0]
+        try:
+            return self.member.run_round(header, self.world_size, lambda _: participant, tensors)
+        except GroupFailure as failure:
+            raise self._resume_after(failure) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._worker.shutdown(wait=True)
+        self.member.leave()
+        try:
+            ray.get(self.scheduler.unregister_client.remote(self.rank, self.incarnation), timeout=10)
+        except Exception:  # closing must not fail because the job is already down
+            pass
