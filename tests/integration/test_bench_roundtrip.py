@@ -47,7 +47,10 @@ def test_quick_run_writes_timed_rows(tmp_path, capsys):
                 assert r[f"{runtime}_plan_ms"] is None  # planned once per step, charged to forward
             for phase in phases:
                 value = r[f"{runtime}_{phase}_ms"]
-                assert math.isfinite(value) and value > 0, (r["config"], r["round"], runtime, phase, value)
+                # Rows that stay home in order are neither gathered nor scattered: 0 ms is allowed.
+                positive = phase not in ("pack", "unpack")
+                assert math.isfinite(value) and (value > 0 if positive else value >= 0), \
+                    (r["config"], r["round"], runtime, phase, value)
             sent = r[f"{runtime}_client_bytes_per_round"]
             assert sent > 0 if r["mode"] == "dedicated" else sent >= 0  # in-place: maybe all local
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
