@@ -8,6 +8,7 @@ from distca_server.kernels import BACKENDS
 from distca_server.runtime.base import PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
+from scheduler.checks import is_int, is_number
 from scheduler.tasks import MODES, Plan
 
 from .autograd import DistCAAttention, Pending
@@ -51,22 +52,22 @@ class DistCAClient:
         num_ranks = num_servers if num_ranks is None else num_ranks
         problems = []
         for name, value in (("num_servers", num_servers), ("num_ranks", num_ranks), ("min_shard", min_shard)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} (must be an int >= 1)")
         if mode not in MODES:
             problems.append(f"mode={mode!r} (must be one of {MODES})")
         elif mode == "inplace" and num_ranks != num_servers:
             problems.append(f"num_ranks={num_ranks} != num_servers={num_servers} (inplace mode)")
-        if backend != "auto" and backend not in BACKENDS:
+        if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
             problems.append(f"backend={backend!r} (must be 'auto' or one of {sorted(BACKENDS)})")
-        if not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
+        if not is_number(epsilon) or not 0 <= epsilon < float("inf"):
             problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
-        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        if not is_number(timeout_s) or not 0 < timeout_s < float("inf"):
             problems.append(f"timeout_s={timeout_s!r} (must be finite and > 0)")
         if problems:
             raise ValueError("DistCAClient.local: " + "; ".join(problems))
-        return cls(LocalRuntime(num_servers, num_ranks, mode, float(epsilon), backend, min_shard,
-                                float(timeout_s)))
+        return cls(LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
+                                int(min_shard), float(timeout_s)))
 
     @classmethod
     def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,
