@@ -22,14 +22,14 @@ Columns (Q+K+V = the bytes of the three input tensors):
   of every thread), as a multiple of Q+K+V: buffers the client keeps between steps count, and so
   do outputs and gradients (alive at the end).
 - ``ms``: median wall time of the step (no instrumentation), ``--repeats`` runs after a warm-up.
-- ``vs before``: ``ms`` divided by the same configuration's ``ms`` in ``--before`` (a JSON written
-  by this script on an earlier version of distca; see bench/README.md), when given.
+- ``... before``: the same configuration measured in the same run on an earlier checkout of distca
+  (``--before-tree``), in a fresh process; ``ms vs before`` is the ratio of the times.
 
 Usage::
 
     python bench/datapath.py                       # T = 4K/16K/32K, S = 1/2/4, both modes
     python bench/datapath.py --quick               # T = 4K, S = 1/2
-    python bench/datapath.py --before bench/baselines/datapath_before.json
+    git worktree add /tmp/before 5e1a9bb && python bench/datapath.py --before-tree /tmp/before
 
 Writes JSON to ``--json`` (default ``bench/results/datapath.json``).
 """
@@ -42,7 +42,10 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -53,11 +56,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# DISTCA_TREE: measure another checkout of distca (--before-tree runs this script there).
+sys.path.insert(0, os.environ.get("DISTCA_TREE", str(ROOT)))
 
 from distca_client import DistCAClient, varlen_attention  # noqa: E402
 from distca_server import kernels  # noqa: E402
-from bench.report import finish  # noqa: E402
 
 HQ, D, DTYPE = 8, 64, torch.bfloat16
 aten = torch.ops.aten
@@ -222,6 +225,35 @@ def measure(attn, q, k, v, dout, repeats: int, base: int | None = None) -> dict:
             "qkv_bytes": qkv}
 
 
+def run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int) -> dict:
+    """One row: ``attend`` through ``DistCAClient.local`` (mode ``varlen_attention``: the local
+    kernel call) on one batch of ``total`` tokens."""
+    torch.set_num_threads(1)  # participants are threads already; keep timings steady on 2 cores
+    lens = doc_lens(total)
+    q, k, v, dout = inputs(total, heads_kv)
+    if mode == "varlen_attention":
+        row = measure(lambda a, b, c: varlen_attention(a, b, c, lens, backend="stub"), q, k, v, dout,
+                      repeats)
+    else:
+        gc.collect()
+        before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
+        with DistCAClient.local(num_servers=servers, backend="stub", mode=mode) as client:
+            row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, repeats,
+                          base=before_client)
+            comm = client.last_plan.comm_bytes()
+        row["moved_x_qkv"] = (comm["forward"]["total"] + comm["backward"]["total"]) / row["qkv_bytes"]
+    row.update(tokens=total, servers=servers, mode=mode)
+    return row
+
+
+def run_before(tree: Path, cfg: dict) -> dict:
+    """The same configuration measured on an earlier checkout of distca, in a fresh process."""
+    env = dict(os.environ, DISTCA_TREE=str(tree), PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
+                         env=env, capture_output=True, text=True, check=True, cwd=str(tree))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -230,67 +262,68 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heads-kv", type=int, default=2, help=f"KV heads (q heads: {HQ})")
     parser.add_argument("--quick", action="store_true", help="T = 4K, S = 1 and 2, 2 repeats")
-    parser.add_argument("--before", type=Path, default=None,
-                        help="JSON of an earlier run to compare times against")
+    parser.add_argument("--before-tree", type=Path, default=None,
+                        help="a checkout of an earlier distca (e.g. `git worktree add /tmp/before "
+                             "5e1a9bb`): each configuration is also measured there, in this run")
     parser.add_argument("--label", default="current")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "datapath.json")
     args = parser.parse_args(argv)
+    if args.worker is not None:  # one configuration, for --before-tree
+        print(json.dumps(run_config(**json.loads(args.worker))))
+        return 0
     if args.quick:
         args.tokens, args.servers, args.repeats = [4096], [1, 2], 2
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # participants are threads already; keep the timing steady on 2 cores
-    before = {}
-    if args.before is not None:
-        import json
-        before = {(r["tokens"], r["servers"], r["mode"]): r for r in json.loads(args.before.read_text())["rows"]}
+    from bench.report import finish
 
     started = time.perf_counter()
     rows = []
-    for total in args.tokens:
-        lens = doc_lens(total)
-        q, k, v, dout = inputs(total, args.heads_kv)
-        ref = measure(lambda a, b, c: varlen_attention(a, b, c, lens, backend="stub"), q, k, v, dout,
-                      args.repeats)
-        rows.append({"tokens": total, "servers": 0, "mode": "varlen_attention", **ref})
-        for mode in args.modes:
-            for servers in args.servers:
-                gc.collect()  # the previous client's cycles must not be freed during this one
-                before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
-                with DistCAClient.local(num_servers=servers, backend="stub", mode=mode) as client:
-                    row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, args.repeats,
-                                  base=before_client)
-                    comm = client.last_plan.comm_bytes()
-                row["moved_x_qkv"] = (comm["forward"]["total"] + comm["backward"]["total"]) / row["qkv_bytes"]
-                row.update(tokens=total, servers=servers, mode=mode,
-                           ms_vs_varlen=row["ms"] / ref["ms"])
-                old = before.get((total, servers, mode))
-                if old is not None:
-                    row["ms_vs_before"] = row["ms"] / old["ms"]
-                    row["copied_before"] = old["copied_x_qkv"]
-                    row["peak_before"] = old["peak_x_qkv"]
-                rows.append(row)
-                print(f"  T={total} {mode} S={servers}: copied {row['copied_x_qkv']:.2f}x, "
-                      f"peak {row['peak_x_qkv']:.2f}x, {row['ms']:.2f} ms", flush=True)
+    configs = [(t, "varlen_attention", 0) for t in args.tokens]
+    configs += [(t, m, s) for t in args.tokens for m in args.modes for s in args.servers]
+    for total, mode, servers in sorted(configs):
+        cfg = dict(total=total, mode=mode, servers=servers, heads_kv=args.heads_kv, repeats=args.repeats)
+        row = run_config(**cfg)
+        if args.before_tree is not None and mode != "varlen_attention":
+            old = run_before(args.before_tree, cfg)
+            row.update(ms_before=old["ms"], copied_before=old["copied_x_qkv"],
+                       peak_before=old["peak_x_qkv"], ms_vs_before=row["ms"] / old["ms"])
+        rows.append(row)
+        print(f"  T={total} {mode} S={servers}: copied {row['copied_x_qkv']:.2f}x, "
+              f"peak {row['peak_x_qkv']:.2f}x, {row['ms']:.2f} ms"
+              + (f" (before: {row['copied_before']:.2f}x, {row['peak_before']:.2f}x, "
+                 f"{row['ms_before']:.2f} ms)" if "ms_before" in row else ""), flush=True)
+    varlen = {r["tokens"]: r for r in rows if r["mode"] == "varlen_attention"}
+    for r in rows:
+        if r["mode"] != "varlen_attention":
+            r["ms_vs_varlen"] = r["ms"] / varlen[r["tokens"]]["ms"]
     elapsed = time.perf_counter() - started
 
     def table():
         print(f"\ndata path per forward+backward step ({args.label}), Q+K+V multiples; kernel stubbed; "
               f"hq={HQ} hkv={args.heads_kv} d={D} {str(DTYPE).removeprefix('torch.')}")
-        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} {'vs varlen':>9} "
-              f"{'copied before':>13} {'peak before':>11} {'ms vs before':>12}")
+        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} "
+              f"{'vs varlen':>9} {'copied before':>13} {'peak before':>11} {'ms before':>9} "
+              f"{'ms vs before':>12}")
         for r in rows:
-            opt = (lambda key, fmt: format(r[key], fmt) if key in r else "-")
+            def opt(key, fmt):
+                return format(r[key], fmt) if key in r else "-"
             print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
-                  f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} {opt('ms_vs_varlen', '.2f'):>9} "
-                  f"{opt('copied_before', '.2f'):>13} {opt('peak_before', '.2f'):>11} "
+                  f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} "
+                  f"{opt('ms_vs_varlen', '.1f'):>9} {opt('copied_before', '.2f'):>13} "
+                  f"{opt('peak_before', '.2f'):>11} {opt('ms_before', '.2f'):>9} "
                   f"{opt('ms_vs_before', '.2f'):>12}")
 
-    worst = max((r for r in rows if r["mode"] != "varlen_attention"), key=lambda r: r["copied_x_qkv"])
+    runs = [r for r in rows if r["mode"] != "varlen_attention"]
+    worst = max(runs, key=lambda r: r["copied_x_qkv"])
     headline = [f"worst copies: {worst['copied_x_qkv']:.2f}x Q+K+V (T={worst['tokens']}, {worst['mode']}, "
-                f"S={worst['servers']})"]
+                f"S={worst['servers']}); worst peak: {max(r['peak_x_qkv'] for r in runs):.2f}x"]
+    compared = [r for r in runs if "ms_vs_before" in r]
+    if compared:
+        headline.append(f"time vs the earlier data path: {min(r['ms_vs_before'] for r in compared):.2f}"
+                        f"-{max(r['ms_vs_before'] for r in compared):.2f}x")
     finish(table, headline, elapsed, args.json,
-           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv, "head_dim": D,
-                                           "dtype": str(DTYPE)}, "rows": rows})
+           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv,
+                                           "head_dim": D, "dtype": str(DTYPE)}, "rows": rows})
     return 0
 
 

@@ -1,0 +1,34 @@
+"""bench/datapath.py in --quick mode: the data path's copies and memory, kernel stubbed.
+
+The assertions are structural (bytes, not seconds): one in-place server copies nothing and holds
+what varlen_attention holds; a dedicated server's data path copies each byte once each way beside
+the transfer itself (one gather and one scatter per byte and direction: 5.04x Q+K+V for this GQA
+shape, see the script's docstring)."""
+
+import json
+
+import pytest
+
+from scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    bench = load_script("bench/datapath.py", "bench_datapath")
+    out = tmp_path_factory.mktemp("datapath") / "d.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    return {(r["mode"], r["servers"]): r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_one_inplace_server_copies_nothing(rows):
+    one, ref = rows[("inplace", 1)], rows[("varlen_attention", 0)]
+    assert one["copied_x_qkv"] < 0.01 and one["moved_x_qkv"] == 0
+    assert one["peak_x_qkv"] <= 1.3 * ref["peak_x_qkv"] + 0.2
+
+
+def test_each_byte_is_gathered_and_scattered_once(rows):
+    ded = rows[("dedicated", 1)]
+    floor = (1 + 0.25 + 0.25) + (1 + 0.25 + 0.25 + 1 + 1) + 1 + (1 + 0.25 + 0.25)  # q-units, hkv = hq/4
+    assert ded["copied_x_qkv"] - ded["moved_x_qkv"] <= floor / 1.5 + 0.05
+    for r in rows.values():
+        assert r["copied_x_qkv"] < 15  # the previous data path copied 23-32x
