@@ -62,23 +62,24 @@ def _tensor_bytes(cost: CostModel, names) -> tuple[int, int]:
 
 
 def plan_round_bytes(q_rows: np.ndarray, kv_rows: np.ndarray,
-                     cost: CostModel) -> dict[str, np.ndarray]:
+                     cost: CostModel) -> dict[tuple[RoundKind, str], np.ndarray]:
     """``[R, R]`` bytes of the four all-to-alls of a step, from a plan's ``row_matrix``.
 
     ``q_rows[r, s]`` / ``kv_rows[r, s]`` are the query / KV rows rank ``r`` ships to server ``s``
     (:attr:`scheduler.tasks.Plan.row_matrix`, in-place: ``s`` is a rank). Returns send matrices
-    (``[sender, receiver]``) for ``fwd_dispatch`` (q, k, v), ``fwd_return`` (out, lse),
-    ``bwd_dispatch`` (q, k, v, out, lse, dout) and ``bwd_return`` (dq, dk, dv), the wire
-    layout of :mod:`scheduler.layout`.
+    (``[sender, receiver]``) keyed ``(round kind, "dispatch" | "return")``: each round's
+    :attr:`~scheduler.cost.RoundKind.dispatch` tensors go rank -> server, its
+    :attr:`~scheduler.cost.RoundKind.returns` server -> rank.
     """
-    fq, fkv = _tensor_bytes(cost, [n for n in RoundKind.FORWARD.tensors if n in ("q", "k", "v")])
-    fo, _ = _tensor_bytes(cost, [n for n in RoundKind.FORWARD.tensors if n in ("out", "lse")])
-    bq, bkv = _tensor_bytes(cost, [n for n in RoundKind.BACKWARD.tensors if n not in ("dq", "dk", "dv")])
-    gq, gkv = _tensor_bytes(cost, ("dq", "dk", "dv"))
     q = q_rows.astype(np.float64)
     kv = kv_rows.astype(np.float64)
-    return {"fwd_dispatch": q * fq + kv * fkv, "fwd_return": (q * fo).T,
-            "bwd_dispatch": q * bq + kv * bkv, "bwd_return": (q * gq + kv * gkv).T}
+    out = {}
+    for kind in RoundKind:
+        dq, dkv = _tensor_bytes(cost, kind.dispatch)
+        rq, rkv = _tensor_bytes(cost, kind.returns)
+        out[(kind, "dispatch")] = q * dq + kv * dkv
+        out[(kind, "return")] = (q * rq + kv * rkv).T
+    return out
 
 
 def ring_seconds(bytes_total: float, members: int, spans_nodes: bool, gpu: GPUConfig) -> float:

@@ -35,6 +35,7 @@ import numpy as np
 
 from scheduler import plan_batch
 from scheduler.baselines import capped_lpt
+from scheduler.cost import RoundKind
 
 from .hardware import MEMORY_HEADROOM, GPUConfig, ModelConfig, attention_tables
 from .network import (alltoall_seconds, p2p_seconds, plan_round_bytes, rank_nodes, ring_seconds,
@@ -294,6 +295,9 @@ def run_wlb_ideal(ctx: Context, batch, cp: int, cap_per_rank: int) -> RunResult:
 # ---- distca --------------------------------------------------------------------------------------
 _PLAN_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _PLAN_CACHE_SIZE = 4096
+# The four all-to-alls of a step (keys of network.plan_round_bytes).
+FWD_DISPATCH, FWD_RETURN = (RoundKind.FORWARD, "dispatch"), (RoundKind.FORWARD, "return")
+BWD_DISPATCH, BWD_RETURN = (RoundKind.BACKWARD, "dispatch"), (RoundKind.BACKWARD, "return")
 
 
 def _planned(docs_per_rank, cost, epsilon: float, min_shard: int):
@@ -336,9 +340,9 @@ def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong):
 
     def rounds(comm: bool):
         c = 1.0 if comm else 0.0
-        fwd = dict(dispatch_bw_s=c * secs["fwd_dispatch"][0], return_bw_s=c * secs["fwd_return"][0],
+        fwd = dict(dispatch_bw_s=c * secs[FWD_DISPATCH][0], return_bw_s=c * secs[FWD_RETURN][0],
                    latency_s=c * lat)
-        bwd = dict(dispatch_bw_s=c * secs["bwd_dispatch"][0], return_bw_s=c * secs["bwd_return"][0],
+        bwd = dict(dispatch_bw_s=c * secs[BWD_DISPATCH][0], return_bw_s=c * secs[BWD_RETURN][0],
                    latency_s=c * lat)
         out = []
         if kind == "F":
@@ -358,16 +362,16 @@ def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong):
     t0, _ = run_rounds(*rounds(False), ping_pong=ping_pong, launch_s=launch)
     n_f = ctx.layers if (kind == "F" or ctx.recompute) else 0
     n_b = 0 if kind == "F" else ctx.layers
-    port = (n_f * (secs["fwd_dispatch"][1] + secs["fwd_return"][1])
-            + n_b * (secs["bwd_dispatch"][1] + secs["bwd_return"][1]))
+    port = (n_f * (secs[FWD_DISPATCH][1] + secs[FWD_RETURN][1])
+            + n_b * (secs[BWD_DISPATCH][1] + secs[BWD_RETURN][1]))
     if kind == "F":
         lin_busy = ctx.layers * lf + hf
     else:
         lin_busy = ctx.layers * (lb + (lf if ctx.recompute else 0.0)) + hb
-    recv = mats["bwd_dispatch"].sum(axis=0) - np.diag(mats["bwd_dispatch"])
+    recv = mats[BWD_DISPATCH].sum(axis=0) - np.diag(mats[BWD_DISPATCH])
     off = {k: float(v.sum() - np.trace(v)) for k, v in mats.items()}
-    moved = (n_f * (off["fwd_dispatch"] + off["fwd_return"])
-             + n_b * (off["bwd_dispatch"] + off["bwd_return"])) * ctx.tp  # all tp GPU lanes
+    moved = (n_f * (off[FWD_DISPATCH] + off[FWD_RETURN])
+             + n_b * (off[BWD_DISPATCH] + off[BWD_RETURN])) * ctx.tp  # all tp GPU lanes
     return t, t0, lin_busy, busy - lin_busy, port, recv, moved
 
 
