@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 
 
+def refuse_double_backward(what: str) -> None:
+    """Raise if the backward now running was asked to build a graph (``create_graph=True``).
+
+    The attention backward is a fused kernel (or a round through the servers) whose result is
+    not differentiable; without this check a second derivative would silently come out wrong.
+    Autograd runs a backward with grad mode on exactly when ``create_graph`` is set.
+
+    Raises:
+        RuntimeError: naming double backward and ``what``.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"double backward through {what} is not supported: its gradient is not "
+                           f"differentiable (create_graph=True); compute second-order terms without "
+                           f"differentiating through attention")
+
+
 class DistCAAttention(torch.autograd.Function):
     """``out = attention(q, k, v)`` whose forward round already runs (or ran) in ``pending``.
 
@@ -23,6 +39,7 @@ class DistCAAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        refuse_double_backward("DistCAClient.attend")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.step.backward(q, k, v, out, lse, dout.contiguous(), ctx.softmax_scale)
         return dq, dk, dv, None, None

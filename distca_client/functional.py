@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from distca_server.kernels import get_backend
+from distca_server.kernels import check_backend_name, get_backend
 
+from .autograd import refuse_double_backward
 from .validate import check_attend_inputs
 
 
@@ -20,26 +21,31 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        refuse_double_backward("varlen_attention")
         q, k, v, out, lse, cu = ctx.saved_tensors
         n = ctx.max_seqlen
-        dq, dk, dv = ctx.backend.backward(dout.contiguous(), q, k, v, out, lse, cu, cu, n, n,
-                                          ctx.softmax_scale)
+        dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, cu, cu, n, n, ctx.softmax_scale)
         return dq, dk, dv, None, None, None, None
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                      softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """Causal attention inside each document, on q's device, differentiable.
+    """Causal attention inside each document, on q's device, differentiable once.
 
     Same contract as :meth:`DistCAClient.attend`: q [total_tokens, num_heads_q, head_dim]; k, v
-    [total_tokens, num_heads_kv, head_dim]; ``doc_lens`` sums to total_tokens; returns out like q.
+    [total_tokens, num_heads_kv, head_dim], any strides; ``doc_lens`` sums to total_tokens;
+    ``softmax_scale`` any finite number (0: uniform over the causal prefix); returns out like q.
     ``backend`` names a kernel from :mod:`distca_server.kernels` ("auto": the fastest available).
 
     Raises:
-        ValueError: as :meth:`DistCAClient.attend`.
+        ValueError: as :meth:`DistCAClient.attend`, or a ``backend`` that is unknown or cannot
+            run on q's device, before anything runs.
+        RuntimeError: in a backward with ``create_graph=True`` (double backward).
     """
+    check_backend_name(backend)
     lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+    kernel = get_backend(backend, q.device)
     if not lens:
         return q * 0  # no tokens: an empty output, still part of the graph
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=q.device)
-    return _VarlenAttention.apply(q, k, v, cu, max(lens), scale, get_backend(backend, q.device))
+    return _VarlenAttention.apply(q, k, v, cu, max(lens), scale, kernel)

@@ -4,10 +4,12 @@ raised before any byte moves."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from scheduler.checks import is_int
+from scheduler.checks import bad_lengths, is_number
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -21,8 +23,9 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale) -> tuple[list[int], fl
 
     Raises:
         ValueError: non-tensors, wrong ranks or shapes, heads not divisible (GQA), mixed dtypes
-            or devices, a non-float dtype, bad ``doc_lens`` (non-integers, zero or negative
-            lengths, a sum other than ``total_tokens``), or a non-finite ``softmax_scale``.
+            or devices, a non-float dtype, bad ``doc_lens`` (not an ordered sequence such as a set
+            or dict, non-integers, zero or negative lengths, a sum other than ``total_tokens``),
+            or a ``softmax_scale`` that is not a finite int or float (bool and str refused).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -45,34 +48,44 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale) -> tuple[list[int], fl
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
 
-    if isinstance(doc_lens, torch.Tensor):
-        if doc_lens.dim() != 1 or doc_lens.dtype.is_floating_point or doc_lens.dtype == torch.bool \
-                or doc_lens.is_complex():
-            raise ValueError(f"doc_lens tensor must be 1-D integer, got {doc_lens.dtype} {tuple(doc_lens.shape)}")
-        lens = [int(x) for x in doc_lens.tolist()]
-    else:
-        try:
-            items = list(doc_lens)
-        except TypeError:
-            raise ValueError(f"doc_lens must be a list of ints or a 1-D integer tensor, got "
-                             f"{type(doc_lens).__name__}") from None
-        bad = [x for x in items if not is_int(x)]
-        if bad:
-            raise ValueError(f"doc_lens must hold ints, got {bad[:5]}")
-        lens = [int(x) for x in items]
-    nonpos = [(i, x) for i, x in enumerate(lens) if x <= 0]
-    if nonpos:
-        raise ValueError(f"doc_lens must be positive; (index, length) {nonpos[:5]}")
+    lens = _doc_lens(doc_lens)
     if sum(lens) != q.shape[0]:
         raise ValueError(f"sum(doc_lens)={sum(lens)} != total_tokens={q.shape[0]}")
 
     if softmax_scale is None:
         scale = q.shape[2] ** -0.5
     else:
+        # A number only: float("0.5") or float(True) would turn a caller's slip into a result.
         try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise ValueError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+            scale = float(softmax_scale) if is_number(softmax_scale) else math.nan
+        except OverflowError:  # an int beyond float range
+            scale = math.inf
         if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+            raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
+                             f"got {softmax_scale!r}")
     return lens, scale
+
+
+def _doc_lens(doc_lens) -> list[int]:
+    """``doc_lens`` as a list of Python ints, each a token count (:func:`scheduler.checks.bad_lengths`).
+
+    Packing order is the meaning of the list, so only ordered containers are taken: a list,
+    tuple or range, a 1-D integer numpy array or tensor. A set or dict is refused, not sorted.
+    """
+    if isinstance(doc_lens, (torch.Tensor, np.ndarray)):
+        is_integer = (not doc_lens.dtype.is_floating_point and not doc_lens.dtype.is_complex
+                      and doc_lens.dtype != torch.bool) if isinstance(doc_lens, torch.Tensor) \
+            else doc_lens.dtype.kind in "iu"
+        if doc_lens.ndim != 1 or not is_integer:
+            raise ValueError(f"doc_lens must be a 1-D integer array or tensor, got {doc_lens.dtype} "
+                             f"{tuple(doc_lens.shape)}")
+        items = doc_lens.tolist()
+    elif isinstance(doc_lens, Sequence) and not isinstance(doc_lens, (str, bytes)):
+        items = list(doc_lens)
+    else:
+        raise ValueError(f"doc_lens must be an ordered sequence of ints (list, tuple, 1-D integer "
+                         f"numpy array or tensor), got {type(doc_lens).__name__}")
+    bad = bad_lengths(items)
+    if bad:
+        raise ValueError(f"doc_lens must hold positive ints (token counts), got {bad[:5]}")
+    return [int(x) for x in items]

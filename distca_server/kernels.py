@@ -20,6 +20,9 @@ row r sees key j iff j <= r + (Lk - Lq). With Lq = 2, Lk = 5 (1 = visible)::
 
 A row that sees no key (only possible when Lq > Lk) gets out = 0, lse = -inf and zero gradients.
 
+Any finite softmax_scale is allowed (0 gives uniform attention over the visible keys; a negative
+scale favours the least similar keys); inputs may have any strides.
+
 Forward and backward follow FlashAttention-2 (Dao 2023, arXiv 2307.08691), Algorithm 1 (forward
 returning the LSE) and Algorithm 2 (backward recomputing P = exp(S - lse) and D = rowsum(dO * O)).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 
 import torch
 
@@ -36,7 +40,7 @@ from .dtypes import accumulation_dtype
 
 __all__ = [
     "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
-    "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends",
+    "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends", "check_backend_name",
 ]
 
 _NEG_INF = float("-inf")
@@ -65,6 +69,23 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k) -> list[tuple[int, 
         raise ValueError(f"cu_seqlens must be non-decreasing within [0, T]: cu_seqlens_q={cq} "
                          f"(T_q={total_q}), cu_seqlens_k={ck} (T_k={total_k})")
     return list(zip(cq, cq[1:], ck, ck[1:]))
+
+
+def _positive_scale(q, scale: float) -> tuple[torch.Tensor, float, int]:
+    """``(q', scale', sign)`` with ``scale' > 0`` and ``scale' * (q' . k) == scale * (q . k)`` exactly.
+
+    The kernels assume a positive scale: the CPU flash op writes -inf into masked scores before it
+    multiplies them by the scale (0 * -inf = NaN, a negative scale makes them +inf), and
+    FlashAttention takes the row max of the unscaled scores. Negating q is exact, and scale 0 is
+    the attention of q' = 0 (every visible score 0). The gradient wrt q is ``sign * dq'``.
+    """
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale!r}")
+    if scale > 0:
+        return q, scale, 1
+    if scale < 0:
+        return -q, -scale, -1
+    return torch.zeros_like(q), 1.0, 0
 
 
 class AttentionBackend:
@@ -97,14 +118,15 @@ class AttentionBackend:
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
         """Causal varlen attention forward (FlashAttention-2, Algorithm 1).
 
-        Args: q [T_q, H_q, D]; k, v [T_k, H_kv, D] (same dtype and device as q); cu_seqlens_q,
-        cu_seqlens_k int32 [B + 1]; max_seqlen_q, max_seqlen_k: int; softmax_scale: float.
+        Args: q [T_q, H_q, D]; k, v [T_k, H_kv, D] (same dtype and device as q, any strides);
+        cu_seqlens_q, cu_seqlens_k int32 [B + 1]; max_seqlen_q, max_seqlen_k: int; softmax_scale:
+        any finite float (ValueError otherwise).
         Returns: out [T_q, H_q, D] in q's dtype; lse [T_q, H_q] float32 (float64 for float64 q),
         lse = logsumexp over visible keys of softmax_scale * q . k (-inf where no key is visible).
         """
         impl = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        return impl._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             float(softmax_scale))
+        q, scale, _ = _positive_scale(q, float(softmax_scale))
+        return impl._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, softmax_scale):
@@ -118,18 +140,25 @@ class AttentionBackend:
         if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
             raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be "
                              f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {tuple(q.shape[:2])}")
-        return impl._backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, float(softmax_scale))
+        q, scale, sign = _positive_scale(q, float(softmax_scale))
+        dq, dk, dv = impl._backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, scale)
+        # scale 0: the scores do not depend on q at all.
+        return (dq if sign > 0 else -dq if sign < 0 else torch.zeros_like(dq)), dk, dv
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name}>"
 
 
 class ReferenceBackend(AttentionBackend):
-    """Plain torch math in the input dtype, one sequence at a time; the oracle for other backends.
+    """Plain torch math, one sequence at a time; the fallback of the other backends.
 
-    Materialises S = scale * q k^T ([H_kv, G * Lq, Lk] per sequence, G = H_q // H_kv), so memory is
-    O(Lq * Lk): for tests and small fallbacks, not for long documents.
+    Each sequence's q, k, v (and dout) are upcast to the accumulation dtype (float32 for half
+    inputs, see :func:`distca_server.dtypes.accumulation_dtype`), so the scores, the LSE, P and dS
+    are never rounded to half precision, and the results are rounded once: keeping the LSE in bf16
+    measured 2-7x the error of torch.softmax in bf16. Materialises S = scale * q k^T
+    ([H_kv, G * Lq, Lk] per sequence, G = H_q // H_kv) in that dtype, so memory is O(Lq * Lk): for
+    tests and small fallbacks, not for long documents.
     """
 
     name = "reference"
@@ -158,33 +187,35 @@ class ReferenceBackend(AttentionBackend):
         return x.reshape(lq, -1, *x.shape[3:])
 
     def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        acc = accumulation_dtype(q.dtype)
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=acc, device=q.device)
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             if qb == qa:
                 continue
-            _, _, s = self._scores(q[qa:qb], k[ka:kb], scale)
+            _, _, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale)
             l = torch.logsumexp(s, dim=-1)
             # Rows with no visible key have l = -inf; subtracting 0 instead keeps exp(-inf) = 0
             # rather than exp(nan), which gives those rows out = 0.
             p = torch.exp(s - l.masked_fill(l == _NEG_INF, 0.0)[..., None])
-            out[qa:qb] = self._from_heads(p @ v[ka:kb].transpose(0, 1), qb - qa)
-            lse[qa:qb] = self._from_heads(l, qb - qa).to(lse.dtype)
+            out[qa:qb] = self._from_heads(p @ v[ka:kb].to(acc).transpose(0, 1), qb - qa)
+            lse[qa:qb] = self._from_heads(l, qb - qa)
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, scale):
+        acc = accumulation_dtype(q.dtype)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         hkv = k.shape[1]
         for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
             if qb == qa or kb == ka:
                 continue
-            qh, kh, s = self._scores(q[qa:qb], k[ka:kb], scale)
-            l = self._to_heads(lse[qa:qb].to(q.dtype), hkv)
+            qh, kh, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale)
+            l = self._to_heads(lse[qa:qb].to(acc), hkv)
             p = torch.exp(s - l.masked_fill(l == _NEG_INF, 0.0)[..., None])
-            do = self._to_heads(dout[qa:qb], hkv)
-            vh = v[ka:kb].transpose(0, 1)
-            delta = (do * self._to_heads(out[qa:qb], hkv)).sum(-1, keepdim=True)
+            do = self._to_heads(dout[qa:qb].to(acc), hkv)
+            vh = v[ka:kb].to(acc).transpose(0, 1)
+            delta = (do * self._to_heads(out[qa:qb].to(acc), hkv)).sum(-1, keepdim=True)
             ds = p * (do @ vh.transpose(1, 2) - delta)
             dq[qa:qb] = self._from_heads(ds @ kh, qb - qa) * scale
             dk[ka:kb] = (ds.transpose(1, 2) @ qh).transpose(0, 1) * scale
@@ -228,24 +259,29 @@ class TorchCPUBackend(AttentionBackend):
         return max(0, lq - lk), max(0, lk - lq)
 
     @staticmethod
-    def _work(*tensors):
-        # The CPU ops round dK/dV to bf16/fp16 per block and sum GQA groups in that dtype, which
-        # measured 3.5x plain torch's bf16 error on dK/dV; computing in float32 and rounding once
-        # at the end stays below it. CPU bf16 matmuls are no faster without AMX anyway.
+    def _operands(*tensors):
+        """The tensors as the ops need them: float32 for half inputs, unit-stride head_dim.
+
+        The CPU ops round dK/dV to bf16/fp16 per block and sum GQA groups in that dtype, which
+        measured 3.5x plain torch's bf16 error on dK/dV; computing in float32 and rounding once
+        at the end stays below it (CPU bf16 matmuls are no faster without AMX anyway). The ops
+        take any strides except along head_dim, which they read as if unit-stride (a
+        ``x[..., ::2]`` view gave O(1) errors), so only such tensors are copied.
+        """
         if tensors[0].dtype in (torch.float16, torch.bfloat16):
-            return tuple(t.float() for t in tensors)
-        return tensors
+            tensors = tuple(t.float() for t in tensors)
+        return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
     def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         dtype = q.dtype
-        q, k, v = self._work(q, k, v)
+        q, k, v = self._operands(q, k, v)
         out, lse = self._forward_work(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
         return out.to(dtype), lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, scale):
         dtype = q.dtype
-        dout, q, k, v, out = self._work(dout.to(dtype), q, k, v, out.to(dtype))
+        dout, q, k, v, out = self._operands(dout.to(dtype), q, k, v, out.to(dtype))
         grads = self._backward_work(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale)
         return tuple(g.to(dtype) for g in grads)
 
@@ -449,6 +485,35 @@ def available_backends(device) -> list[str]:
     return [name for name, b in BACKENDS.items() if b.supports(device)]
 
 
+def _known(name) -> bool:
+    # A str test first: a list or dict as a name must not reach the dict lookup (TypeError).
+    return isinstance(name, str) and (name == "auto" or name in BACKENDS)
+
+
+def check_backend_name(name, device=None) -> str:
+    """``name`` if it names a backend this install can run, else a ValueError.
+
+    Args:
+        name: "auto" or a key of :data:`BACKENDS`.
+        device: where the backend will run (torch.device or str); None (the device is not known
+            yet, e.g. when a client is built) only asks that the backend run on some device here,
+            so "flash_attn" is refused on an install without CUDA or without the package.
+
+    Raises:
+        ValueError: ``name`` is not a str, is unknown, or cannot run on ``device`` (or anywhere
+            here); the message lists the backends that can.
+    """
+    if not _known(name):
+        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *BACKENDS]}")
+    if device is not None:
+        get_backend(name, device)
+    elif name != "auto" and not BACKENDS[name].is_available():
+        runnable = [n for n, b in BACKENDS.items() if b.is_available()]
+        raise ValueError(f"attention backend {name!r} cannot run on this install "
+                         f"(CUDA available: {torch.cuda.is_available()}); runnable here: {runnable}")
+    return name
+
+
 def get_backend(name: str, device) -> AttentionBackend:
     """The backend called `name` for tensors on `device`.
 
@@ -458,15 +523,15 @@ def get_backend(name: str, device) -> AttentionBackend:
     """
     device = torch.device(device)
     available = available_backends(device)
+    if not _known(name):
+        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *BACKENDS]}, "
+                         f"available on {device}: {available}")
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ()):
             if candidate in available:
                 return BACKENDS[candidate]
         raise ValueError(f"no fast attention backend for {device}; available: {available} "
                          f"(pass name='reference' to force the O(Lq*Lk)-memory reference)")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *BACKENDS]}, "
-                         f"available on {device}: {available}")
     if name not in available:
         raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
     return BACKENDS[name]

@@ -56,6 +56,35 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     return torch.cat(outs), torch.cat(lses)
 
 
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k,
+                    softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(scale · Q Kᵀ + causal mask) V`` as torch code writes it, in the inputs' dtype: the
+    yardstick of low-precision error.
+
+    A kernel run in bf16/fp16 may be at most 2x as far from the float64 :func:`attention_ref` as
+    this is from it on the same rounded inputs (the rule of flash-attention's tests). Unlike
+    :func:`attention_ref` the probabilities come from ``torch.softmax``, which normalises in float32
+    internally, as plain torch code gets them; the LSE is ``torch.logsumexp`` in the inputs' dtype.
+    Shapes, masks and ``(out, lse)`` as :func:`attention_ref`; differentiable through autograd.
+    """
+    cq = [int(x) for x in (cu_seqlens_q.tolist() if torch.is_tensor(cu_seqlens_q) else cu_seqlens_q)]
+    ck = [int(x) for x in (cu_seqlens_k.tolist() if torch.is_tensor(cu_seqlens_k) else cu_seqlens_k)]
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [q[:0]], [q.new_zeros(0, q.shape[1])]
+    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+        lq, lk = qb - qa, kb - ka
+        qs = q[qa:qb].transpose(0, 1)
+        ks = k[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        alive = mask.any(-1, keepdim=True)  # rows that see a key; the others get out = 0
+        s = ((qs @ ks.transpose(-1, -2)) * softmax_scale).masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s.masked_fill(~alive, 0.0), dim=-1) * alive
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(torch.logsumexp(s, dim=-1).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
 def varlen_attention_ref(q, k, v, doc_lens: Sequence[int], softmax_scale: float) -> torch.Tensor:
     """Causal attention inside each document of a packed batch (the contract of ``attend``);
     shapes as :func:`attention_ref` with ``cu_seqlens_q == cu_seqlens_k`` from ``doc_lens``."""
