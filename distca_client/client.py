@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distca_server.kernels import BACKENDS
+from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
@@ -58,8 +58,10 @@ class DistCAClient:
             problems.append(f"mode={mode!r} (must be one of {MODES})")
         elif mode == "inplace" and num_ranks != num_servers:
             problems.append(f"num_ranks={num_ranks} != num_servers={num_servers} (inplace mode)")
-        if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
-            problems.append(f"backend={backend!r} (must be 'auto' or one of {sorted(BACKENDS)})")
+        try:
+            check_backend_name(backend)
+        except ValueError as exc:
+            problems.append(f"backend={backend!r} ({exc})")
         if not is_number(epsilon) or not 0 <= epsilon < float("inf"):
             problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
         if not is_number(timeout_s) or not 0 < timeout_s < float("inf"):

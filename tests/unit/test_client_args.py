@@ -34,3 +34,11 @@ def test_every_problem_is_named_at_once():
 def test_numpy_integers_are_counts():
     with DistCAClient.local(num_servers=np.int64(2), min_shard=np.int32(16), epsilon=np.float32(0.1)) as c:
         assert c is not None
+
+
+def test_a_backend_this_install_cannot_run_is_refused_when_the_client_is_built():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("flash_attn / torch_varlen may run here")
+    with pytest.raises(ValueError, match="backend='torch_varlen'.*cannot run on this install"):
+        DistCAClient.local(num_servers=2, backend="torch_varlen")
