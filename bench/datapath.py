@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -88,7 +89,14 @@ class StubBackend:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-kernels.BACKENDS["stub"] = StubBackend()
+@contextlib.contextmanager
+def stub_backend():
+    """Backend "stub" is known while the block runs (and only then: tests import this script)."""
+    kernels.BACKENDS["stub"] = StubBackend()
+    try:
+        yield
+    finally:
+        kernels.BACKENDS.pop("stub", None)
 
 
 # ---- counting copies and heap growth in every thread -------------------------------------------------
@@ -229,6 +237,11 @@ def run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int)
     """One row: ``attend`` through ``DistCAClient.local`` (mode ``varlen_attention``: the local
     kernel call) on one batch of ``total`` tokens."""
     torch.set_num_threads(1)  # participants are threads already; keep timings steady on 2 cores
+    with stub_backend():
+        return _run_config(total, mode, servers, heads_kv, repeats)
+
+
+def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int) -> dict:
     lens = doc_lens(total)
     q, k, v, dout = inputs(total, heads_kv)
     if mode == "varlen_attention":
