@@ -17,11 +17,15 @@ None) instead of a dense 4-D mask, which distca has no use for.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from distca_client.client import DistCAClient
+from distca_client.functional import varlen_attention
+from distca_server.kernels import check_backend_name
 
 NAME = "distca"
 
@@ -51,19 +55,33 @@ def register(client: DistCAClient | None = None, name: str = NAME) -> DistCAClie
     if not isinstance(name, str) or not name:
         raise ValueError(f"register: name={name!r} must be a non-empty str")
 
-    def distca_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                                 scaling=None, sliding_window=None, softcap=None, is_causal=None,
-                                 s_aux=None, **kwargs):
-        return attention_forward(client, module, query, key, value, attention_mask,
-                                 dropout=dropout, scaling=scaling, sliding_window=sliding_window,
-                                 softcap=softcap, is_causal=is_causal, s_aux=s_aux, **kwargs)
-
-    AttentionInterface.register(name, distca_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    _register(name, client.attend)
     return client
 
 
-def attention_forward(client: DistCAClient, module: torch.nn.Module, query: torch.Tensor,
+def register_local(name: str = "distca_local", backend: str = "auto") -> None:
+    """Register attention ``name`` that runs :func:`~distca_client.varlen_attention` on the
+    model's own device: the same document handling as :func:`register` with nothing served, for
+    comparing a distca run with a local one.
+
+    Raises:
+        ValueError: an unknown ``backend`` or an empty ``name``.
+    """
+    check_backend_name(backend)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_local: name={name!r} must be a non-empty str")
+    _register(name, functools.partial(varlen_attention, backend=backend))
+
+
+def _register(name: str, attend) -> None:
+    def distca_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        return attention_forward(attend, module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, distca_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+
+
+def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                       *, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None,
@@ -72,9 +90,10 @@ def attention_forward(client: DistCAClient, module: torch.nn.Module, query: torc
                       cu_seq_lens_q: torch.Tensor | None = None,
                       cu_seq_lens_k: torch.Tensor | None = None,
                       **_ignored) -> tuple[torch.Tensor, None]:
-    """One layer's attention in transformers' calling convention, through ``client.attend``.
+    """One layer's attention in transformers' calling convention, through ``attend``.
 
     Args:
+        attend: ``DistCAClient.attend`` or ``varlen_attention`` (q, k, v, doc_lens, softmax_scale).
         query: [B, H_q, S, D]; key, value: [B, H_kv, S, D] (transformers' layout).
         attention_mask: None or the 2-D [B, S] bool padding mask (the flash-attention mask hook).
         position_ids: [B or 1, S] int, restarting (any step other than +1) at each document.
@@ -116,7 +135,7 @@ def attention_forward(client: DistCAClient, module: torch.nn.Module, query: torc
     # which is what transformers' attention modules produce (view + transpose + RoPE).
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3])
                for t in (query, key, value))
-    out = client.attend(q, k, v, doc_lens, softmax_scale=scaling)
+    out = attend(q, k, v, doc_lens, softmax_scale=scaling)
     return out.view(batch, seq, heads_q, head_dim), None
 
 

@@ -13,7 +13,7 @@ from scripts import load_script  # noqa: E402
 
 def test_torch_trainer_workers_train_through_distca(local_ray, tmp_path, mode="inplace"):
     """In-place mode: the Train workers are the attention servers too (one TorchTrainer run is
-    ~45 s here, so dedicated mode, the example's default, is left to `make`-free manual runs)."""
+    ~45 s here, so dedicated mode, the example's default, is run by hand: `python examples/ray_train_hf.py`)."""
     example = load_script("examples/ray_train_hf.py", "ray_train_hf")
     args = example.parse_args(["--steps", "3", "--context", "192", "--mode", mode,
                                "--job", f"ray-train-{mode}", "--storage", str(tmp_path)])

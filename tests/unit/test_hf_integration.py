@@ -154,3 +154,16 @@ def test_unsupported_inputs_are_refused():
                                                   max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="not a DistCAClient"):
         hf.register("local")
+
+
+def test_register_local_runs_varlen_attention_with_the_same_documents():
+    state, ref_logits, ref_grads = _reference("qwen3")
+    hf.register_local("distca_local_test")
+    model = _model("qwen3", "distca_local_test", state)
+    logits = model(**_packed_batch()).logits[0]
+    (logits * _loss_weights()).sum().backward()
+    assert _rel(logits.detach(), ref_logits) <= 1e-5
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, ref_grads[name]) <= 1e-5, name
+    with pytest.raises(ValueError, match="backend"):
+        hf.register_local(backend="no-such-kernel")
