@@ -1,11 +1,14 @@
-"""Train a small Llama-style model on real documents with distca serving its core attention.
+"""Train a small Hugging Face Llama on real documents with distca serving its core attention.
 
-W data-parallel workers (Ray actors) each hold a full model replica and train on their own chunk of
-packed documents; gradients are averaged with a gloo all-reduce and every replica takes the same
-AdamW step. Each layer's core attention goes to the distca job's attention servers through
-``DistCAClient.attend`` (dedicated servers, or in-place on the workers themselves); everything else
-stays in the worker. ``--attention local`` trains the same model on the same data with local
-attention (``distca_client.varlen_attention``), for comparison: the losses agree step for step.
+W data-parallel workers (Ray actors) each hold a full replica of a random-init transformers
+``LlamaForCausalLM`` (bytes as tokens) and train on their own chunk of packed documents; gradients
+are averaged with a gloo all-reduce and every replica takes the same AdamW step. The model runs
+with ``attn_implementation="distca"`` (``distca_client.integrations.hf``): each layer's core
+attention goes to the distca job's attention servers through ``DistCAClient.attend`` (dedicated
+servers, or in-place on the workers themselves); everything else stays in the worker.
+``--attention local`` trains the same model on the same data with local attention
+(``distca_client.varlen_attention`` behind the same adapter), for comparison: the losses agree
+step for step.
 
     python examples/train_llama.py                          # the demo: distca, then local
     python examples/train_llama.py --mode dedicated --servers 3 --steps 300 --name long
@@ -30,16 +33,18 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-# Run from a plain checkout too: this folder for the model and data modules, the repository root
-# for distca itself when it is not pip-installed.
+# Run from a plain checkout too: this folder for the data module, the repository root for distca
+# itself when it is not pip-installed.
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 import llama_data  # noqa: E402
-import llama_model  # noqa: E402
-from llama_data import PackedStream, load_corpus, positions, target_mask  # noqa: E402
-from llama_model import Llama, ModelConfig, next_byte_loss  # noqa: E402
+from llama_data import VOCAB_SIZE, PackedStream, load_corpus, positions, target_mask  # noqa: E402
+
+# The attn_implementation names each run registers in its workers' transformers.
+ATTENTION = {"distca": "distca", "local": "distca_local"}
 
 
 @dataclass
@@ -71,9 +76,17 @@ class TrainConfig:
     save_every: int = 0                # also save a checkpoint every N steps (0: only at the end)
     log_every: int = 1
 
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(layers=self.layers, hidden=self.hidden, heads=self.heads,
-                           kv_heads=self.kv_heads)
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def model_config(self):
+        """The transformers ``LlamaConfig``: SwiGLU width about 8/3·hidden (a multiple of 32)."""
+        from transformers import LlamaConfig
+        return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                           num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                           intermediate_size=32 * round(8 / 3 * self.hidden / 32),
+                           max_position_embeddings=self.context, tie_word_embeddings=False)
 
     def validate(self) -> None:
         problems = []
@@ -81,18 +94,55 @@ class TrainConfig:
             problems.append(f"attention={self.attention!r} (distca or local)")
         if self.mode not in ("dedicated", "inplace"):
             problems.append(f"mode={self.mode!r} (dedicated or inplace)")
-        for name in ("steps", "workers", "context", "servers", "threads", "log_every"):
+        for name in ("steps", "workers", "context", "servers", "threads", "log_every", "layers",
+                     "hidden", "heads", "kv_heads"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} (must be >= 1)")
+        if self.heads >= 1 and self.hidden % self.heads:
+            problems.append(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        elif self.heads >= 1 and self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even (rotary pairs)")
+        if self.kv_heads >= 1 and self.heads % self.kv_heads:
+            problems.append(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.save_every < 0:
             problems.append(f"save_every={self.save_every} (must be >= 0)")
         if problems:
             raise ValueError("train config: " + "; ".join(problems))
-        self.model_config()  # raises on inconsistent sizes
 
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
+
+
+def build_model(cfg: TrainConfig, attn_implementation: str):
+    """The random-init ``LlamaForCausalLM`` every rank starts from (seeded: all replicas equal)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(cfg.seed)
+    return AutoModelForCausalLM.from_config(cfg.model_config(), attn_implementation=attn_implementation,
+                                            dtype=torch.float32)
+
+
+def packed_forward(model, tokens: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
+    """logits [T, vocab] of one packed chunk: tokens [T] int64, documents of ``doc_lens`` tokens,
+    passed as transformers' packed format (``position_ids`` restarting per document and
+    ``cu_seq_lens_q/k``)."""
+    cu = torch.tensor([0, *np.cumsum(doc_lens).tolist()], dtype=torch.int32)
+    pos = torch.from_numpy(positions(doc_lens))
+    return model(input_ids=tokens[None], position_ids=pos[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                 max_length_q=max(doc_lens), max_length_k=max(doc_lens)).logits[0]
+
+
+def next_byte_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``tokens[t+1]`` at every ``t`` where ``mask[t]``.
+
+    logits [T, vocab], tokens [T] int64, mask [T] bool (False at each document's last token, so no
+    prediction crosses a document boundary). Returns a scalar; 0 (still in the graph) when no
+    position has a target.
+    """
+    idx = mask[:-1].nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return logits.sum() * 0
+    return F.cross_entropy(logits[idx], tokens[idx + 1])
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -109,22 +159,22 @@ class Worker:
     """One data-parallel rank: a model replica, its AdamW, and a client of the distca job."""
 
     def __init__(self, cfg: TrainConfig, rank: int, job: str | None):
+        from distca_client.integrations import hf
         torch.set_num_threads(cfg.threads)
         self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
-        self.model = Llama(cfg.model_config())
+        if job is not None:
+            from distca_client import DistCAClient
+            self.client = hf.register(DistCAClient.connect(job, rank=rank, world_size=cfg.workers),
+                                      ATTENTION["distca"])
+        else:
+            self.client = None
+            hf.register_local(ATTENTION["local"])
+        self.model = build_model(cfg, ATTENTION[cfg.attention]).train()
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]  # norm gains
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(0.9, 0.95))
-        if job is not None:
-            from distca_client import DistCAClient
-            self.client = DistCAClient.connect(job, rank=rank, world_size=cfg.workers)
-            self.attention = self.client.attend
-        else:
-            from distca_client import varlen_attention
-            self.client, self.attention = None, varlen_attention
 
     @staticmethod
     def free_address() -> tuple[str, int]:
@@ -154,9 +204,8 @@ class Worker:
         """
         t0 = time.perf_counter()
         x = torch.from_numpy(tokens.astype(np.int64))
-        pos = torch.from_numpy(positions(doc_lens))
         mask = torch.from_numpy(target_mask(doc_lens))
-        loss = next_byte_loss(self.model(x, pos, doc_lens, self.attention), x, mask)
+        loss = next_byte_loss(packed_forward(self.model, x, doc_lens), x, mask)
         t1 = time.perf_counter()
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -202,7 +251,7 @@ def _ensure_ray() -> bool:
 def _ship_code_to_workers() -> None:
     """Send this example's modules to Ray workers by value, so workers of a Ray instance someone
     else started need no PYTHONPATH entry for ``examples/``."""
-    for module in (llama_model, llama_data, sys.modules[__name__]):
+    for module in (llama_data, sys.modules[__name__]):
         if module.__name__ != "__main__":  # __main__ always travels by value
             ray.cloudpickle.register_pickle_by_value(module)
 
@@ -256,8 +305,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data)
     stream = PackedStream(corpus, cfg.context, cfg.seed)
-    mcfg = cfg.model_config()
-    cost = CostModel(mcfg.heads, mcfg.kv_heads, mcfg.head_dim, dtype_bytes=4)
+    cost = CostModel(cfg.heads, cfg.kv_heads, cfg.head_dim, dtype_bytes=4)
     ckpt = _load_checkpoint(cfg) if cfg.resume else None
     history: list[dict] = list(ckpt["steps"]) if ckpt else []
     start_step = ckpt["step"] if ckpt else 0
@@ -332,7 +380,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         "name": cfg.name, "attention": cfg.attention,
         "mode": cfg.mode if job else None, "servers": num_servers if job else 0,
         "workers": cfg.workers, "config": asdict(cfg),
-        "model": dict(mcfg.to_dict(), parameters=sum(v.numel() for v in final["model"].values())),
+        "model": {"class": "LlamaForCausalLM", "layers": cfg.layers, "hidden": cfg.hidden,
+                  "heads": cfg.heads, "kv_heads": cfg.kv_heads, "vocab": VOCAB_SIZE,
+                  "parameters": sum(v.numel() for v in final["model"].values())},
         "data": {"source": corpus.source, "documents": len(corpus.documents), "tokens": corpus.num_tokens},
         "tokens_per_step": cfg.workers * cfg.context,
         "wall_s": time.perf_counter() - wall0,
@@ -404,7 +454,7 @@ def plot_loss(path: Path, runs: list[dict]) -> None:
     m = runs[0]
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(f"Llama-style byte model, {m['model']['parameters'] / 1e6:.2f} M parameters, "
+    ax.set_title(f"LlamaForCausalLM on bytes, {m['model']['parameters'] / 1e6:.2f} M parameters, "
                  f"{m['workers']} ranks x {m['config']['context']} tokens\n"
                  f"{m['data']['documents']} documents from {m['data']['source']}", fontsize=9)
     ax.grid(alpha=0.3)

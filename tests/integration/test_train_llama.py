@@ -18,9 +18,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import llama_data  # noqa: E402
 from llama_data import Corpus, PackedStream, load_corpus, positions, target_mask  # noqa: E402
-from llama_model import Llama, ModelConfig, next_byte_loss  # noqa: E402
-
-from distca_client import varlen_attention  # noqa: E402
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -95,37 +92,35 @@ def test_positions_restart_in_every_document_and_no_target_crosses_one():
     assert positions([]).shape == (0,)
 
 
+# ---- training through Ray --------------------------------------------------------------------------
+ray = pytest.importorskip("ray")
+train_llama = pytest.importorskip("train_llama")
+
+
 def test_a_document_looks_the_same_wherever_packing_puts_it():
     """Rotary positions restart per document and attention stays inside it, so a document's
-    logits do not depend on what was packed before it."""
-    torch.manual_seed(0)
-    model = Llama(ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2)).double()
+    logits from the Hugging Face Llama do not depend on what was packed before it."""
+    from distca_client.integrations import hf
+    hf.register_local(train_llama.ATTENTION["local"])
+    cfg = train_llama.TrainConfig(layers=2, hidden=32, heads=4, kv_heads=2, context=64)
+    model = train_llama.build_model(cfg, train_llama.ATTENTION["local"]).double()
     doc = torch.randint(0, 256, (37,))
     other = torch.randint(0, 256, (20,))
 
-    def logits(tokens, lens):
-        return model(tokens, torch.from_numpy(positions(lens)), lens, varlen_attention)
-
-    alone = logits(doc, [37])
-    packed = logits(torch.cat([other, doc]), [20, 37])[20:]
-    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+    alone = train_llama.packed_forward(model, doc, [37])
+    packed_logits = train_llama.packed_forward(model, torch.cat([other, doc]), [20, 37])
+    torch.testing.assert_close(packed_logits[20:], alone, rtol=0, atol=1e-12)
     # the loss only counts next-byte predictions inside a document
-    loss = next_byte_loss(logits(torch.cat([other, doc]), [20, 37]), torch.cat([other, doc]),
-                          torch.from_numpy(target_mask([20, 37])))
+    loss = train_llama.next_byte_loss(packed_logits, torch.cat([other, doc]),
+                                      torch.from_numpy(target_mask([20, 37])))
     assert torch.isfinite(loss)
 
 
 def test_model_config_errors_name_every_problem():
     with pytest.raises(ValueError, match="hidden=30.*heads=4"):
-        ModelConfig(hidden=30, heads=4)
+        train_llama.TrainConfig(hidden=30, heads=4).validate()
     with pytest.raises(ValueError, match="kv_heads=3"):
-        ModelConfig(hidden=64, heads=4, kv_heads=3)
-
-
-# ---- training through Ray --------------------------------------------------------------------------
-ray = pytest.importorskip("ray")
-train_llama = pytest.importorskip("train_llama")
-
+        train_llama.TrainConfig(hidden=64, heads=4, kv_heads=3).validate()
 
 
 def _tiny(tmp_path, **kw):
@@ -146,9 +141,9 @@ def test_distca_training_equals_local_training(local_ray, tmp_path):
     assert distca["model_state"].keys() == local["model_state"].keys()
     for name, p in distca["model_state"].items():
         torch.testing.assert_close(p, local["model_state"][name], rtol=0, atol=1e-5, msg=name)
-    torch.manual_seed(0)
-    init = Llama(ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2)).state_dict()
-    assert not torch.equal(distca["model_state"]["blocks.0.wq.weight"], init["blocks.0.wq.weight"])
+    init = train_llama.build_model(base, "sdpa").state_dict()
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(distca["model_state"][q_proj], init[q_proj])
 
     # metrics: the issue's keys, the scheduler's plan figures, files written
     run = tmp_path / "d"

@@ -1,0 +1,169 @@
+"""``attn_implementation="distca"`` on real transformers models equals ``"sdpa"`` run document by
+document: logits and every parameter gradient, over 1–4 servers and both modes."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening  # noqa: E402
+
+from distca_client import DistCAClient  # noqa: E402
+from distca_client.integrations import hf  # noqa: E402
+
+VOCAB = 61
+# Odd lengths and 1-token documents; min_shard below splits the long ones across servers.
+DOC_LENS = [7, 1, 13, 1, 5, 2, 11]
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _config(family):
+    if family == "llama":
+        return transformers.LlamaConfig(**TINY)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**TINY)
+    if family == "qwen3":  # per-head q/k RMSNorm and an explicit head_dim
+        return transformers.Qwen3Config(**TINY, head_dim=16)
+    if family == "mistral":  # the window is longer than every document
+        return transformers.MistralConfig(**TINY, sliding_window=64)
+    raise AssertionError(family)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def _model(family, attn, state=None):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(_config(family)), attn_implementation=attn,
+                                             dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.train()
+
+
+def _packed_batch(with_cu=False):
+    gen = torch.Generator().manual_seed(1)
+    docs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in DOC_LENS]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=with_cu)(docs)
+    batch.pop("labels")
+    for key in ("max_length_q", "max_length_k"):
+        batch.pop(key, None)
+    return batch
+
+
+def _loss_weights():
+    return torch.randn(sum(DOC_LENS), VOCAB, generator=torch.Generator().manual_seed(2))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+_REFERENCE = {}
+
+
+def _reference(family):
+    """sdpa, one document per forward: logits [T, V] and each parameter's summed gradient."""
+    if family not in _REFERENCE:
+        model = _model(family, "sdpa")
+        ids, weights = _packed_batch()["input_ids"][0], _loss_weights()
+        logits = []
+        for doc, w in zip(ids.split(DOC_LENS), weights.split(DOC_LENS)):
+            out = model(input_ids=doc[None]).logits[0]
+            (out * w).sum().backward()
+            logits.append(out.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        _REFERENCE[family] = (model.state_dict(), torch.cat(logits), grads)
+    return _REFERENCE[family]
+
+
+def _check_against_reference(family, client, batch):
+    state, ref_logits, ref_grads = _reference(family)
+    hf.register(client)
+    model = _model(family, "distca", state)
+    assert model.config._attn_implementation == "distca"
+    logits = model(**batch).logits[0]
+    (logits * _loss_weights()).sum().backward()
+    assert _rel(logits.detach(), ref_logits) <= 1e-5
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["inplace", "dedicated"])
+@pytest.mark.parametrize("num_servers", [1, 2, 3, 4])
+def test_packed_batch_equals_sdpa_per_document(family, mode, num_servers):
+    client = DistCAClient.local(num_servers, mode=mode, min_shard=4)
+    _check_against_reference(family, client, _packed_batch())
+    if num_servers > 1:  # the documents really were spread over the servers
+        assert sum(1 for tasks in client.last_plan.server_tasks if tasks) > 1
+
+
+def test_cu_seq_lens_kwargs_give_the_documents():
+    """cu_seq_lens_q/k win over position_ids, here deliberately wrong (one document)."""
+    batch = _packed_batch(with_cu=True)
+    batch["position_ids"] = torch.arange(sum(DOC_LENS))[None]
+    _check_against_reference("llama", DistCAClient.local(2, min_shard=4), batch)
+
+
+def test_rows_without_position_ids_are_one_document_each():
+    hf.register(DistCAClient.local(2))
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
+    state = _reference("llama")[0]
+    ref = _model("llama", "sdpa", state).eval()(input_ids=ids).logits
+    got = _model("llama", "distca", state).eval()(input_ids=ids).logits
+    assert _rel(got, ref) <= 1e-5
+
+
+def test_right_padding_mask_keeps_real_tokens_exact():
+    hf.register(DistCAClient.local(2))
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    state = _reference("llama")[0]
+    got = _model("llama", "distca", state)(input_ids=ids, attention_mask=mask).logits
+    ref = _model("llama", "sdpa", state)
+    assert _rel(got[0], ref(input_ids=ids[:1]).logits[0]) <= 1e-5
+    assert _rel(got[1, :5], ref(input_ids=ids[1:, :5]).logits[0]) <= 1e-5
+
+
+def test_training_row_without_documents_is_refused():
+    hf.register(DistCAClient.local(1))
+    model = _model("llama", "distca")
+    with pytest.raises(ValueError, match="no document boundaries"):
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long))
+
+
+def test_unsupported_inputs_are_refused():
+    hf.register(DistCAClient.local(1))
+    batch = _packed_batch(with_cu=True)
+    batch["cu_seq_lens_k"] = batch["cu_seq_lens_k"].flip(0)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        _model("llama", "distca")(**batch)
+    cfg = _config("mistral")
+    cfg.sliding_window = 4
+    hf.register(DistCAClient.local(1))
+    short = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca")
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        short(**_packed_batch())
+    with pytest.raises(ValueError, match="KV cache"):  # generation decodes against a cache
+        _model("llama", "distca").eval().generate(torch.zeros(1, 3, dtype=torch.long),
+                                                  max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="not a DistCAClient"):
+        hf.register("local")
+
+
+def test_register_local_runs_varlen_attention_with_the_same_documents():
+    state, ref_logits, ref_grads = _reference("qwen3")
+    hf.register_local("distca_local_test")
+    model = _model("qwen3", "distca_local_test", state)
+    logits = model(**_packed_batch()).logits[0]
+    (logits * _loss_weights()).sum().backward()
+    assert _rel(logits.detach(), ref_logits) <= 1e-5
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, ref_grads[name]) <= 1e-5, name
+    with pytest.raises(ValueError, match="backend"):
+        hf.register_local(backend="no-such-kernel")
