@@ -17,7 +17,7 @@ from scheduler.baselines import no_balance, per_doc_cp, wlb_packing
 SCALE = float(os.environ.get("DISTCA_HYPOTHESIS_SCALE", "1"))
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 I64 = np.dtype("<i8")
-KEYS = ("format", "version", "mode", "num_servers", "epsilon", "cost",
+KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "cost",
         "doc_counts", "doc_lens", "task_counts", "tasks")
 
 
@@ -148,7 +148,7 @@ def m_doc_len_longer(obj, rng):  # the shards stop before the end
 
 
 def m_version(obj, rng):
-    obj["version"] = [0, 2, -1, "1", None, 1.5, [1], 2**40, b"\x01", {"v": 1}][rng.integers(10)]
+    obj["version"] = [0, 1, -1, "2", None, 2.0, [2], 2**40, b"\x02", {"v": 2}, 3][rng.integers(11)]
     return obj
 
 
@@ -318,6 +318,22 @@ def m_epsilon(obj, rng):
     return obj
 
 
+def m_min_shard(obj, rng):
+    obj["min_shard"] = [0, -1, True, 1.5, "128", None, [16], 2**63, 2**64 - 1][rng.integers(9)]
+    return obj
+
+
+def m_min_shard_above_a_shard(obj, rng):  # a split document has a shard shorter than min_shard
+    t = tasks_of(obj)
+    docs, counts = np.unique(t[:, :2], axis=0, return_counts=True)
+    split = {tuple(d) for d, n in zip(docs.tolist(), counts.tolist()) if n > 1}
+    shards = [int(r[3] - r[2]) for r in t if (int(r[0]), int(r[1])) in split]
+    if not shards:
+        return None
+    obj["min_shard"] = min(shards) + int(rng.integers(1, 100))
+    return obj
+
+
 def m_doc_counts(obj, rng):
     dc = ints(obj, "doc_counts")
     choice = int(rng.integers(4))
@@ -364,7 +380,8 @@ MUTATORS = [m_doc_len_negative, m_doc_len_zero, m_doc_len_shorter, m_doc_len_lon
             m_tasks_not_multiple_of_48, m_extra_task_row, m_task_counts_sum, m_task_counts_length,
             m_task_overlap, m_task_gap, m_task_longer, m_task_dropped, m_kv_end, m_kv_start,
             m_q_end_past_doc, m_src_rank, m_doc_index, m_task_negative, m_num_servers, m_cost,
-            m_epsilon, m_doc_counts, m_doc_moves_rank, m_extra_empty_rank, m_bin_wrong_type]
+            m_epsilon, m_doc_counts, m_doc_moves_rank, m_extra_empty_rank, m_bin_wrong_type,
+            m_min_shard, m_min_shard_above_a_shard]
 
 
 def malformed_messages():
@@ -503,7 +520,7 @@ def test_bit_flip_fuzz():
         try:
             again = Plan(doc_lens_per_rank=plan.doc_lens_per_rank, num_servers=plan.num_servers,
                          mode=plan.mode, cost=plan.cost, server_tasks=plan.server_tasks,
-                         epsilon=plan.epsilon)
+                         epsilon=plan.epsilon, min_shard=plan.min_shard)
             assert again == plan
             assert Plan.from_msgpack(plan.to_msgpack()) == plan
         except Exception as exc:  # noqa: BLE001
@@ -580,8 +597,9 @@ def test_plan_sorts_tasks_into_wire_order():
 
 
 # ---- type-strict version and overflow-proof counts ----------------------------------------------
-@pytest.mark.parametrize("version", [True, 1.0])
-def test_version_must_be_the_int_1(version):
+@pytest.mark.parametrize("version", [True, 1, 2.0])
+def test_version_must_be_the_int_2(version):
+    """Version 2 added ``min_shard``; a version-1 plan (or a float or bool 2) is refused."""
     obj = decode_map(base_plans()[0])
     obj["version"] = version
     with pytest.raises(ValueError):
@@ -607,7 +625,7 @@ def test_plan_and_part_share_the_envelope():
     part = plan_part(plan, 0)
     for data, other in ((plan.to_msgpack(), PlanPart.from_msgpack), (part.to_msgpack(), Plan.from_msgpack)):
         obj = msgpack.unpackb(data, raw=False)
-        assert obj["version"] == 1 and obj["format"] in ("distca.plan", "distca.part")
+        assert (obj["format"], obj["version"]) in (("distca.plan", 2), ("distca.part", 1))
         with pytest.raises(ValueError, match="must be a map with keys"):
             other(data)  # one kind of descriptor is never read as the other
     for decode, what in ((Plan.from_msgpack, "plan"), (PlanPart.from_msgpack, "part")):
