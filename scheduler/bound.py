@@ -91,15 +91,13 @@ def piece_halves(lens: np.ndarray, num_servers: int, min_shard: int) -> np.ndarr
         int64 [n], ``0 < h <= l``.
     """
     lens = np.asarray(lens, dtype=np.int64)
-    c = (lens + 1) // 2
+    c = (lens + 1) >> 1
     k = np.minimum(num_servers, c // min_shard)
     k[c < 2 * min_shard] = 1
     q, r = np.divmod(c, k)
-    odd = (lens & 1) == 1
-    h = 2 * (q + (r > 0))  # even lengths
-    h_odd = np.where(r == 0, 2 * q, np.where(r == 1, 2 * q + 1, 2 * q + 2))
-    h_odd = np.where(k == 1, lens, h_odd)
-    return np.where(odd, h_odd, h)
+    # 2 ceil(c / K); an odd length has one half-unit less when r == 1 or K == 1 (module doc).
+    odd = (lens & 1).astype(bool)
+    return 2 * q + 2 * (r > 0) - (odd & ((r == 1) | (k == 1)))
 
 
 def piece_pairs(lens: np.ndarray, num_servers: int, min_shard: int) -> list[int]:
@@ -126,16 +124,16 @@ def load_bound(lens, num_servers: int, min_shard: int) -> LoadBound:
     n, S = len(lens), int(num_servers)
     if n == 0:
         return LoadBound(0, S, 0, 0)
-    small = int(lens.max()) <= _INT64_SAFE_LEN and n * int(lens.max()) ** 2 < 2**62
-    if small:  # every sum below fits int64
-        total = int((lens * (lens + 1) // 2).sum())
-        m = np.sort(np.asarray(piece_pairs(lens, S, min_shard), dtype=np.int64))[::-1]
+    longest = int(lens.max())
+    if longest <= _INT64_SAFE_LEN and n * longest**2 < 2**62:  # every sum below fits int64
+        total = int((lens * (lens + 1) >> 1).sum())
+        m = piece_halves(lens, S, min_shard) * (lens + 1) >> 1
+        if n <= S:
+            return LoadBound(total, S, int(m.max()), 0)
+        m = np.sort(m)[::-1]
         prefix = np.concatenate([[0], np.cumsum(m)])
-        shared = 0
-        if n > S:
-            ks = np.arange(1, (n - 1) // S + 1)
-            shared = int((prefix[ks * S + 1] - prefix[ks * S - ks]).max())
-        return LoadBound(total, S, int(m[0]), shared)
+        ks = np.arange(1, (n - 1) // S + 1)
+        return LoadBound(total, S, int(m[0]), int((prefix[ks * S + 1] - prefix[ks * S - ks]).max()))
     ls = lens.tolist()
     total = sum(l * (l + 1) // 2 for l in ls)
     m = sorted(piece_pairs(lens, S, min_shard), reverse=True)

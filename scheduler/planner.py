@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from math import ceil, floor, isqrt
 from bisect import bisect_left, bisect_right
-from itertools import chain
+from itertools import islice
 from typing import Sequence
 
 import numpy as np
@@ -68,8 +69,10 @@ from .tasks import Plan, check_batch
 
 # Split bands of a source re-examined per move (newest first); older ones only when nothing else moves.
 _RECENT_BANDS = 8
-# Still-whole documents examined on each side of the length with the best FLOPs per byte.
+# Whole documents examined on each side of the length with the best FLOPs per byte, and the
+# most a source may have to be looked at one by one instead.
 _NEIGHBOURS = 2
+_SCAN = 6
 
 
 def _band_tokens(l: int, a: int, b: int) -> int:
@@ -105,165 +108,148 @@ def _finishable(rest: int, keep: int, fits: int, ms: int) -> bool:
     return -(-rest // fits) * ms <= rest  # the source keeping none
 
 
-def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> None:
-    """The checks of :func:`plan_batch` (and the baselines): the plan's own plus ``min_shard``."""
+def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
+    """The checks of :func:`plan_batch` (and the baselines): the plan's own plus ``min_shard``.
+    Returns ``(doc_counts, doc_lens)`` (see :func:`~scheduler.tasks.check_batch`)."""
     positive_int("min_shard", min_shard)
-    check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
+    return check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
 
 
-class _Alive:
-    """Documents of one length-sorted list, still whole on their first server: the nearest alive
-    position at or left / right of ``i`` in amortised O(1) (path-halving union-find)."""
-
-    __slots__ = ("left", "right", "n")
-
-    def __init__(self, n: int):
-        self.n = n
-        self.left = list(range(n + 1))   # position i+1 stands for i; 0 means "none"
-        self.right = list(range(n + 1))  # position i stands for i; n means "none"
-
-    def kill(self, i: int) -> None:
-        self.left[i + 1] = i
-        self.right[i] = i + 1
-
-    def at_or_left(self, i: int) -> int:
-        """Largest alive position <= i, or -1."""
-        p, left = i + 1, self.left
-        while left[p] != p:
-            left[p] = left[left[p]]
-            p = left[p]
-        return p - 1
-
-    def at_or_right(self, i: int) -> int:
-        """Smallest alive position >= i, or n."""
-        p, right = max(i, 0), self.right
-        while right[p] != p:
-            right[p] = right[right[p]]
-            p = right[p]
-        return p
+def _longest_within(pairs) -> int:
+    """The longest document length ``l`` whose ``l (l + 1) / 2`` pairs are ``<= pairs``."""
+    x = math.floor(pairs)
+    return (math.isqrt(8 * x + 1) - 1) // 2 if x >= 1 else 0
 
 
-class _Index:
-    """One source's still-whole documents, by length: ``gids``, ``lens``, ``pairs`` sorted by
-    (length, -gid), so the rightmost of equal lengths is the lowest document index."""
+class _Batch:
+    """The batch as arrays, its initial placement and an index of each server's documents by
+    length (shared by every run of the greedy)."""
 
-    __slots__ = ("gids", "lens", "pairs", "alive", "pos")
+    def __init__(self, counts: np.ndarray, lens: np.ndarray, num_servers: int, cost: CostModel,
+                 mode: str, min_shard: int):
+        self.S, self.min_shard, self.inplace = num_servers, min_shard, mode == "inplace"
+        self.q_bytes, self.kv_bytes = cost.step_row_bytes()
+        self.counts, self.lens_arr, self.N = counts, lens, len(lens)
+        self.rank_arr = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        longest = int(lens.max()) if self.N else 0
+        self.small = longest < 2**31 and self.N * longest**2 < 2**62  # all sums of pairs fit int64
+        pairs = lens * (lens + 1) // 2 if self.small else None
+        if self.inplace:
+            self.init_server_arr = self.rank_arr
+            if self.small:
+                ends = np.cumsum(counts)
+                cum = np.concatenate([[0], np.cumsum(pairs)])
+                self.init_loads = (cum[ends] - cum[ends - counts]).tolist()
+            else:
+                self.init_loads = [0] * num_servers
+                for r, l in zip(self.rank_arr.tolist(), lens.tolist()):
+                    self.init_loads[r] += l * (l + 1) // 2
+        else:
+            self._place_lpt(pairs.tolist() if self.small else [l * (l + 1) // 2 for l in lens.tolist()])
+        # Index: documents by (initial server, splittable, length, -index); a server's unsplittable
+        # documents are positions [seg[2s], seg[2s+1]), its splittable ones [seg[2s+1], seg[2s+2]).
+        segment = self.init_server_arr * 2 + ((lens + 1) // 2 >= 2 * min_shard)
+        if self.small and num_servers < 2**29:
+            # One stable sort on a packed key; sorting the reversed array puts equal keys in
+            # descending document order.
+            order = self.N - 1 - np.argsort(((segment << 32) | lens)[::-1], kind="stable")
+        else:
+            order = np.lexsort((-np.arange(self.N), lens, segment))
+        self.sgid = order.tolist()
+        self.slen = lens[order].tolist()
+        self.seg = np.searchsorted(segment[order], np.arange(2 * num_servers + 1)).tolist()
 
-    def __init__(self, gids: list[int], lens: list[int], pairs: list[int]):
-        order = sorted(range(len(gids)), key=lambda i: (lens[i], -gids[i]))
-        self.gids = [gids[i] for i in order]
-        self.lens = [lens[i] for i in order]
-        self.pairs = [pairs[i] for i in order]
-        self.alive = _Alive(len(order))
-        self.pos = {g: i for i, g in enumerate(self.gids)}
-
-    def largest_within(self, pairs_limit) -> int:
-        """Position of the longest alive document with ``pairs <= pairs_limit``, or -1."""
-        return self.alive.at_or_left(bisect_right(self.pairs, pairs_limit) - 1)
+    def _place_lpt(self, pairs: list[int]) -> None:
+        """Longest first, each document to the least-loaded server (ties: lower server)."""
+        loads = [0] * self.S
+        server = [0] * self.N
+        heap = [(0, s) for s in range(self.S)]
+        for g in np.lexsort((np.arange(self.N), -self.lens_arr)).tolist():
+            load, s = heap[0]
+            server[g] = s
+            loads[s] = load + pairs[g]
+            heapq.heapreplace(heap, (loads[s], s))
+        self.init_loads = loads
+        self.init_server_arr = np.asarray(server, dtype=np.int64).reshape(-1)
 
 
 class _Balance:
-    """One run of the greedy from the initial placement at limit ``limit``."""
+    """One run of the greedy from the initial placement, at limit ``limit``.
 
-    def __init__(self, batch: "_Batch", limit: float):
+    A document is *whole* until its first move; the index of :class:`_Batch` finds a source's
+    whole documents (dead positions skip left or right through path-compressed dicts). A moved
+    document is *touched*: ``touched[gid] = [l, home, {server: [a, b]}, {source: server}]``,
+    ``home`` its rank's server in-place (-1 in dedicated mode, where every row moves), the last map
+    the server each source last gave part of its band to (it holds the band just inside).
+    """
+
+    def __init__(self, batch: _Batch, limit: float):
         self.b = batch
         self.limit = limit
+        self.inplace, self.min_shard = batch.inplace, batch.min_shard
+        self.q_bytes, self.kv_bytes = batch.q_bytes, batch.kv_bytes
+        self.slen, self.sgid, self.seg = batch.slen, batch.sgid, batch.seg
+        q = batch.q_bytes if batch.inplace else 0  # dedicated: Q rows cross the network anyway
+        self._cut_factor = 2 * (2 * q + batch.kv_bytes) / max(1, batch.kv_bytes)
         self.loads = list(batch.init_loads)
-        self.bands: dict[int, dict[int, list[int]]] = {}  # touched documents: server -> [a, b]
-        self.index: dict[int, tuple[_Index, _Index]] = {}  # source -> (unsplittable, splittable)
-        self.recent: dict[int, list[int]] = {}  # source -> documents it split, oldest first
+        self.touched: dict[int, list] = {}
+        self.dead_left: dict[int, int] = {}
+        self.dead_right: dict[int, int] = {}
+        self.recent: dict[int, dict[int, None]] = {}  # source -> documents it split and still holds
 
-    # ---- a source's items ---------------------------------------------------------------------
-    def _indexes(self, src: int) -> tuple[_Index, _Index]:
-        idx = self.index.get(src)
-        if idx is None:
-            b = self.b
-            gids = b.docs_on(src)
-            unsplit = [g for g in gids if not b.splittable[g]]
-            split = [g for g in gids if b.splittable[g]]
-            idx = self.index[src] = (
-                _Index(unsplit, [b.lens[g] for g in unsplit], [b.pairs[g] for g in unsplit]),
-                _Index(split, [b.lens[g] for g in split], [b.pairs[g] for g in split]))
-            self.recent[src] = []
-        return idx
+    # ---- the index of whole documents ------------------------------------------------------------
+    def _left(self, i: int, lo: int) -> int:
+        """Largest whole position in [lo, i], or -1."""
+        dead, path = self.dead_left, []
+        while i in dead:
+            path.append(i)
+            i = dead[i]
+        for p in path:
+            dead[p] = i
+        return i if i >= lo else -1
 
-    def _band(self, gid: int, server: int):
-        """[a, b] of document ``gid`` on ``server``, or None."""
-        held = self.bands.get(gid)
-        if held is None:
-            return [0, self.b.fold[gid]] if self.b.init_server[gid] == server else None
-        return held.get(server)
-
-    # ---- costs ------------------------------------------------------------------------------
-    def _off(self, gid: int, server: int) -> int:
-        """1 if rows of document ``gid`` must cross the network to reach ``server``."""
-        return 0 if self.b.inplace and server == self.b.rank[gid] else 1
-
-    def _move_bytes(self, gid: int, src: int, dst: int, a: int, b: int, k: int, dst_band) -> int:
-        """Bytes one step gains when the inner ``k`` folded tokens of band [a, b) go src -> dst."""
-        l = self.b.lens[gid]
-        lo = b - k
-        centre = 1 if (l & 1 and b == (l + 1) // 2) else 0
-        off_dst, off_src = self._off(gid, dst), self._off(gid, src)
-        dq = (2 * k - centre) * self.b.q_bytes * (off_dst - off_src)
-        end = l - dst_band[0] if dst_band is not None else 0
-        dkv = (max(end, l - lo) - end) * off_dst
-        if lo == a:  # the source gives the document up and no longer needs its KV rows
-            dkv -= (l - a) * off_src
-        return dq + dkv * self.b.kv_bytes
+    def _right(self, i: int, hi: int) -> int:
+        """Smallest whole position in [i, hi), or hi."""
+        dead, path = self.dead_right, []
+        while i in dead:
+            path.append(i)
+            i = dead[i]
+        for p in path:
+            dead[p] = i
+        return i if i < hi else hi
 
     # ---- how much of a band to move ---------------------------------------------------------------
-    @staticmethod
-    def _inner_pairs(l: int, b: int, k: int) -> int:
-        """Pairs of the inner ``k`` folded positions ``[b - k, b)`` of a band ending at ``b``."""
-        if k <= 0:
-            return 0
-        centre = 1 if (l & 1 and b == (l + 1) // 2) else 0
-        return (2 * k - centre) * (l + 1) // 2
-
-    def _k_at_most(self, l: int, b: int, w: int, x) -> int:
-        """Largest ``k`` in [0, w] whose inner pairs are ``<= x``."""
-        centre = 1 if (l & 1 and b == (l + 1) // 2) else 0
-        k = min(w, max(0, (int(2 * x // (l + 1)) + centre) // 2))
-        pairs = self._inner_pairs
-        while k > 0 and pairs(l, b, k) > x:
-            k -= 1
-        while k < w and pairs(l, b, k + 1) <= x:
-            k += 1
-        return k
-
-    def _k_at_least(self, l: int, b: int, w: int, x) -> int:
-        """Smallest ``k`` in [1, w] whose inner pairs are ``>= x``, or ``w + 1``."""
-        k = self._k_at_most(l, b, w, x)
-        if k >= 1 and self._inner_pairs(l, b, k) >= x:
-            return k
-        return k + 1
-
-    def _choose_k(self, gid: int, a: int, b: int, need, room) -> int:
+    def _choose_k(self, l: int, a: int, b: int, need, room) -> int:
         """Folded positions to move from the inner end of band [a, b), or 0 if nothing fits.
 
         ``need``: pairs the source is above the limit; ``room``: pairs the destination may take.
-        Every shard keeps ``min_shard`` tokens: both parts of a split band keep ``min_shard``
-        folded positions.
+        The inner ``k`` positions hold ``(2k - centre) (l + 1) / 2`` pairs, ``centre`` 1 when the
+        band holds the centre of an odd document. Both parts of a split band keep ``min_shard``
+        positions, so every shard keeps ``min_shard`` tokens.
         """
-        l, w = self.b.lens[gid], b - a
-        whole = self._inner_pairs(l, b, w)
+        w, half = b - a, l + 1
+        centre = 1 if (l & 1 and 2 * b == half) else 0
+        whole = (2 * w - centre) * half // 2
         if whole <= need and whole <= room:
             return w
-        ms = self.b.min_shard
+        ms = self.min_shard
         if w < 2 * ms:  # too narrow to leave two shards of min_shard tokens
             return w if whole <= room else 0
-        fits = self._k_at_most(l, b, w, room)
+        fits = (2 * floor(room) // half + centre) // 2  # most positions that fit
+        if fits > w:
+            fits = w
         if fits < ms:
             return 0
+        # Fewest positions that bring the source within the limit (w + 1: not even all of them):
+        # the least k with (2k - centre) >= ceil(2 need / (l + 1)).
+        k_need = (-(-2 * ceil(need) // half) + centre + 1) // 2
         if need <= room:  # finish the source with the smallest piece that does it
-            k = max(ms, self._k_at_least(l, b, w, need))
+            k = k_need if k_need > ms else ms
             if w - k < ms:  # the remainder would be a sliver: move all of it, or leave exactly ms
                 return w if whole <= room else w - ms
             return k
         # Fill the destination, unless that leaves a remainder no later moves can place (pieces
         # of at most `fits` and at least ms positions): then cut the band's surplus evenly.
-        k_need = self._k_at_least(l, b, w, need)
         keep = w - k_need if k_need <= w else 0  # widest outer part the source may keep
         if keep < ms:
             keep = 0
@@ -280,117 +266,140 @@ class _Balance:
                 if p * ms > w:  # no even cut: fill the destination, leave at least ms
                     return fits if w - fits >= ms else w - ms
         k = -(-shed // p)
-        if 0 < w - k < ms:
-            k = w - ms
-        return k
+        return w - ms if 0 < w - k < ms else k
 
     # ---- candidate moves ------------------------------------------------------------------------
-    def _consider(self, best, gid: int, a: int, b: int, src: int, dst: int, dst_band, need):
-        room = self.limit - self.loads[dst]
+    def _consider(self, best, gid: int, l: int, a: int, b: int, home: int, src: int, dst: int,
+                  dst_band, need, room, pos: int):
+        """``best`` or the move of the inner part of band [a, b) to ``dst`` (``room`` pairs free),
+        whichever has the larger key (FLOPs per byte, FLOPs, then lower server and document)."""
         if room <= 0:
             return best
-        k = self._choose_k(gid, a, b, need, room)
+        k = self._choose_k(l, a, b, need, room)
         if k <= 0:
             return best
-        moved = self._inner_pairs(self.b.lens[gid], b, k)
-        v = self._move_bytes(gid, src, dst, a, b, k, dst_band)
+        centre = 1 if (l & 1 and 2 * b == l + 1) else 0
+        moved = (2 * k - centre) * (l + 1) // 2
+        # Bytes the step gains: the moved Q rows, and only the KV rows dst lacks.
+        inplace = self.inplace
+        off_dst = 0 if inplace and dst == home else 1
+        off_src = 0 if inplace and src == home else 1
+        lo = b - k
+        if dst_band is None:
+            dkv = (l - lo) * off_dst
+        else:
+            dkv = (dst_band[0] - lo) * off_dst if lo < dst_band[0] else 0
+        if lo == a:  # the source gives the document up and no longer needs its KV rows
+            dkv -= (l - a) * off_src
+        v = (2 * k - centre) * self.q_bytes * (off_dst - off_src) + dkv * self.kv_bytes
         key = (moved / v if v > 0 else math.inf, moved, -dst, -gid)
         if best is None or key > best[0]:
-            return (key, dst, gid, k)
+            return (key, dst, gid, k, l, pos)
         return best
 
-    def _consider_split(self, best, gid: int, src: int, top: int, need):
-        """A band ``src`` already split: to ``top`` or to the server holding the adjacent band."""
-        held = self.bands[gid]
+    def _consider_touched(self, best, gid: int, src: int, top: int, need):
+        """A band ``src`` already split: to ``top``, or to the server holding the adjacent band."""
+        l, home, held, inner = self.touched[gid]
         a, b = held[src]
-        adjacent = None
-        for s, band in held.items():
-            if band[0] == b:
-                adjacent = s
+        adjacent = inner.get(src)  # the last server src gave part of this band to
+        if adjacent is not None and (adjacent not in held or held[adjacent][0] != b):
+            adjacent = None
         top_band = held.get(top)
         if top_band is None or top == adjacent:
-            best = self._consider(best, gid, a, b, src, top, top_band, need)
+            best = self._consider(best, gid, l, a, b, home, src, top, top_band, need,
+                                  self.limit - self.loads[top], -1)
         if adjacent is not None and adjacent != top:
-            best = self._consider(best, gid, a, b, src, adjacent, held[adjacent], need)
+            best = self._consider(best, gid, l, a, b, home, src, adjacent, held[adjacent], need,
+                                  self.limit - self.loads[adjacent], -1)
         return best
 
     def _best_move(self, src: int, top: int):
-        """The move from ``src`` with the most FLOPs per byte: ``(dst, gid, k)`` or None."""
+        """The move from ``src`` with the most FLOPs per byte, ``(key, dst, gid, k, l, pos)``, or
+        None. Looks at a bounded set of candidates (module docstring, (g))."""
         need = self.loads[src] - self.limit
         room = self.limit - self.loads[top]
-        unsplit, split = self._indexes(src)
-        b = self.b
-        best = None
-        fresh = set()
-        # Still-whole documents: the longest that fits whole (FLOPs per byte grow with length
-        # for a whole move) ...
-        i = unsplit.largest_within(room)
-        if i >= 0:
-            fresh.add(unsplit.gids[i])
-        i = split.largest_within(min(need, room))
-        if i >= 0:
-            fresh.add(split.gids[i])
-        # ... the longest, and those nearest the length whose cut moves most FLOPs per byte.
-        n = len(split.gids)
-        if n:
-            i = split.alive.at_or_left(n - 1)
+        if room <= 0:
+            return None  # top has the most room of all
+        slen, seg, left, right = self.slen, self.seg, self._left, self._right
+        u0, p0, p1 = seg[2 * src], seg[2 * src + 1], seg[2 * src + 2]
+        found = set()
+        # Whole documents: the longest that fits whole (FLOPs per byte grow with the length of
+        # a whole move; l (l + 1) / 2 <= x  <=>  l <= (isqrt(8 x + 1) - 1) / 2) ...
+        if u0 < p0:
+            i = left(bisect_right(slen, (isqrt(8 * floor(room) + 1) - 1) // 2, u0, p0) - 1, u0)
             if i >= 0:
-                fresh.add(split.gids[i])
-            # Cutting X pairs off a document of length l moves ~X (2 q + kv) / (l + 1) + kv l / 2
-            # bytes (q only where the source sends Q rows), smallest at (l + 1)^2 = 2 X (2 q + kv) / kv.
-            x = min(need, room)
-            q = b.q_bytes if b.inplace else 0
-            best_len = math.isqrt(int(2 * x * (2 * q + b.kv_bytes) // max(1, b.kv_bytes))) - 1
-            longest_cut = int(room // b.min_shard) - 1  # longest whose min_shard piece fits
-            hi = bisect_right(split.lens, longest_cut)
-            mid = min(bisect_left(split.lens, best_len), hi)
+                found.add(i)
+        if p1 - p0 <= _SCAN:  # few splittable whole documents: look at each
+            j = right(p0, p1)
+            while j < p1:
+                found.add(j)
+                j = right(j + 1, p1)
+        else:
+            x = need if need < room else room
+            i = left(bisect_right(slen, (isqrt(8 * floor(x) + 1) - 1) // 2, p0, p1) - 1, p0)
+            if i >= 0:
+                found.add(i)
+            # ... the longest, and those nearest the length whose cut moves most FLOPs per byte:
+            # cutting x pairs off length l adds ~x (2 q + kv) / (l + 1) + kv l / 2 bytes (q only
+            # where the source's Q rows are free), least at (l + 1)^2 = 2 x (2 q + kv) / kv.
+            i = left(p1 - 1, p0)
+            if i >= 0:
+                found.add(i)
+            hi = bisect_right(slen, floor(room / self.min_shard) - 1, p0, p1)  # ms-cut fits
+            mid = bisect_left(slen, isqrt(floor(x * self._cut_factor)) - 1, p0, hi)
             j = mid - 1
             for _ in range(_NEIGHBOURS):
-                j = split.alive.at_or_left(j)
+                j = left(j, p0)
                 if j < 0:
                     break
-                fresh.add(split.gids[j])
+                found.add(j)
                 j -= 1
             j = mid
             for _ in range(_NEIGHBOURS):
-                j = split.alive.at_or_right(j)
+                j = right(j, hi)
                 if j >= hi:
                     break
-                fresh.add(split.gids[j])
+                found.add(j)
                 j += 1
-        for gid in sorted(fresh):
-            best = self._consider(best, gid, 0, b.fold[gid], src, top, None, need)
+        best = None
+        home = src if self.inplace else -1
+        sgid = self.sgid
+        for pos in found:
+            l = slen[pos]
+            best = self._consider(best, sgid[pos], l, 0, (l + 1) // 2, home, src, top, None, need, room, pos)
         # Bands this source split before: the newest few; all of them if nothing else moves.
-        recent = [g for g in self.recent[src] if src in self.bands[g]]
-        self.recent[src] = recent
-        for gid in recent[-_RECENT_BANDS:]:
-            best = self._consider_split(best, gid, src, top, need)
-        if best is None:
-            for gid in recent[:-_RECENT_BANDS]:
-                best = self._consider_split(best, gid, src, top, need)
-        return None if best is None else best[1:]
+        recent = self.recent.get(src)
+        if recent:
+            for _, gid in zip(range(_RECENT_BANDS), reversed(recent)):
+                best = self._consider_touched(best, gid, src, top, need)
+            if best is None and len(recent) > _RECENT_BANDS:
+                for gid in islice(reversed(recent), _RECENT_BANDS, None):
+                    best = self._consider_touched(best, gid, src, top, need)
+        return best
 
     # ---- moves ----------------------------------------------------------------------------------
-    def _apply(self, src: int, dst: int, gid: int, k: int) -> None:
-        b = self.b
-        held = self.bands.get(gid)
-        if held is None:  # first move of a still-whole document
-            held = self.bands[gid] = {src: [0, b.fold[gid]]}
-            unsplit, split = self._indexes(src)
-            index = split if b.splittable[gid] else unsplit
-            index.alive.kill(index.pos[gid])
+    def _apply(self, src: int, dst: int, gid: int, k: int, l: int, pos: int) -> None:
+        record = self.touched.get(gid)
+        if record is None:  # first move of a whole document
+            record = self.touched[gid] = [l, src if self.inplace else -1, {src: [0, (l + 1) // 2]}, {}]
+            self.dead_left[pos] = pos - 1
+            self.dead_right[pos] = pos + 1
+        held = record[2]
         band = held[src]
         a, hi = band
         lo = hi - k
-        moved = self._inner_pairs(b.lens[gid], hi, k)
+        centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
+        moved = (2 * k - centre) * (l + 1) // 2
         self.loads[src] -= moved
         self.loads[dst] += moved
+        recent = self.recent.setdefault(src, {})
+        recent.pop(gid, None)
         if lo == a:
             del held[src]
         else:
             band[1] = lo
-            if gid not in self.recent[src][-1:]:
-                self.recent[src].append(gid)
+            recent[gid] = None  # newest last
+            record[3][src] = dst  # holds the band just inside src's
         there = held.get(dst)
         if there is None:
             held[dst] = [lo, hi]
@@ -415,36 +424,33 @@ class _Balance:
                 best = self._best_move(src, top)
                 if best is None:
                     break  # not even the roomiest server takes a piece of this source
-                dst, gid, k = best
-                self._apply(src, dst, gid, k)
+                _, dst, gid, k, l, pos = best
+                self._apply(src, dst, gid, k, l, pos)
                 heapq.heapreplace(heap, (-(limit - loads[top]), top))
                 if dst != top:
                     heapq.heappush(heap, (-(limit - loads[dst]), dst))
 
     # ---- the last pass: smallest pieces to the least-loaded server ----------------------------------
     def _smallest_piece(self, src: int, dst: int):
-        """``(pairs, gid, k)`` of the smallest piece ``src`` can give ``dst``, or None."""
-        b, ms = self.b, self.b.min_shard
-        unsplit, split = self._indexes(src)
-        best = None
-        for index in (unsplit, split):
-            i = index.alive.at_or_right(0)
-            if i < len(index.gids):
-                gid = index.gids[i]
-                w = b.fold[gid]
-                k = w if w < 2 * ms else ms
-                best = min(best or (math.inf,), (self._inner_pairs(b.lens[gid], w, k), gid, k))
-        for gid in self.recent[src]:
-            held = self.bands[gid]
-            if src not in held:
-                continue
+        """``(pairs, gid, k, l, pos)`` of the smallest piece ``src`` can give ``dst``, or None."""
+        bt, ms = self.b, self.b.min_shard
+        u0, p0, p1 = bt.seg[2 * src], bt.seg[2 * src + 1], bt.seg[2 * src + 2]
+        pieces = []
+        for i, k_of in ((self._right(u0, p0), None), (self._right(p0, p1), ms)):
+            if i < (p0 if k_of is None else p1):
+                l = bt.slen[i]
+                k = (l + 1) // 2 if k_of is None else k_of
+                pieces.append(((2 * k - (l & 1)) * (l + 1) // 2, bt.sgid[i], k, l, i))
+        for gid in self.recent.get(src, ()):
+            l, _, held, _ = self.touched[gid]
             a, hi = held[src]
             there = held.get(dst)
             if there is not None and there[0] != hi:
                 continue  # dst holds a band of this document that is not adjacent
             k = hi - a if hi - a < 2 * ms else ms
-            best = min(best or (math.inf,), (self._inner_pairs(b.lens[gid], hi, k), gid, k))
-        return best
+            centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
+            pieces.append(((2 * k - centre) * (l + 1) // 2, gid, k, l, -1))
+        return min(pieces) if pieces else None
 
     def settle(self, target: float) -> None:
         """While a server is above ``target``: give its smallest piece to the least-loaded server
@@ -455,124 +461,69 @@ class _Balance:
         heapq.heapify(heap)
         for src in stuck:
             while loads[src] > target:
-                while heap[0][0] != loads[heap[0][1]] or heap[0][1] == src:
-                    load, s = heapq.heappop(heap)
-                    if s == src:
-                        parked = (load, s)
-                    elif load == loads[s]:
-                        heapq.heappush(heap, (load, s))
-                        break
-                    else:
-                        heapq.heappush(heap, (loads[s], s))
-                else:
-                    parked = None
+                while heap[0][0] != loads[heap[0][1]]:  # stale entry
+                    heapq.heapreplace(heap, (loads[heap[0][1]], heap[0][1]))
                 dst = heap[0][1]
+                if dst == src:
+                    break  # src is the least loaded: nothing lowers it
                 piece = self._smallest_piece(src, dst)
                 if piece is None or loads[dst] + piece[0] >= loads[src]:
                     break
-                self._apply(src, dst, piece[1], piece[2])
-                heapq.heappush(heap, (loads[dst], dst))
-            heapq.heappush(heap, (loads[src], src))
+                self._apply(src, dst, *piece[1:])
+                heapq.heapreplace(heap, (loads[dst], dst))
 
     # ---- output -------------------------------------------------------------------------------
     def task_array(self) -> np.ndarray:
         """int64 [num_tasks, 7] in the plan's canonical order (server, rank, doc, q_start)."""
-        b = self.b
-        touched = sorted(self.bands)
-        keep = np.ones(b.N, dtype=bool)
+        bt = self.b
+        touched = sorted(self.touched)
+        index = np.arange(bt.N, dtype=np.int64) - np.repeat(np.cumsum(bt.counts) - bt.counts, bt.counts)
+        keep = np.ones(bt.N, dtype=bool)
         keep[touched] = False
-        lens = b.lens_arr[keep]
-        whole = np.zeros((len(lens), 7), dtype=np.int64)
-        whole[:, 0] = b.init_server_arr[keep]
-        whole[:, 1] = b.rank_arr[keep]
-        whole[:, 2] = b.index_arr[keep]
-        whole[:, 4] = lens
-        whole[:, 6] = lens
-        rows = []
+        lens = bt.lens_arr[keep]
+        arr = np.zeros((len(lens), 7), dtype=np.int64)
+        arr[:, 0] = bt.init_server_arr[keep]
+        arr[:, 1] = bt.rank_arr[keep]
+        arr[:, 2] = index[keep]
+        arr[:, 4] = lens
+        arr[:, 6] = lens
+        # Moved documents: one row per (band, shard), built column-wise.
+        servers, gids, los, his = [], [], [], []
         for gid in touched:
-            l, r, i = b.lens[gid], b.rank[gid], b.index[gid]
-            for server, (a, hi) in self.bands[gid].items():
-                for qs, qe in _band_shards(l, a, hi):
-                    rows.append((server, r, i, qs, qe, 0, qe))
-        if not rows:
-            arr = whole
-            if b.inplace:  # each rank's documents on its own server: already in order
+            for server, (a, b) in self.touched[gid][2].items():
+                servers.append(server)
+                gids.append(gid)
+                los.append(a)
+                his.append(b)
+        g = np.asarray(gids, dtype=np.int64)
+        l, a, b = bt.lens_arr[g], np.asarray(los, dtype=np.int64), np.asarray(his, dtype=np.int64)
+        t0 = np.maximum(l - b, b)
+        split = t0 != b  # a head shard [a, b) and a tail shard [t0, l - a); else one [a, l - a)
+        rows = np.zeros((len(g) + int(split.sum()), 7), dtype=np.int64)
+        head, tail = rows[:len(g)], rows[len(g):]
+        head[:, 0], head[:, 1], head[:, 2], head[:, 3] = servers, bt.rank_arr[g], index[g], a
+        head[:, 4] = np.where(split, b, l - a)
+        tail[:] = head[split]
+        tail[:, 3], tail[:, 4] = t0[split], (l - a)[split]
+        rows[:, 6] = rows[:, 4]
+        moved = rows
+        if bt.inplace:
+            # Whole documents are in order already (server = rank, documents by index): merge the
+            # few moved rows in by their place, found on a packed (server, rank, doc) key.
+            if not len(moved):
                 return arr
-        else:
-            arr = np.concatenate([whole, np.array(rows, dtype=np.int64).reshape(-1, 7)])
+            width = int(bt.counts.max()) + 1
+            if bt.S * bt.S * width < 2**62:
+                moved = moved[np.lexsort((moved[:, 3], moved[:, 2], moved[:, 1], moved[:, 0]))]
+                def key(t):
+                    return (t[:, 0] * bt.S + t[:, 1]) * width + t[:, 2]
+                return np.insert(arr, np.searchsorted(key(arr), key(moved)), moved, axis=0)
+        arr = np.concatenate([arr, moved])
         # Canonical order; a server holds one band of a document, whose shards are in order.
-        order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
-        return arr[order]
+        return arr[np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))]
 
     def max_load(self) -> int:
         return max(self.loads)
-
-
-class _Batch:
-    """The batch as flat lists and arrays, and its initial placement (shared by every run)."""
-
-    def __init__(self, doc_lens_per_rank, num_servers, cost, mode, min_shard):
-        self.S, self.min_shard, self.inplace = num_servers, min_shard, mode == "inplace"
-        self.q_bytes, self.kv_bytes = cost.step_row_bytes()
-        counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
-        self.N = N = int(counts.sum())
-        self.counts = counts
-        self.lens_arr = np.fromiter(chain.from_iterable(doc_lens_per_rank), dtype=np.int64, count=N)
-        self.rank_arr = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        starts = np.cumsum(counts) - counts
-        self.index_arr = np.arange(N, dtype=np.int64) - np.repeat(starts, counts)
-        self.lens = self.lens_arr.tolist()
-        self.rank = self.rank_arr.tolist()
-        self.index = self.index_arr.tolist()
-        fold = (self.lens_arr + 1) // 2
-        self.fold = fold.tolist()
-        self.splittable = (fold >= 2 * min_shard).tolist()
-        if N and int(self.lens_arr.max()) < 2**31:
-            pairs = self.lens_arr * (self.lens_arr + 1) // 2
-            self.pairs = pairs.tolist()
-        else:
-            pairs = None
-            self.pairs = [l * (l + 1) // 2 for l in self.lens]
-        if self.inplace:
-            self.init_server_arr = self.rank_arr
-            self.init_server = self.rank
-            self._starts = np.concatenate([starts, [N]]).tolist()
-            if pairs is not None and N * int(self.lens_arr.max()) ** 2 < 2**62:
-                loads = np.zeros(num_servers, dtype=np.int64)
-                np.add.at(loads, self.rank_arr, pairs)
-                self.init_loads = loads.tolist()
-            else:
-                self.init_loads = [0] * num_servers
-                for g, p in enumerate(self.pairs):
-                    self.init_loads[self.rank[g]] += p
-        else:
-            self._place_lpt()
-
-    def _place_lpt(self) -> None:
-        """Longest first, each document to the least-loaded server (ties: lower server)."""
-        loads = [0] * self.S
-        server = [0] * self.N
-        heap = [(0, s) for s in range(self.S)]
-        pairs = self.pairs
-        for g in np.lexsort((np.arange(self.N), -self.lens_arr)).tolist():
-            load, s = heap[0]
-            server[g] = s
-            loads[s] = load + pairs[g]
-            heapq.heapreplace(heap, (loads[s], s))
-        self.init_server, self.init_loads = server, loads
-        self.init_server_arr = np.asarray(server, dtype=np.int64).reshape(-1)
-        self._on = None
-
-    def docs_on(self, server: int) -> list[int]:
-        """Documents initially on ``server``, by index."""
-        if self.inplace:
-            return list(range(self._starts[server], self._starts[server + 1]))
-        if self._on is None:
-            order = np.argsort(self.init_server_arr, kind="stable")
-            bounds = np.searchsorted(self.init_server_arr[order], np.arange(self.S + 1)).tolist()
-            order = order.tolist()
-            self._on = [order[bounds[s]:bounds[s + 1]] for s in range(self.S)]
-        return self._on[server]
 
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
@@ -598,8 +549,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     Raises:
         ValueError: bad lengths, sizes, mode, ε or ``min_shard`` (the message names the values).
     """
-    _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
-    batch = _Batch(doc_lens_per_rank, int(num_servers), cost, mode, int(min_shard))
+    counts, lens = _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
+    batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard))
     bound = load_bound(batch.lens_arr, batch.S, batch.min_shard)
     target = (1.0 + epsilon) * bound.level
     best = _Balance(batch, (1.0 + epsilon) * bound.mean)

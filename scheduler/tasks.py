@@ -70,9 +70,13 @@ def participant_roles(mode: str, num_ranks: int, participant: int) -> tuple[int 
     return None, participant - num_ranks
 
 
-def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> None:
+def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np.ndarray, np.ndarray]:
     """The checks every plan's inputs pass, shared by :func:`~scheduler.plan_batch`, the baselines
     and :class:`Plan` itself.
+
+    Returns:
+        ``(doc_counts, doc_lens)``: int64 [num_ranks] documents per rank and int64 [num_docs] all
+        lengths, rank after rank.
 
     Raises:
         ValueError: a mode other than :data:`MODES`; ``cost`` not a :class:`CostModel`;
@@ -89,19 +93,56 @@ def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> None:
     finite_nonnegative("epsilon", epsilon)
     if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
         raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
-    for r, lens in enumerate(doc_lens_per_rank):
+    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
+        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
+                         f"ranks={len(doc_lens_per_rank)}")
+    arrays = _fast_arrays(doc_lens_per_rank)
+    if arrays is not None:
+        return arrays
+    for r, lens in enumerate(doc_lens_per_rank):  # slow path: find and name the bad rank
         if not isinstance(lens, (list, tuple)):
             raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got "
                              f"{type(lens).__name__} {str(lens)[:80]}")
         bad = bad_lengths(lens)
         if bad:
             raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
-        if len(lens) > 1 and max(lens) > INT64_MAX // len(lens) and sum(map(int, lens)) > INT64_MAX:
-            raise ValueError(f"rank {r}: documents of {sum(map(int, lens))} tokens in all, more than "
-                             f"int64 holds")
-    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
-        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
-                         f"ranks={len(doc_lens_per_rank)}")
+    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
+    lens = np.fromiter((int(x) for x in chain.from_iterable(doc_lens_per_rank)), dtype=np.int64,
+                       count=int(counts.sum()))
+    _check_rank_totals(counts, lens)
+    return counts, lens
+
+
+def _fast_arrays(doc_lens_per_rank):
+    """``(doc_counts, doc_lens)`` in a few C-speed passes when every rank is a list of plain or
+    signed numpy ints in ``[1, 2**63 - 1]``, else None (the caller finds and names the problem)."""
+    if not all(type(x) is list or type(x) is tuple for x in doc_lens_per_rank):
+        return None
+    types = set(map(type, chain.from_iterable(doc_lens_per_rank)))
+    if not all(t is int or issubclass(t, np.signedinteger) for t in types):
+        return None
+    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
+    try:
+        lens = np.fromiter(chain.from_iterable(doc_lens_per_rank), dtype=np.int64, count=int(counts.sum()))
+    except OverflowError:
+        return None
+    if len(lens) and int(lens.min()) < 1:
+        return None
+    _check_rank_totals(counts, lens)
+    return counts, lens
+
+
+def _check_rank_totals(counts: np.ndarray, lens: np.ndarray) -> None:
+    """Every rank's tokens must fit int64 (rows are indexed with int64); vectorised."""
+    nonempty = counts > 0
+    if not nonempty.any() or float(lens.max()) * float(counts.max()) < 2.0**62:
+        return
+    starts = (np.cumsum(counts) - counts)[nonempty]
+    approx = np.add.reduceat(lens.astype(np.float64), starts)
+    for r, start in zip(np.flatnonzero(nonempty)[approx > 2.0**62].tolist(), starts[approx > 2.0**62].tolist()):
+        total = sum(lens[start:start + counts[r]].tolist())
+        if total > INT64_MAX:
+            raise ValueError(f"rank {r}: documents of {total} tokens in all, more than int64 holds")
 
 
 def _tasks_array(server_tasks) -> np.ndarray:
@@ -174,7 +215,7 @@ class Plan:
 
     def __init__(self, doc_lens_per_rank, num_servers: int, mode: str, cost: CostModel, server_tasks,
                  epsilon: float = 0.0, min_shard: int = 1):
-        check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
+        counts, flat = check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
         positive_int("min_shard", min_shard)
         if not isinstance(server_tasks, (list, tuple)) or len(server_tasks) != num_servers:
             raise ValueError(f"server_tasks must hold one list per server ({num_servers})")
@@ -185,14 +226,9 @@ class Plan:
                 if type(t) is not CATask and (not isinstance(t, (tuple, list)) or len(t) != 6
                                               or not all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
-        lens = [lens if type(lens) is list and all(type(x) is int for x in lens) else [int(x) for x in lens]
-                for lens in doc_lens_per_rank]
-        counts = np.fromiter(map(len, lens), dtype=np.int64, count=len(lens))
-        flat = np.fromiter(chain.from_iterable(lens), dtype=np.int64, count=int(counts.sum()))
         self._set(counts, flat, int(num_servers), mode, cost, _canonical(_tasks_array(server_tasks)),
                   float(epsilon), int(min_shard))
         self._check()
-        self.__dict__["doc_lens_per_rank"] = [list(x) for x in lens]
 
     @classmethod
     def _trusted(cls, *, counts: np.ndarray, doc_lens: np.ndarray, num_servers: int, mode: str,
@@ -233,14 +269,8 @@ class Plan:
         if bad.any():
             r = _first_rank_of(counts, int(np.argmax(bad)))
             raise ValueError(f"rank {r}: document lengths must be positive ints, got {lens[bad][:5].tolist()}")
+        _check_rank_totals(counts, lens)
         starts = self.doc_offsets
-        nonempty = counts > 0
-        if nonempty.any():  # per-rank sums must fit int64 (rows are indexed with int64)
-            approx = np.add.reduceat(lens.astype(np.float64), starts[nonempty])
-            for r in np.flatnonzero(nonempty)[approx > 2.0**62].tolist():
-                total = sum(lens[starts[r]:starts[r] + counts[r]].tolist())
-                if total > INT64_MAX:
-                    raise ValueError(f"rank {r}: documents of {total} tokens in all, more than int64 holds")
         if self.mode == "inplace" and self.num_servers != num_ranks:
             raise ValueError(f"inplace mode needs one server per client rank: num_servers={self.num_servers}, "
                              f"ranks={num_ranks}")
