@@ -243,7 +243,7 @@ class _Balance:
         # Fewest positions that bring the source within the limit (w + 1: not even all of them):
         # the least k with (2k - centre) >= ceil(2 need / (l + 1)).
         k_need = (-(-2 * ceil(need) // half) + centre + 1) // 2
-        if need <= room:  # finish the source with the smallest piece that does it
+        if need <= room and k_need <= fits:  # finish the source with the smallest piece that does it
             k = k_need if k_need > ms else ms
             if w - k < ms:  # the remainder would be a sliver: move all of it, or leave exactly ms
                 return w if whole <= room else w - ms
@@ -253,16 +253,19 @@ class _Balance:
         keep = w - k_need if k_need <= w else 0  # widest outer part the source may keep
         if keep < ms:
             keep = 0
-        if _finishable(w - fits, keep, fits, ms):
+        plain = (2 * floor(room) // half) // 2  # positions of a later piece (no centre) that fit
+        if plain > w:
+            plain = w
+        if plain < ms or _finishable(w - fits, keep, plain, ms):
             return fits
         shed = w - keep
-        p = -(-shed // fits)
+        p = -(-shed // plain)
         if p * ms > shed:  # pieces would be narrower than min_shard: the source keeps less
             keep = w - p * ms
             if keep >= ms:
                 shed = p * ms
             else:
-                shed, p = w, -(-w // fits)
+                shed, p = w, -(-w // plain)
                 if p * ms > w:  # no even cut: fill the destination, leave at least ms
                     return fits if w - fits >= ms else w - ms
         k = -(-shed // p)
@@ -431,26 +434,43 @@ class _Balance:
                     heapq.heappush(heap, (-(limit - loads[dst]), dst))
 
     # ---- the last pass: smallest pieces to the least-loaded server ----------------------------------
-    def _smallest_piece(self, src: int, dst: int):
-        """``(pairs, gid, k, l, pos)`` of the smallest piece ``src`` can give ``dst``, or None."""
-        bt, ms = self.b, self.b.min_shard
-        u0, p0, p1 = bt.seg[2 * src], bt.seg[2 * src + 1], bt.seg[2 * src + 2]
+    def _pieces(self, src: int) -> list[tuple]:
+        """The smallest piece of each item ``src`` holds: ``(pairs, gid, k, l, pos)``."""
+        ms = self.min_shard
+        u0, p0, p1 = self.seg[2 * src], self.seg[2 * src + 1], self.seg[2 * src + 2]
         pieces = []
-        for i, k_of in ((self._right(u0, p0), None), (self._right(p0, p1), ms)):
-            if i < (p0 if k_of is None else p1):
-                l = bt.slen[i]
+        for i, k_of, end in ((self._right(u0, p0), None, p0), (self._right(p0, p1), ms, p1)):
+            if i < end:  # the shortest whole document of each kind
+                l = self.slen[i]
                 k = (l + 1) // 2 if k_of is None else k_of
-                pieces.append(((2 * k - (l & 1)) * (l + 1) // 2, bt.sgid[i], k, l, i))
+                pieces.append(((2 * k - (l & 1)) * (l + 1) // 2, self.sgid[i], k, l, i))
         for gid in self.recent.get(src, ()):
             l, _, held, _ = self.touched[gid]
-            a, hi = held[src]
-            there = held.get(dst)
-            if there is not None and there[0] != hi:
-                continue  # dst holds a band of this document that is not adjacent
+            a, hi = held[src]  # an outer band [0, hi): the centre is elsewhere
             k = hi - a if hi - a < 2 * ms else ms
-            centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
-            pieces.append(((2 * k - centre) * (l + 1) // 2, gid, k, l, -1))
-        return min(pieces) if pieces else None
+            pieces.append((k * (l + 1), gid, k, l, -1))
+        return pieces
+
+    def _shift(self, src: int, dst: int, gid: int, k: int) -> None:
+        """Move ``k`` positions of src's outer band [a, lo) of a split document to ``dst``, which
+        holds a band further in, [x, y): every band between them shifts out by ``k`` (same width,
+        same load: a position off the centre always holds l + 1 pairs), and dst's grows to
+        [x - k, y). Keeps one band per server and document."""
+        l, _, held, inner = self.touched[gid]
+        a, lo = held[src]
+        x = held[dst][0]
+        for band in held.values():
+            if lo <= band[0] < x:
+                band[0] -= k
+                band[1] -= k
+        held[dst][0] = x - k
+        self.loads[src] -= k * (l + 1)
+        self.loads[dst] += k * (l + 1)
+        if lo - k == a:
+            del held[src]
+            self.recent[src].pop(gid, None)
+        else:
+            held[src][1] = lo - k
 
     def settle(self, target: float) -> None:
         """While a server is above ``target``: give its smallest piece to the least-loaded server
@@ -466,10 +486,18 @@ class _Balance:
                 dst = heap[0][1]
                 if dst == src:
                     break  # src is the least loaded: nothing lowers it
-                piece = self._smallest_piece(src, dst)
-                if piece is None or loads[dst] + piece[0] >= loads[src]:
+                pieces = self._pieces(src)
+                if not pieces:
                     break
-                self._apply(src, dst, *piece[1:])
+                pairs, gid, k, l, pos = min(pieces)
+                if loads[dst] + pairs >= loads[src]:
+                    break  # not even the smallest piece lowers src
+                record = self.touched.get(gid)
+                there = record[2].get(dst) if record is not None else None
+                if there is not None and there[0] != record[2][src][1]:
+                    self._shift(src, dst, gid, k)  # dst holds a band further in
+                else:
+                    self._apply(src, dst, gid, k, l, pos)
                 heapq.heapreplace(heap, (loads[dst], dst))
 
     # ---- output -------------------------------------------------------------------------------
