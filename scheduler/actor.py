@@ -2,10 +2,11 @@
 
 A thin wrapper of :class:`scheduler.coordinator.Coordinator`, which holds every decision
 (membership, reports -> plan -> parts, group epochs, rendezvous, failure verdicts). This module
-adds only what needs Ray or an event loop: waiting with timeouts (``asyncio.wait_for``), pinging
-dedicated servers and feeding the results to the coordinator, sending them their assignments and
-parts (``assign.remote``, ``install_part.remote``), and exporting per-step metrics with
-``ray.util.metrics`` (they appear on the Ray dashboard).
+adds only what needs Ray or an event loop: planning and cutting on a worker thread
+(``asyncio.to_thread``: the loop keeps answering pings and reports meanwhile), waiting with
+timeouts (``asyncio.wait_for``), pinging dedicated servers and feeding the results to the
+coordinator, sending them their assignments and parts (``assign.remote``, ``install_part.remote``),
+and exporting per-step metrics with ``ray.util.metrics`` (they appear on the Ray dashboard).
 
 Every step each client reports ``(step, batch, rank, doc_lens, shape)`` once and gets its own
 msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch; every layer and the
@@ -151,7 +152,10 @@ class SchedulerActor:
                 while not servers and time.monotonic() < deadline:
                     await asyncio.sleep(_RETRY_S)
                     servers = await self._live_servers()
-            out = self.coord.plan(step, batch, servers)
+            # Planning and cutting run on a worker thread: the loop keeps answering meanwhile.
+            work = self.coord.plan_work(step, batch, servers)
+            cut = await asyncio.to_thread(work) if work is not None else None
+            out = self.coord.plan(step, batch, servers, cut=cut)
             self._send(out, step, batch)
         except Exception as exc:  # a bug must not leave the clients waiting for the timeout
             log.exception("job %s: planning step %s batch %s failed", self.name, step, batch)

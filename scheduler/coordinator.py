@@ -8,7 +8,8 @@ call is one state transition that returns plain data telling the wrapper what to
   :meth:`~Coordinator.register_server`, :meth:`~Coordinator.servers_pinged`;
 - one step: :meth:`~Coordinator.report` (one per client per ``(step, batch)``) says when all
   clients of a batch reported; :meth:`~Coordinator.plan` then plans it over the live servers and
-  cuts every participant's part; :meth:`~Coordinator.answer`, :meth:`~Coordinator.abort` (a
+  cuts every participant's part (its pure work, :meth:`~Coordinator.plan_work`, can run apart,
+  e.g. on a worker thread, and be handed to :meth:`~Coordinator.plan`); :meth:`~Coordinator.answer`, :meth:`~Coordinator.abort` (a
   timeout or any other reason to give up on a batch);
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from .checks import finite_nonnegative, is_int, positive_int
@@ -99,6 +101,33 @@ class PlanOutcome:
     assignments: tuple[Assignment, ...] = ()
     server_parts: list[tuple[int, bytes]] = field(default_factory=list)
     record: dict | None = None
+
+
+@dataclass(frozen=True)
+class PlanCut:
+    """The pure work of :meth:`Coordinator.plan`: the batch's plan and every participant's part
+    bytes, with the milliseconds planning and cutting took; or the ``ValueError`` message the
+    documents raised (``plan`` None)."""
+
+    plan: Plan | None
+    parts: list[bytes]
+    plan_ms: float = 0.0
+    cut_ms: float = 0.0
+    error: str | None = None
+
+
+def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
+                  timer) -> PlanCut:
+    try:
+        start = timer()
+        plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
+                          min_shard=min_shard)
+        planned = timer()
+        parts = [p.to_msgpack() for p in plan_parts(plan, step, batch)]
+        cut = timer()
+    except ValueError as exc:  # bad documents: every client of the batch gets the same error
+        return PlanCut(None, [], error=str(exc))
+    return PlanCut(plan, parts, (planned - start) * 1e3, (cut - planned) * 1e3)
 
 
 @dataclass(frozen=True)
@@ -294,10 +323,26 @@ class Coordinator:
             return ReportOutcome(state.answers[rank], resolved=True)
         return ReportOutcome(plan=True)
 
-    def plan(self, step: int, batch: int, live_servers=None) -> PlanOutcome:
+    def plan_work(self, step: int, batch: int, live_servers=None) -> Callable[[], PlanCut] | None:
+        """The pure work of :meth:`plan` (plan the batch, cut and encode its parts) as a call that
+        reads no coordinator state, or None when :meth:`plan` has nothing to compute. A wrapper
+        runs it off its event loop and passes the result to :meth:`plan`."""
+        state = self.batches.get((step, batch))
+        if state is None or state.answers is not None or state.shape is None:
+            return None
+        servers = list(live_servers or ()) if self.mode == "dedicated" else []
+        if self.mode == "dedicated" and not servers:
+            return None
+        W = self.world_size
+        return partial(_plan_and_cut, [state.reports[r][0] for r in range(W)],
+                       len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
+                       self.min_shard, step, batch, self.timer)
+
+    def plan(self, step: int, batch: int, live_servers=None, cut: PlanCut | None = None) -> PlanOutcome:
         """Plan a fully reported batch over ``live_servers`` (dedicated mode: server ids that
         answered a ping, in plan order; ignored in-place), keep or form the group epoch and cut
         every participant's part. Does nothing for a batch that is not ready or already resolved.
+        ``cut``: the result of :meth:`plan_work` for the same arguments, if already computed.
 
         Every client's answer becomes ``{"part": bytes, "group": {"epoch", "world_rank",
         "world_size", "device_type"}}``; bad documents give every client the same ``ValueError``
@@ -313,16 +358,12 @@ class Coordinator:
             self._resolve(key, state, error_answer("DistCAError", f"job {self.name!r} has no live attention server"))
             return PlanOutcome(resolved=True)
         W = self.world_size
-        try:
-            start = self.timer()
-            plan = plan_batch([state.reports[r][0] for r in range(W)], len(servers) if servers else W,
-                              cost=cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard)
-            planned = self.timer()
-            parts = [p.to_msgpack() for p in plan_parts(plan, step, batch)]
-            cut = self.timer()
-        except ValueError as exc:  # bad documents: every client of the batch gets the same error
-            self._resolve(key, state, error_answer("ValueError", str(exc)))
+        if cut is None:
+            cut = self.plan_work(step, batch, live_servers)()
+        if cut.error is not None:
+            self._resolve(key, state, error_answer("ValueError", cut.error))
             return PlanOutcome(resolved=True)
+        plan, parts = cut.plan, cut.parts
         self.plans[key] = plan
         while len(self.plans) > PLANS_KEPT:
             del self.plans[next(iter(self.plans))]
@@ -330,7 +371,7 @@ class Coordinator:
         group = {"epoch": decision.epoch, "world_size": plan.num_participants, "device_type": device_type}
         self._resolve(key, state, None, {r: {"part": parts[r], "group": dict(group, world_rank=r)}
                                          for r in range(W)})
-        record = self._record(plan, step, batch, servers, (planned - start) * 1e3, (cut - planned) * 1e3)
+        record = self._record(plan, step, batch, servers, cut.plan_ms, cut.cut_ms)
         return PlanOutcome(resolved=True, assignments=decision.assignments,
                            server_parts=[(sid, parts[W + i]) for i, sid in enumerate(servers)],
                            record=record)

@@ -6,7 +6,6 @@ msgpack (never pickle), replayable. Pure Python + numpy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from typing import NamedTuple
@@ -14,7 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import descriptor
-from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
+from .bound import LoadBound, load_bound
+from .checks import INT64_MAX, bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import KV_TENSORS, CostModel, RoundKind
 
 MODES = ("inplace", "dedicated")
@@ -70,16 +70,20 @@ def participant_roles(mode: str, num_ranks: int, participant: int) -> tuple[int 
     return None, participant - num_ranks
 
 
-def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> None:
+def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np.ndarray, np.ndarray]:
     """The checks every plan's inputs pass, shared by :func:`~scheduler.plan_batch`, the baselines
     and :class:`Plan` itself.
+
+    Returns:
+        ``(doc_counts, doc_lens)``: int64 [num_ranks] documents per rank and int64 [num_docs] all
+        lengths, rank after rank.
 
     Raises:
         ValueError: a mode other than :data:`MODES`; ``cost`` not a :class:`CostModel`;
             ``num_servers`` not a positive int; ``epsilon`` not a finite number >= 0;
             ``doc_lens_per_rank`` not a non-empty list of lists of positive int64 lengths (the
-            message names the rank and its first bad lengths); in-place mode with
-            ``num_servers != len(doc_lens_per_rank)``.
+            message names the rank and its first bad lengths), or a rank whose lengths sum past
+            int64; in-place mode with ``num_servers != len(doc_lens_per_rank)``.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -89,16 +93,56 @@ def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> None:
     finite_nonnegative("epsilon", epsilon)
     if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
         raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
-    for r, lens in enumerate(doc_lens_per_rank):
+    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
+        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
+                         f"ranks={len(doc_lens_per_rank)}")
+    arrays = _fast_arrays(doc_lens_per_rank)
+    if arrays is not None:
+        return arrays
+    for r, lens in enumerate(doc_lens_per_rank):  # slow path: find and name the bad rank
         if not isinstance(lens, (list, tuple)):
             raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got "
                              f"{type(lens).__name__} {str(lens)[:80]}")
         bad = bad_lengths(lens)
         if bad:
             raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
-    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
-        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
-                         f"ranks={len(doc_lens_per_rank)}")
+    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
+    lens = np.fromiter((int(x) for x in chain.from_iterable(doc_lens_per_rank)), dtype=np.int64,
+                       count=int(counts.sum()))
+    _check_rank_totals(counts, lens)
+    return counts, lens
+
+
+def _fast_arrays(doc_lens_per_rank):
+    """``(doc_counts, doc_lens)`` in a few C-speed passes when every rank is a list of plain or
+    signed numpy ints in ``[1, 2**63 - 1]``, else None (the caller finds and names the problem)."""
+    if not all(type(x) is list or type(x) is tuple for x in doc_lens_per_rank):
+        return None
+    types = set(map(type, chain.from_iterable(doc_lens_per_rank)))
+    if not all(t is int or issubclass(t, np.signedinteger) for t in types):
+        return None
+    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
+    try:
+        lens = np.fromiter(chain.from_iterable(doc_lens_per_rank), dtype=np.int64, count=int(counts.sum()))
+    except OverflowError:
+        return None
+    if len(lens) and int(lens.min()) < 1:
+        return None
+    _check_rank_totals(counts, lens)
+    return counts, lens
+
+
+def _check_rank_totals(counts: np.ndarray, lens: np.ndarray) -> None:
+    """Every rank's tokens must fit int64 (rows are indexed with int64); vectorised."""
+    nonempty = counts > 0
+    if not nonempty.any() or float(lens.max()) * float(counts.max()) < 2.0**62:
+        return
+    starts = (np.cumsum(counts) - counts)[nonempty]
+    approx = np.add.reduceat(lens.astype(np.float64), starts)
+    for r, start in zip(np.flatnonzero(nonempty)[approx > 2.0**62].tolist(), starts[approx > 2.0**62].tolist()):
+        total = sum(lens[start:start + counts[r]].tolist())
+        if total > INT64_MAX:
+            raise ValueError(f"rank {r}: documents of {total} tokens in all, more than int64 holds")
 
 
 def _tasks_array(server_tasks) -> np.ndarray:
@@ -117,9 +161,38 @@ def _tasks_array(server_tasks) -> np.ndarray:
     return arr
 
 
-@dataclass
+def _canonical(arr: np.ndarray) -> np.ndarray:
+    """Tasks in the wire layout's order (server, src_rank, doc_index, q_start)."""
+    if len(arr) > 1:
+        order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
+        if (order != np.arange(len(arr))).any():
+            return arr[order]
+    return arr
+
+
+def _pairs(q_start: np.ndarray, q_end: np.ndarray) -> np.ndarray:
+    """float64 causal pairs of full-prefix shards; exact below 2**53, never wrapping around."""
+    if len(q_end) == 0 or int(q_end.max()) < 2**31:  # the int64 product fits
+        return ((q_end - q_start) * (q_start + q_end + 1) // 2).astype(np.float64)
+    return (q_end - q_start).astype(np.float64) * (q_start.astype(np.float64) + q_end + 1.0) / 2.0
+
+
+def _exact_sum(values: np.ndarray) -> int:
+    """Sum of non-negative int64 values as a Python int (no wrap-around past int64)."""
+    if values.size == 0 or float(values.sum(dtype=np.float64)) < 2.0**62:
+        return int(values.sum())
+    return sum(values.tolist())
+
+
+def _first_rank_of(counts: np.ndarray, gid: int) -> int:
+    return int(np.searchsorted(np.cumsum(counts), gid, side="right"))
+
+
 class Plan:
     """One step's plan: every server's CA-tasks, and from them the all-to-all layout.
+
+    Held as arrays (``doc_lens_flat``, ``doc_counts``, ``task_array``); the per-rank and
+    per-server lists are built on first use.
 
     Args:
         doc_lens_per_rank: document lengths (tokens) of each client rank, in packing order.
@@ -130,62 +203,86 @@ class Plan:
         server_tasks: ``server_tasks[s]`` is the list of :class:`CATask` server ``s`` runs; each
             list is kept sorted by ``(src_rank, doc_index, q_start)``, the order of the wire layout.
         epsilon: the imbalance tolerance the plan was made for (information only).
+        min_shard: the shortest shard a split document may have (tokens); 1 allows any.
 
     Raises:
         ValueError: any field of the wrong type or range, a task that is not a full-prefix shard
-            inside its document, or documents whose shards do not partition their tokens (some
-            causal pair uncovered or covered twice).
+            inside its document, documents whose shards do not partition their tokens (some causal
+            pair uncovered or covered twice), or a split document with a shard under ``min_shard``.
     """
 
-    doc_lens_per_rank: list[list[int]]
-    num_servers: int
-    mode: str
-    cost: CostModel
-    server_tasks: list[list[CATask]]
-    epsilon: float = 0.0
+    __hash__ = None  # mutable-looking data: equality by value, like the dataclass it replaces
 
-    def __post_init__(self) -> None:
-        self._validate_header()
-        self.doc_lens_per_rank = [lens if type(lens) is list and all(type(x) is int for x in lens)
-                                  else [int(x) for x in lens] for lens in self.doc_lens_per_rank]
-        self.server_tasks = [[t if type(t) is CATask else CATask(*(int(x) for x in t)) for t in tasks]
-                             for tasks in self.server_tasks]
-        arr = self.task_array
-        if len(arr) > 1:
-            # Canonical order (server, src_rank, doc_index, q_start) is the wire layout's order.
-            order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
-            if (order != np.arange(len(arr))).any():
-                self.server_tasks = [sorted(tasks) for tasks in self.server_tasks]
-                self.__dict__.pop("task_array")
-        self._validate_tasks()
-
-    # ---- validation ---------------------------------------------------------------------------
-    def _validate_header(self) -> None:
-        check_batch(self.doc_lens_per_rank, self.num_servers, self.mode, self.cost, self.epsilon)
-        if not isinstance(self.server_tasks, (list, tuple)) or len(self.server_tasks) != self.num_servers:
-            raise ValueError(f"server_tasks must hold one list per server ({self.num_servers})")
-        for s, tasks in enumerate(self.server_tasks):
+    def __init__(self, doc_lens_per_rank, num_servers: int, mode: str, cost: CostModel, server_tasks,
+                 epsilon: float = 0.0, min_shard: int = 1):
+        counts, flat = check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
+        positive_int("min_shard", min_shard)
+        if not isinstance(server_tasks, (list, tuple)) or len(server_tasks) != num_servers:
+            raise ValueError(f"server_tasks must hold one list per server ({num_servers})")
+        for s, tasks in enumerate(server_tasks):
             if not isinstance(tasks, (list, tuple)):
                 raise ValueError(f"server_tasks[{s}] is {type(tasks).__name__}, not a list")
             for t in tasks:
                 if type(t) is not CATask and (not isinstance(t, (tuple, list)) or len(t) != 6
                                               or not all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
+        self._set(counts, flat, int(num_servers), mode, cost, _canonical(_tasks_array(server_tasks)),
+                  float(epsilon), int(min_shard))
+        self._check()
 
-    def _validate_tasks(self) -> None:
-        arr = self.task_array
-        lens = self.doc_lens_flat
+    @classmethod
+    def _trusted(cls, *, counts: np.ndarray, doc_lens: np.ndarray, num_servers: int, mode: str,
+                 cost: CostModel, task_array: np.ndarray, epsilon: float, min_shard: int) -> "Plan":
+        """A plan from arrays its maker built valid by construction (the planner): no checks.
+        ``task_array`` must already be in canonical order."""
+        plan = cls.__new__(cls)
+        plan._set(counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard)
+        return plan
+
+    def _set(self, counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard) -> None:
+        self.doc_counts = counts
+        self.doc_lens_flat = doc_lens
+        self.num_servers, self.mode, self.cost = num_servers, mode, cost
+        self.task_array = task_array
+        self.epsilon, self.min_shard = epsilon, min_shard
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.mode == other.mode and self.num_servers == other.num_servers
+                and self.cost == other.cost and self.epsilon == other.epsilon
+                and self.min_shard == other.min_shard
+                and np.array_equal(self.doc_counts, other.doc_counts)
+                and np.array_equal(self.doc_lens_flat, other.doc_lens_flat)
+                and np.array_equal(self.task_array, other.task_array))
+
+    def __repr__(self) -> str:
+        return (f"Plan(mode={self.mode!r}, num_ranks={self.num_ranks}, num_servers={self.num_servers}, "
+                f"num_docs={len(self.doc_lens_flat)}, num_tasks={len(self.task_array)}, "
+                f"epsilon={self.epsilon}, min_shard={self.min_shard})")
+
+    # ---- validation (vectorised: no Python loop over ranks, servers or tasks) ---------------------
+    def _check(self) -> None:
+        counts, lens, arr = self.doc_counts, self.doc_lens_flat, self.task_array
+        num_ranks = len(counts)
+        bad = lens <= 0
+        if bad.any():
+            r = _first_rank_of(counts, int(np.argmax(bad)))
+            raise ValueError(f"rank {r}: document lengths must be positive ints, got {lens[bad][:5].tolist()}")
+        _check_rank_totals(counts, lens)
+        starts = self.doc_offsets
+        if self.mode == "inplace" and self.num_servers != num_ranks:
+            raise ValueError(f"inplace mode needs one server per client rank: num_servers={self.num_servers}, "
+                             f"ranks={num_ranks}")
         srv, rank, doc, qs, qe, ks, ke = arr.T
-        num_ranks = len(self.doc_lens_per_rank)
-        docs_per_rank = np.array([len(x) for x in self.doc_lens_per_rank], dtype=np.int64)
         if arr.size:
             if (rank < 0).any() or (rank >= num_ranks).any():
                 raise ValueError(f"src_rank out of range [0, {num_ranks}): {sorted(set(rank[(rank < 0) | (rank >= num_ranks)].tolist()))[:5]}")
-            bad = (doc < 0) | (doc >= docs_per_rank[rank])
+            bad = (doc < 0) | (doc >= counts[rank])
             if bad.any():
                 i = int(np.argmax(bad))
                 raise ValueError(f"task {self._task_at(i)} names a document rank {rank[i]} does not have")
-        gid = self.doc_offsets[rank] + doc if arr.size else np.zeros(0, dtype=np.int64)
+        gid = starts[rank] + doc if arr.size else np.zeros(0, dtype=np.int64)
         dl = lens[gid] if arr.size else gid
         bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks != 0) | (ke != qe)
         if bad.any():
@@ -214,6 +311,10 @@ class Plan:
             problems.append(f"documents whose shards stop before the end: {self._doc_names(g[last][e_[last] != lens[g[last]]])}")
         if problems:
             raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(problems))
+        short = ~(first & last) & (e_ - s_ < self.min_shard)
+        if short.any():
+            raise ValueError(f"documents split into shards shorter than min_shard={self.min_shard}: "
+                             f"{self._doc_names(g[short])}")
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]
@@ -226,10 +327,10 @@ class Plan:
             names.append(f"(rank {r}, doc {g - int(self.doc_offsets[r])})")
         return ", ".join(names)
 
-    # ---- derived arrays -------------------------------------------------------------------------
+    # ---- derived arrays and lists ------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
-        return len(self.doc_lens_per_rank)
+        return len(self.doc_counts)
 
     @property
     def num_participants(self) -> int:
@@ -241,36 +342,47 @@ class Plan:
         return server_participant_index(self.mode, self.num_ranks, server)
 
     @cached_property
-    def doc_lens_flat(self) -> np.ndarray:
-        """All document lengths, rank after rank: int64 [num_docs]."""
-        flat = [x for lens in self.doc_lens_per_rank for x in lens]
-        return np.asarray(flat, dtype=np.int64)
-
-    @cached_property
     def doc_offsets(self) -> np.ndarray:
         """Global index of each rank's first document: int64 [num_ranks]."""
-        counts = [len(x) for x in self.doc_lens_per_rank]
-        return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        return (np.cumsum(self.doc_counts) - self.doc_counts).astype(np.int64)
 
     @cached_property
-    def task_array(self) -> np.ndarray:
-        """int64 [num_tasks, 7]: (server, src_rank, doc_index, q_start, q_end, kv_start, kv_end)."""
-        return _tasks_array(self.server_tasks)
+    def doc_lens_per_rank(self) -> list[list[int]]:
+        """Document lengths (Python ints) of each client rank, in packing order."""
+        flat = self.doc_lens_flat.tolist()
+        bounds = np.concatenate([[0], np.cumsum(self.doc_counts)]).tolist()
+        return [flat[bounds[r]:bounds[r + 1]] for r in range(self.num_ranks)]
+
+    @cached_property
+    def server_tasks(self) -> list[list[CATask]]:
+        """``server_tasks[s]``: the :class:`CATask` list of server ``s``, in canonical order."""
+        rows = list(map(CATask._make, self.task_array[:, 1:].tolist()))
+        bounds = np.searchsorted(self.task_array[:, 0], np.arange(self.num_servers + 1)).tolist()
+        return [rows[bounds[s]:bounds[s + 1]] for s in range(self.num_servers)]
+
+    def server_task_counts(self) -> list[int]:
+        """CA-tasks per server (without building the task lists)."""
+        return np.bincount(self.task_array[:, 0], minlength=self.num_servers).tolist()
 
     # ---- loads and bytes --------------------------------------------------------------------------
     def server_loads(self) -> list[float]:
-        """Forward causal attention FLOPs per server (see :meth:`CostModel.task_flops`)."""
+        """Forward causal attention FLOPs per server (see :meth:`CostModel.task_flops`); float64,
+        exact while a server's pairs stay below 2**53, never wrapping around for long documents."""
         arr = self.task_array
-        pairs = (arr[:, 4] - arr[:, 3]) * (arr[:, 3] + arr[:, 4] + 1) // 2
-        per_server = np.bincount(arr[:, 0], weights=pairs.astype(np.float64), minlength=self.num_servers)
+        per_server = np.bincount(arr[:, 0], weights=_pairs(arr[:, 3], arr[:, 4]), minlength=self.num_servers)
         return (per_server * self.cost.flops_per_pair).tolist()
 
     def rank_loads(self) -> list[float]:
         """Forward FLOPs of each client rank's own documents: the load with no balancing."""
-        pairs = self.doc_lens_flat * (self.doc_lens_flat + 1) // 2
-        ranks = np.repeat(np.arange(self.num_ranks), [len(x) for x in self.doc_lens_per_rank])
-        per_rank = np.bincount(ranks, weights=pairs.astype(np.float64), minlength=self.num_ranks)
+        lens = self.doc_lens_flat
+        ranks = np.repeat(np.arange(self.num_ranks), self.doc_counts)
+        per_rank = np.bincount(ranks, weights=_pairs(np.zeros_like(lens), lens), minlength=self.num_ranks)
         return (per_rank * self.cost.flops_per_pair).tolist()
+
+    def load_bound(self) -> LoadBound:
+        """The lower bound on the most loaded server of any plan of this batch with this
+        ``min_shard`` (:func:`scheduler.bound.load_bound`; pairs, not FLOPs)."""
+        return load_bound(self.doc_lens_flat, self.num_servers, self.min_shard)
 
     @cached_property
     def row_matrix(self) -> tuple[np.ndarray, np.ndarray]:
@@ -313,7 +425,7 @@ class Plan:
         """
         q_rows, kv_rows = self.row_matrix
         mask = self.off_rank_mask()
-        q_total, kv_total = int(q_rows[mask].sum()), int(kv_rows[mask].sum())
+        q_total, kv_total = _exact_sum(q_rows[mask]), _exact_sum(kv_rows[mask])
         result = {}
         for kind in RoundKind:
             per = {n: (kv_total if n in KV_TENSORS else q_total) * self.cost.bytes_per_token(n)
@@ -338,17 +450,26 @@ class Plan:
         return int((arr[:, 0] != arr[:, 1]).sum())
 
     def summary(self) -> str:
-        """A few readable lines: imbalance before and after, bytes by tensor, tasks moved."""
+        """A few readable lines: imbalance before and after, the lower bound, bytes by tensor,
+        tasks moved."""
         before, after = self.imbalance()
+        bound = self.load_bound()
         comm = self.comm_bytes()
         split_docs = len(self.task_array) - len(self.doc_lens_flat)
 
         def mib(n):
             return f"{n / 2**20:.1f} MiB"
+
+        def rel(pairs):
+            return f"{pairs / bound.mean:.3f}" if bound.total else "1.000"
         lines = [
             f"plan: {self.mode}, {self.num_ranks} ranks, {self.num_servers} servers, "
-            f"{len(self.doc_lens_flat)} documents, {len(self.task_array)} CA-tasks, epsilon={self.epsilon}",
+            f"{len(self.doc_lens_flat)} documents, {len(self.task_array)} CA-tasks, epsilon={self.epsilon}, "
+            f"min_shard={self.min_shard}",
             f"  imbalance (max/mean attention FLOPs): before {before:.3f}, after {after:.3f}",
+            f"  lower bound on max/mean: {bound.ratio():.3f} (largest piece {rel(bound.piece)}, "
+            f"shared server {rel(bound.shared)}); target (1 + epsilon) x bound = "
+            f"{(1 + self.epsilon) * bound.ratio():.3f}",
             f"  tasks moved off their rank: {self.tasks_moved()}, extra shards from splitting: {split_docs}",
         ]
         for kind in ("forward", "backward"):
@@ -361,25 +482,27 @@ class Plan:
     def to_msgpack(self) -> bytes:
         """Serialise to msgpack bytes: a :mod:`scheduler.descriptor` map of format ``distca.plan``.
 
-        Fields: ``mode``, ``num_servers``, ``epsilon``, ``cost`` (:meth:`CostModel.to_wire`),
-        and int64 ``bin`` arrays ``doc_counts`` [num_ranks], ``doc_lens`` [num_docs],
-        ``task_counts`` [num_servers] and ``tasks`` [num_tasks, 6] (the CATask fields, server
-        after server).
+        Fields: ``mode``, ``num_servers``, ``epsilon``, ``min_shard``, ``cost``
+        (:meth:`CostModel.to_wire`), and int64 ``bin`` arrays ``doc_counts`` [num_ranks],
+        ``doc_lens`` [num_docs], ``task_counts`` [num_servers] and ``tasks`` [num_tasks, 6] (the
+        CATask fields, server after server).
         """
         return descriptor.pack(PLAN_FORMAT, PLAN_VERSION, {
             "mode": self.mode,
             "num_servers": self.num_servers,
             "epsilon": float(self.epsilon),
+            "min_shard": self.min_shard,
             "cost": self.cost.to_wire(),
-            "doc_counts": descriptor.int_bin([len(x) for x in self.doc_lens_per_rank]),
+            "doc_counts": descriptor.int_bin(self.doc_counts),
             "doc_lens": descriptor.int_bin(self.doc_lens_flat),
-            "task_counts": descriptor.int_bin([len(tasks) for tasks in self.server_tasks]),
+            "task_counts": descriptor.int_bin(self.server_task_counts()),
             "tasks": descriptor.int_bin(self.task_array[:, 1:]),
         })
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "Plan":
-        """Parse and validate a plan descriptor (the trust boundary: every check runs).
+        """Parse and validate a plan descriptor (the trust boundary: every check runs, vectorised,
+        so the time grows with the descriptor's size, not with a Python loop over its ranks).
 
         Raises:
             ValueError: bytes that are not msgpack, not a plan map, of another version, with a
@@ -389,6 +512,7 @@ class Plan:
         mode = descriptor.choice_field(obj, "mode", MODES)
         num_servers = descriptor.int_field(obj, "num_servers", 1, 1 << 20)
         epsilon = descriptor.number_field(obj, "epsilon")
+        min_shard = descriptor.int_field(obj, "min_shard", 1, INT64_MAX)
         cost = descriptor.cost_field(obj)
         doc_counts = descriptor.int_array(obj, "doc_counts")
         doc_lens = descriptor.int_array(obj, "doc_lens")
@@ -402,18 +526,15 @@ class Plan:
             raise ValueError(f"task_counts has {len(task_counts)} entries for {num_servers} servers")
         if len(tasks) % 6 or (task_counts > len(tasks) // 6).any() or int(task_counts.sum()) * 6 != len(tasks):
             raise ValueError(f"tasks field holds {len(tasks)} ints, expected 6 x {int(task_counts.sum())}")
-        bounds = np.concatenate([[0], np.cumsum(doc_counts)]).tolist()
-        lens = doc_lens.tolist()
-        rows = list(map(CATask._make, tasks.reshape(-1, 6).tolist()))
-        tb = np.concatenate([[0], np.cumsum(task_counts)]).tolist()
-        try:
-            return cls(doc_lens_per_rank=[lens[bounds[r]:bounds[r + 1]] for r in range(len(doc_counts))],
-                       num_servers=num_servers, mode=mode, cost=cost,
-                       server_tasks=[rows[tb[s]:tb[s + 1]] for s in range(num_servers)], epsilon=epsilon)
-        except (TypeError, OverflowError, IndexError) as exc:  # defensive: report as bad input
-            raise ValueError(f"invalid plan: {exc}") from None
+        arr = np.empty((len(tasks) // 6, 7), dtype=np.int64)
+        arr[:, 0] = np.repeat(np.arange(num_servers), task_counts)
+        arr[:, 1:] = tasks.reshape(-1, 6)
+        plan = cls._trusted(counts=doc_counts, doc_lens=doc_lens, num_servers=num_servers, mode=mode,
+                            cost=cost, task_array=_canonical(arr), epsilon=epsilon, min_shard=min_shard)
+        plan._check()
+        return plan
 
 
-PLAN_FORMAT, PLAN_VERSION = "distca.plan", 1
-_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "cost", "doc_counts", "doc_lens",
+PLAN_FORMAT, PLAN_VERSION = "distca.plan", 2
+_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "min_shard", "cost", "doc_counts", "doc_lens",
                         "task_counts", "tasks"})

@@ -1,4 +1,5 @@
-"""Smoke test of bench/planner.py in --quick mode (CI): it runs, and its JSON has every row."""
+"""Smoke tests of bench/planner.py and bench/planner_scaling.py in --quick mode (CI): they run,
+and their JSON has every row."""
 
 import json
 
@@ -16,6 +17,7 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mean imbalance after" in printed and "plan_batch eps=0.05" in printed
     assert "sample_batch at 256 ranks x 512K tokens" in printed
+    assert "named cases: 6 of 6 reach (1 + eps) x the lower bound" in printed
 
     result = json.loads(out.read_text())
     sampling = result["sample_batch"]
@@ -45,3 +47,33 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
             assert r["total_vs_per_doc_cp"] == 1.0
         if r["system"] in ("no_balance", "wlb_packing"):
             assert r["total_bytes"] == 0
+
+    # the planning-time targets, each beside no_balance (the verdict depends on the machine)
+    targets = result["targets"]
+    assert {(r["trace"], r["servers"], r["target_ms"]) for r in targets} == {
+        (t, s, ms) for t in ("pretrain", "prolong") for s, ms in ((256, 8.0), (1024, 30.0))}
+    for r in targets:
+        assert r["plan_ms"] > 0 and r["no_balance_ms"] > 0 and r["plan_cpu_ms"] > 0
+        assert r["multiple_of_no_balance"] == r["plan_ms"] / r["no_balance_ms"]
+        assert r["imbalance_after"] <= 1.05 + 1e-9 and len(r["plan_ms_runs"]) == 3
+        assert f"at {r['servers']} servers x 128K tokens ({r['trace']})" in printed
+    named = result["named_cases"]
+    assert len(named) == 6 and all(r["meets"] for r in named)
+    assert {r["bound_ratio"] for r in named if r["case"].startswith("one 2,048")} == {2.0}
+
+
+def test_quick_scaling_run(tmp_path, capsys):
+    bench = load_script("bench/planner_scaling.py", "bench_planner_scaling")
+    out = tmp_path / "s.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the issue measured 176 s" in printed and "near-linear budget" in printed
+    result = json.loads(out.read_text())
+    assert result["sizes"] == [500, 1000, 2000, 4000]
+    scenarios = {r["scenario"] for r in result["rows"]}
+    assert scenarios == set(result["scenarios"]) and len(scenarios) == 5
+    for r in result["rows"]:
+        assert r["cpu_s"] >= 0 and r["num_docs"] > 0 and r["imbalance_after"] <= 1.05 + 1e-9
+    assert len(result["corners"]) == 2
+    # the budget's verdict is printed, not asserted: timing belongs to the benchmark
+    assert all(v["size_ratio"] > 6 and "meets" in v for v in result["scenarios"].values())

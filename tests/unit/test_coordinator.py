@@ -97,6 +97,33 @@ def test_full_step_dedicated_parts_match_plan_part():
     assert c.status()["steps_planned"] == 2 and c.status()["next_step"] == 2
 
 
+def test_plan_work_runs_apart_from_the_state():
+    """What the actor runs on a worker thread: plan_work() reads no state, plan(cut=...) applies it."""
+    c, d = make(timer=Ticks(1.0, 0.010, 0.003)), make(timer=Ticks(1.0, 0.010, 0.003))
+    for coord in (c, d):
+        for r in range(2):
+            coord.report(0, 0, r, LENS[r], SHAPE)
+    alive = c.servers_pinged({i: True for i in c.servers_to_ping()})
+    d.servers_pinged({i: True for i in d.servers_to_ping()})
+    work = c.plan_work(0, 0, alive)
+    cut = work()
+    assert cut.error is None and cut.plan == plan_batch(LENS, 2, cost=COST, epsilon=0.05,
+                                                        mode="dedicated", min_shard=8)
+    assert c.batches[(0, 0)].answers is None  # nothing resolved by the work itself
+    out = c.plan(0, 0, alive, cut=cut)
+    assert out.resolved and d.plan(0, 0, alive).resolved
+    assert c.answer(0, 0, 1) == d.answer(0, 0, 1) and out.record == d.last
+    assert c.plan_work(0, 0, alive) is None  # resolved: nothing left to compute
+    assert c.plan(0, 0, alive, cut=cut) == type(out)()  # a second application changes nothing
+    # bad documents: the work returns the error, plan() gives it to every client
+    c.report(1, 0, 0, [5, 0], SHAPE)
+    c.report(1, 0, 1, [3], SHAPE)
+    cut = c.plan_work(1, 0, alive)()
+    assert cut.plan is None and "rank 0" in cut.error
+    c.plan(1, 0, alive, cut=cut)
+    assert c.answer(1, 0, 1) == {"error": "ValueError", "message": cut.error}
+
+
 def test_full_step_inplace():
     c = make("inplace", clients=3, servers=0)
     lens = [[300, 5], [20, 20], [1, 2, 3]]
