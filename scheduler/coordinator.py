@@ -9,8 +9,9 @@ call is one state transition that returns plain data telling the wrapper what to
 - one step: :meth:`~Coordinator.report` (one per client per ``(step, batch)``) says when all
   clients of a batch reported; :meth:`~Coordinator.plan` then plans it over the live servers and
   cuts every participant's part (its pure work, :meth:`~Coordinator.plan_work`, can run apart,
-  e.g. on a worker thread, and be handed to :meth:`~Coordinator.plan`); :meth:`~Coordinator.answer`, :meth:`~Coordinator.abort` (a
-  timeout or any other reason to give up on a batch);
+  e.g. on a worker thread, and be handed to :meth:`~Coordinator.plan`);
+  :meth:`~Coordinator.answer`, :meth:`~Coordinator.abort` (a timeout or any other reason to give
+  up on a batch);
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
   plan order); :meth:`~Coordinator.publish_store` / :meth:`~Coordinator.store_address` relay each

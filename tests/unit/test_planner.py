@@ -706,8 +706,11 @@ def test_documents_past_int64_pairs():
     """Loads of documents whose pairs pass 2**63 (l > ~3e9) stay positive and add up."""
     big = [3_037_000_500, 5_000_000_001]
     plan = plan_batch([big, [7]], 2, cost=COST, epsilon=0.05)
-    check_coverage_lengths = {(t.src_rank, t.doc_index) for ts in plan.server_tasks for t in ts}
-    assert check_coverage_lengths == {(0, 0), (0, 1), (1, 0)}
+    assert {(t.src_rank, t.doc_index) for ts in plan.server_tasks for t in ts} == {(0, 0), (0, 1), (1, 0)}
+    for (r, i), entries in tasks_by_doc(plan).items():  # shards tile each document
+        spans = sorted((t.q_start, t.q_end) for _, t in entries)
+        assert spans[0][0] == 0 and spans[-1][1] == [big, [7]][r][i]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     exact = sum(l * (l + 1) // 2 for l in big + [7]) * FPP
     loads = plan.server_loads()
     assert all(x > 0 for x in loads)
