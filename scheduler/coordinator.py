@@ -422,7 +422,7 @@ class Coordinator:
         before, after = plan.imbalance()
         comm = plan.comm_bytes()
         loads = plan.server_loads()
-        tasks = [len(t) for t in plan.server_tasks]
+        tasks = plan.server_task_counts()
         ids = servers if self.mode == "dedicated" else list(range(plan.num_servers))
         self.steps_planned += 1
         self.last = {"step": step, "batch": batch, "imbalance_before": before, "imbalance_after": after,
