@@ -127,8 +127,10 @@ class FailureOutcome:
     arbitration: tell every member to check in (:meth:`Coordinator.arbitration`).
 
     A verdict is ``{"epoch", "lost": [descriptions], "lost_ranks": [world ranks], "next_step",
-    "cause": str, "bad_input": bool}``: ``cause`` is what the members reported (a participant's
-    own error first), ``bad_input`` whether that was a ``ValueError`` of bad input."""
+    "cause": str, "detected": bool}``: ``cause`` is what the members reported, a participant's own
+    finding first; ``detected`` whether it is one (a ``ValueError`` a participant raised before
+    moving bytes: parts that disagree, clients that disagree on the round, bad input) rather than
+    what a collective reported (a timeout, a closed connection)."""
 
     verdict: dict | None
     deadline: float
@@ -153,11 +155,12 @@ class _Batch:
 
 
 class _Failure:
-    __slots__ = ("members", "reached", "deadline", "step", "causes", "verdict")
+    __slots__ = ("members", "reached", "waiting", "deadline", "step", "causes", "verdict")
 
     def __init__(self, members: dict[int, _Member], deadline: float):
         self.members = members  # world rank -> member
         self.reached: dict[int, int] = {}  # world rank -> rounds of the epoch it reached
+        self.waiting: set[int] = set()  # world ranks that checked in from inside a round
         self.deadline = deadline
         self.step = -1  # the latest step a member reported failing in
         self.causes: list[tuple[str, bool]] = []  # (message, bad input), in arrival order
@@ -539,23 +542,26 @@ class Coordinator:
 
     # ---- failures ----------------------------------------------------------------------------
     def failure(self, epoch: int, world_rank: int, step: int, now: float, reached: int = 0,
-                cause: str | None = None, bad_input: bool = False) -> FailureOutcome:
+                cause: str | None = None, detected: bool = False, in_round: bool = True) -> FailureOutcome:
         """World rank ``world_rank`` of group ``epoch`` checks in to a failure of the epoch.
 
-        A member checks in when a round failed for it (``cause``: its own error, e.g. a part that
-        does not match its peers', or what the collective said) or, alive and told that the epoch's
-        arbitration opened, with ``cause=None``. ``reached`` is how many rounds of the epoch it
-        reached (completed, plus the one it is in or waiting for); ``step`` the step it was in
-        (-1 if it does not know, e.g. a server).
+        A member checks in when a round failed for it (``cause``: what went wrong; ``detected``:
+        it found the problem itself, e.g. a part that does not match its peers', rather than seeing
+        a collective fail) or, alive and told that the epoch's arbitration opened, with
+        ``cause=None``. ``reached`` is how many rounds of the epoch it
+        reached (completed, plus the one it is in or waiting for); ``in_round`` whether it is in
+        one (a server waiting for the next round's header is); ``step`` the step it was in (-1 if
+        it does not know, e.g. a server).
 
         The first check-in opens the epoch's arbitration (deadline ``now + failure_grace_s``;
         ``opened``). The verdict is decided in the call where the last member checks in, or by
-        :meth:`close_failure` at the deadline: lost are the members that never checked in and the
-        clients that had not reached the round the others failed in (the most rounds any client
-        reached). An epoch that is not current and has no arbitration (already over) is answered
-        at once, naming nobody. Every verdict ends its epoch (the next batch forms a new group),
-        ends the step (the job goes on at the step after), and leaves lost servers out of plans
-        until they answer a ping again.
+        :meth:`close_failure` at the deadline: lost are the members that never checked in, and
+        those that checked in from outside any round with fewer rounds than the furthest client
+        reached (late: their peers waited for them in a round they never started). An epoch that
+        is not current and has no arbitration (already over) is answered at once, naming nobody.
+        Every verdict ends its epoch (the next batch forms a new group), ends the step (the job
+        goes on at the step after), and leaves lost servers out of plans until they answer a ping
+        again.
         """
         fail = self.failures.get(epoch)
         opened = False
@@ -563,16 +569,18 @@ class Coordinator:
             if epoch != self.epoch or epoch not in self.groups or self.members is None:
                 return FailureOutcome({"epoch": epoch, "lost": [], "lost_ranks": [],
                                        "next_step": max(self.next_step, self.floor, step + 1),
-                                       "cause": f"group epoch {epoch} is over", "bad_input": False},
+                                       "cause": f"group epoch {epoch} is over", "detected": False},
                                       now)
             fail = self.failures[epoch] = _Failure(self.groups[epoch], now + self.failure_grace_s)
             opened = True
         if fail.verdict is None:
             if world_rank in fail.members:
                 fail.reached[world_rank] = max(fail.reached.get(world_rank, 0), int(reached))
+                if in_round:
+                    fail.waiting.add(world_rank)
             fail.step = max(fail.step, int(step))
             if cause:
-                fail.causes.append((str(cause), bool(bad_input)))
+                fail.causes.append((str(cause), bool(detected)))
             if set(fail.reached) >= set(fail.members):
                 self._decide(epoch, fail)
         return FailureOutcome(fail.verdict, fail.deadline, opened)
@@ -584,7 +592,7 @@ class Coordinator:
         fail = self.failures.get(epoch)
         if fail is None:
             return {"epoch": epoch, "lost": [], "lost_ranks": [], "next_step": max(self.next_step, self.floor),
-                    "cause": f"group epoch {epoch} is over", "bad_input": False}
+                    "cause": f"group epoch {epoch} is over", "detected": False}
         if fail.verdict is None and now >= fail.deadline:
             self._decide(epoch, fail)
         return fail.verdict
@@ -601,7 +609,7 @@ class Coordinator:
         for r, member in sorted(fail.members.items()):
             if r not in fail.reached:
                 lost.append(f"{member.who}: did not answer within {self.failure_grace_s:g} s")
-            elif fail.reached[r] < furthest:
+            elif r not in fail.waiting and fail.reached[r] < furthest:
                 lost.append(f"{member.who}: late, had not started the round its peers waited for")
             else:
                 continue
@@ -617,7 +625,7 @@ class Coordinator:
             self._fail_step(fail.step, error_answer("DistCAError", f"step {fail.step} failed in group "
                                                                     f"epoch {epoch}: {cause}"[:500]))
         fail.verdict = {"epoch": epoch, "lost": lost, "lost_ranks": ranks,
-                        "next_step": max(self.next_step, self.floor), "cause": cause, "bad_input": bool(own)}
+                        "next_step": max(self.next_step, self.floor), "cause": cause, "detected": bool(own)}
 
     def _describe(self, servers) -> dict[int, _Member]:
         """World rank -> member of a group of the clients and ``servers`` (in plan order)."""

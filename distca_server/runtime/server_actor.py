@@ -6,6 +6,11 @@ header, finds the step's part (pushed by the scheduler), runs the server's CA-ta
 kernel call and sends the results back. It keeps no state between rounds: backward receives Q, K,
 V, O, LSE and dO again. Method calls (``ping``, ``assign``, ``install_part``, ``stats``) run on
 other threads of the actor, so the job can be inspected while a round is in flight.
+
+A second thread keeps the server in touch with the scheduler: it long-polls it about the server's
+epoch (so a failure anywhere in the group stops the server's wait for the next round at once, and
+the server checks in to the arbitration), and when the scheduler dies it re-registers with the
+restarted one. A newer epoch's assignment also ends the wait for the old epoch's next round.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
 from .base import as_traffic, sum_traffic
-from .member import GroupFailure, GroupMember
+from .member import POLL_S, GroupFailure, GroupMember, SchedulerLost, Superseded
 
 _PARTS_KEPT = 8
+_REGISTER_RETRY_S = 0.5  # while the scheduler is restarting, try to register again this often
 
 
 class AttentionServer:
@@ -61,25 +67,35 @@ class AttentionServer:
         self._retired_seconds: dict[str, float] = {}
         self._retired_traffic: dict[str, dict[str, int]] = {}
         self.last_error = ""
-        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}")
+        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
         self._rounds_metric = ray.util.metrics.Counter(
             "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
-        handle = ray.get_runtime_context().current_actor
-        ray.get(self.scheduler.register_server.remote(
-            index, handle, {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation}))
+        self._handle = ray.get_runtime_context().current_actor
+        self._register()
         self._thread = threading.Thread(target=self._serve, name=f"distca-server-{index}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._control, name=f"distca-server-{index}-control", daemon=True).start()
+
+    def _register(self) -> None:
+        ray.get(self.scheduler.register_server.remote(
+            self.index, self._handle, {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation,
+                                       "epoch": self.member.epoch}), timeout=self.timeout_s)
 
     # ---- called by the scheduler and by tools ---------------------------------------------------
     def ping(self) -> bool:
-        return not self._stop
+        """True if the server can serve a new epoch now: not stopped, and its serving loop is
+        not stuck in a round of a failed epoch (which only the round's timeout ends)."""
+        return not self._stop and not self.member.stuck
 
     def assign(self, epoch: int, world_rank: int, world_size: int, plan_index: int, device_type: str) -> None:
-        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) at the next round."""
+        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) at the next round;
+        a wait for the next round of an older epoch ends now."""
         with self._cond:
             if self._assignment is None or epoch > self._assignment[0]:
                 self._assignment = (epoch, world_rank, world_size, plan_index, device_type)
                 self._cond.notify_all()
+        if self.member.epoch is not None and self.member.epoch < epoch:
+            self.member.abandon(self.member.epoch, "superseded")
 
     def install_part(self, step: int, batch: int, data: bytes) -> None:
         """Accept this server's descriptor of ``(step, batch)``.
@@ -111,6 +127,30 @@ class AttentionServer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self.member.close()
+
+    # ---- in touch with the scheduler ------------------------------------------------------------
+    def _control(self) -> None:
+        """Long-poll the scheduler about this server's epoch (check in when it fails); when the
+        scheduler dies, leave the group and register again with the restarted one."""
+        registered = True
+        while not self._stop:
+            if not registered:
+                try:
+                    self._register()
+                except Exception:  # still restarting (or gone for good): keep trying
+                    time.sleep(_REGISTER_RETRY_S)
+                    continue
+                registered, self.member.scheduler_lost = True, False
+            epoch = self.member.epoch if self.member.epoch is not None else -1
+            try:
+                self.member.poll(epoch, POLL_S)
+            except SchedulerLost:
+                registered = False
+                with self._cond:  # its epochs died with it: wait for the restarted one's assignment
+                    self._assignment = None
+            if self.member.decided(epoch):  # nothing more to watch until a new epoch
+                self._wait(lambda: True if self.member.epoch != epoch or self._stop else None, POLL_S)
 
     # ---- the serving loop -------------------------------------------------------------------------
     def _wait(self, predicate, timeout_s: float):
@@ -155,8 +195,12 @@ class AttentionServer:
                 member.run_round(None, num_clients,
                                  lambda header: self._participant(header, device, participants),
                                  header_timeout_s=self.idle_timeout_s)
+            except Superseded:
+                continue
             except GroupFailure as failure:
                 self._failed(failure)
+                continue
+            except DistCAError:  # no group (left after a failure): wait for the next assignment
                 continue
             self.rounds_served += 1
             self._count(participants)

@@ -288,9 +288,9 @@ def test_old_batches_are_forgotten():
 
 
 # ---- failure arbitration ------------------------------------------------------------------------
-def verdict(lost=(), next_step=1, cause="", bad_input=False, epoch=0, ranks=()):
+def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=()):
     return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "next_step": next_step,
-            "cause": cause, "bad_input": bad_input}
+            "cause": cause, "detected": detected}
 
 
 def test_failure_verdict_names_the_silent_member_after_the_grace_period():
@@ -334,10 +334,21 @@ def test_a_late_client_is_named_and_nobody_else():
     c.failure(0, 0, step=0, now=0.0, reached=5, cause="rank 0: all-to-all timed out after 10 s")
     c.failure(0, 2, step=-1, now=0.1, reached=5)
     c.failure(0, 3, step=-1, now=0.1, reached=5)
-    out = c.failure(0, 1, step=0, now=0.2, reached=4)  # its watcher checks in: alive, but behind
+    out = c.failure(0, 1, step=0, now=0.2, reached=4, in_round=False)  # its watcher: alive, but behind
     assert out.verdict == verdict(["client rank 1 (node node1): late, had not started the round its peers "
                                    "waited for"], ranks=[1], cause="rank 0: all-to-all timed out after 10 s")
     assert c.servers_to_ping() == {0: "alive", 1: "alive"}  # servers that waited stay in the plans
+
+
+def test_a_member_that_failed_inside_an_earlier_round_is_not_late():
+    """Client 0 got its results of round 4 and waits in round 5; client 1's return exchange of
+    round 4 failed (server 1 died mid-round): only the server is lost."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 1, step=0, now=0.0, reached=4, cause="connection closed")
+    c.failure(0, 0, step=0, now=0.1, reached=5, in_round=True)
+    c.failure(0, 2, step=-1, now=0.1, reached=5)
+    assert c.close_failure(0, now=GRACE)["lost_ranks"] == [3]
 
 
 def test_a_servers_own_error_is_the_cause_everyone_reads():
@@ -347,10 +358,10 @@ def test_a_servers_own_error_is_the_cause_everyone_reads():
     run_step(c, 0)
     c.failure(0, 0, step=0, now=0.0, reached=1, cause="connection closed by peer")
     c.failure(0, 2, step=0, now=0.1, reached=1, cause="server 0: participant 0 sends 640 bytes, "
-                                                      "participant 2 expects 768", bad_input=True)
+                                                      "participant 2 expects 768", detected=True)
     c.failure(0, 1, step=0, now=0.2, reached=1, cause="connection closed by peer")
     out = c.failure(0, 3, step=-1, now=0.3, reached=1)
-    assert out.verdict["lost"] == [] and out.verdict["bad_input"]
+    assert out.verdict["lost"] == [] and out.verdict["detected"]
     assert out.verdict["cause"].startswith("server 0: participant 0 sends 640 bytes")
 
 
