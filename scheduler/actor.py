@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
@@ -80,11 +81,13 @@ class SchedulerActor:
                                  failure_grace_s=failure_grace_s, backend=backend,
                                  **(coordinator_options or {}))
         self.name, self.mode, self.timeout_s = name, mode, timeout_s
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restarted scheduler is another one
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
         self._batch_done: dict[tuple[int, int], asyncio.Event] = {}
         self._store_set: dict[int, asyncio.Event] = {}
         self._verdict_set: dict[int, asyncio.Event] = {}
         self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
+        self._discovering = None  # the search for servers by name after a restart, while it runs
         tags = ("job",)
         self._tags = {"job": name}
         self.m = {
@@ -99,32 +102,62 @@ class SchedulerActor:
         }
 
     # ---- membership --------------------------------------------------------------------------
-    def register_client(self, rank: int, world_size: int, info: dict) -> dict:
+    async def register_client(self, rank: int, world_size: int, info: dict) -> dict:
         """A client joins (or rejoins after a restart of its own or of the scheduler) as ``rank``
         of ``world_size``; ``info`` may carry its last ``step`` and ``epoch``.
 
-        Returns ``{"name", "mode", "timeout_s", "backend", "next_step"}``: the job's settings and
-        the step it must start at.
+        Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "scheduler"}``: the job's
+        settings, the step it must start at, and this scheduler's incarnation.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's.
         """
         out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
         self._wake_resolved()
-        return out
+        self._discovery()  # after a restart, clients register first: find the servers meanwhile
+        return dict(out, scheduler=self.incarnation)
 
     def unregister_client(self, rank: int, incarnation: str) -> None:
         self.coord.unregister_client(rank, incarnation)
 
-    def register_server(self, index: int, handle, info: dict) -> None:
+    def register_server(self, index: int, handle, info: dict) -> str:
         """A dedicated server (re)starts, or re-registers with a restarted scheduler (``info``
-        may carry its last ``epoch``); it joins the next group epoch."""
+        may carry its last ``epoch``); it joins the next group epoch. Returns this scheduler's
+        incarnation."""
         self.coord.register_server(index, dict(info, registered=time.time()))
         self.handles[index] = handle
+        return self.incarnation
+
+    def _discovery(self):
+        """A restarted scheduler knows no server yet: start finding the job's servers by name
+        (each also re-registers by itself once it notices the restart, but later). Returns the
+        running search, or None."""
+        if self.mode == "dedicated" and not self.handles and self._discovering is None:
+            self._discovering = asyncio.ensure_future(self._discover_servers())
+        return self._discovering
+
+    async def _discover_servers(self) -> None:
+        prefix = server_actor_name(self.name, "")
+
+        async def register(name):
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                info = await asyncio.wait_for(handle.describe.remote(), timeout=self.timeout_s)
+            except Exception:  # gone or restarting: it registers itself when it is back
+                return
+            if info["index"] not in self.handles:
+                self.register_server(info["index"], handle, info)
+        try:
+            await asyncio.gather(*(register(n) for n in job_actor_names(self.name) if n.startswith(prefix)))
+        finally:
+            self._discovering = None
 
     async def _live_servers(self) -> list[int]:
         """Ping every server not known dead (a suspect one briefly); returns the ids that answered
         ready. A server is ready when its serving loop is not stuck in a failed epoch."""
+        search = self._discovery() if not self.handles else None
+        if search is not None:
+            await search
         async def state(i, was):
             try:
                 ready = await asyncio.wait_for(self.handles[i].ping.remote(),
@@ -268,18 +301,22 @@ class SchedulerActor:
                 del table[old]
         return verdict
 
-    async def watch(self, epoch: int, poll_s: float = 5.0) -> str | None:
-        """A member's long-poll about group ``epoch``: ``"open"``/``"decided"`` as soon as the
-        epoch's arbitration opens (check in), None after ``poll_s`` seconds of nothing."""
+    async def watch(self, epoch: int, poll_s: float = 5.0) -> dict:
+        """A member's long-poll about group ``epoch``: ``{"state", "scheduler"}`` with state
+        ``"open"``/``"decided"`` as soon as the epoch's arbitration opens (check in), None after
+        ``poll_s`` seconds of nothing; ``scheduler`` is this scheduler's incarnation (a member
+        that registered with another one re-registers)."""
         state = self.coord.arbitration(epoch)
-        if state is None:
+        if state is None and epoch >= self.coord.epoch - KEEP_EPOCHS:
             try:
                 await asyncio.wait_for(self._arbitration.setdefault(epoch, asyncio.Event()).wait(),
                                        timeout=poll_s)
             except asyncio.TimeoutError:
-                return None
+                pass
             state = self.coord.arbitration(epoch)
-        return state
+        elif state is None:  # a forgotten epoch (or none, -1): just a heartbeat
+            await asyncio.sleep(poll_s)
+        return {"state": state, "scheduler": self.incarnation}
 
     # ---- inspection ----------------------------------------------------------------------------
     def plan_descriptor(self, step: int, batch: int) -> bytes | None:

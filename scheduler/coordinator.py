@@ -496,7 +496,7 @@ class Coordinator:
 
     def _fail_step(self, step: int, answer: dict) -> None:
         self.failed_steps.setdefault(step, answer)
-        for key, state in self.batches.items():
+        for key, state in list(self.batches.items()):  # resolving forgets old batches
             if key[0] == step and state.answers is None:
                 self._resolve(key, state, self.failed_steps[step])
         self._raise_floor(step + 1)
@@ -506,7 +506,7 @@ class Coordinator:
         if floor <= self.floor:
             return
         self.floor = floor
-        for key, state in self.batches.items():
+        for key, state in list(self.batches.items()):  # resolving forgets old batches
             if key[0] < floor and state.answers is None:
                 self._resolve(key, state, self._resync(key[0]))
 

@@ -25,7 +25,9 @@ timeout or its peers leave, while the member moves on.
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -40,6 +42,13 @@ from ..participant import Participant
 from ..transport.torch_dist import TorchDistTransport, join_group
 
 POLL_S = 5.0  # one long-poll of the scheduler lasts at most this long
+_WAKE_S = 0.1  # while polling, check this often whether the member moved to another epoch
+
+
+def _terse(detail: str) -> str:
+    """A collective's error without gloo's source location and advice."""
+    detail = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", detail)
+    return detail.split(" This is typically caused")[0]
 
 
 class SchedulerLost(DistCAError):
@@ -107,12 +116,14 @@ class GroupMember:
         self.rounds_done = 0  # rounds of the current epoch completed
         self.in_round = False  # joining, in a round, or (a server) waiting for the next header
         self.scheduler_lost = False  # set when the scheduler died; the owner re-registers, then clears it
+        self.scheduler_incarnation: str | None = None  # the scheduler registered with (owner sets it)
         self._watch = watch
         self._live: int | None = None  # the epoch joined or joining; None after leaving
         self._cond = threading.Condition()
         self._abandoned: dict[int, str] = {}  # epoch -> why its waits stop
         self._verdicts: dict[int, dict] = {}  # epoch -> verdict, once known
         self._headers = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-header-{who}")
+        self._pending = None  # (transport, future) of an abandoned header exchange still blocked
 
     @property
     def joined(self) -> bool:
@@ -154,11 +165,17 @@ class GroupMember:
 
     def leave(self) -> None:
         """Drop the group (peers still in an exchange with it see their connection close, unless
-        an exchange of this member is still pending in it)."""
+        an exchange of this member is still pending in it). A group with an abandoned header
+        exchange pending is closed when that exchange ends: closing it now would wait for it."""
         self._live = None
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = None
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        pending = self._pending
+        if pending is not None and pending[0] is transport and not pending[1].done():
+            pending[1].add_done_callback(lambda _: transport.close())
+        else:
+            transport.close()
 
     def close(self) -> None:
         """Leave the group and stop the helper threads."""
@@ -258,6 +275,7 @@ class GroupMember:
                 self._cond.wait()
             if epoch in self._abandoned:
                 if not future.done():  # it stays blocked: later headers need a thread of their own
+                    self._pending = (transport, future)
                     self._headers.shutdown(wait=False)
                     self._headers = ThreadPoolExecutor(max_workers=1,
                                                        thread_name_prefix=f"distca-header-{self.who}")
@@ -272,8 +290,10 @@ class GroupMember:
         and wait for its verdict; returns it as a :class:`GroupFailure` for the caller to raise or
         record."""
         epoch, world_rank, reached = self.epoch, self.world_rank, self.rounds_done + (1 if in_round else 0)
-        self.leave()
+        detail = _terse(detail) if detail else detail
         verdict = self._verdicts.get(epoch)
+        # Check in before leaving: this member's cause and progress reach the verdict ahead of
+        # what its leaving makes its peers see (a closed connection).
         if verdict is None and not self.scheduler_lost:
             try:
                 verdict = ask(self.scheduler.report_failure.remote(
@@ -283,6 +303,7 @@ class GroupMember:
             except DistCAError as exc:  # the scheduler is slow: name it
                 verdict = {"lost": [f"the scheduler ({exc})"], "next_step": step + 1,
                            "cause": detail or "", "detected": detected}
+        self.leave()
         if verdict is None or self.scheduler_lost:
             return GroupFailure(f"{self.who}: {what} failed: the job's scheduler died (it restarts if the "
                                 f"job allows); every participant fails this step. "
@@ -296,28 +317,36 @@ class GroupMember:
                             bool(verdict.get("detected")))
 
     def poll(self, epoch: int, poll_s: float = POLL_S) -> None:
-        """One long-poll of the scheduler about group ``epoch`` (returns within ``poll_s``). If its
-        arbitration opened, stop waiting for its rounds and check in (how far this member got),
-        keeping the verdict for the member's own failure report.
+        """One long-poll of the scheduler about group ``epoch`` (returns within ``poll_s``, or as
+        soon as this member moves to another epoch). If its arbitration opened, stop waiting for
+        its rounds and check in (how far this member got), keeping the verdict for the member's
+        own failure report.
 
         Raises:
-            SchedulerLost: the scheduler died (this member's epoch is abandoned).
+            SchedulerLost: the scheduler died, or answers as another incarnation (it restarted):
+                this member's epoch is abandoned and its owner must register again.
         """
+        ref = self.scheduler.watch.remote(epoch, poll_s)
+        deadline = time.monotonic() + poll_s + self.timeout_s
+        while not ray.wait([ref], timeout=_WAKE_S)[0]:
+            if self.watch_epoch != epoch or time.monotonic() > deadline:
+                return  # moved on (the caller polls the new epoch), or the scheduler is slow
         try:
-            state = ask(self.scheduler.watch.remote(epoch, poll_s), poll_s + self.timeout_s)
+            reply = ask(ref, self.timeout_s)
         except SchedulerLost:
             self._scheduler_gone()
             raise
-        except DistCAError:  # slow, not gone: poll again
+        except DistCAError:
             return
-        if state is None or epoch in self._verdicts:
+        if self.scheduler_incarnation is not None and reply["scheduler"] != self.scheduler_incarnation:
+            self._scheduler_gone()
+            raise SchedulerLost("the distca scheduler restarted")
+        if reply["state"] is None or epoch in self._verdicts or self.epoch != epoch:
             return
         self.abandon(epoch, "the group's arbitration opened")
         try:
             verdict = ask(self.scheduler.report_failure.remote(
-                epoch, self.world_rank if self.epoch == epoch else -1, -1,
-                self.reached if self.epoch == epoch else 0, None, False,
-                self.in_round if self.epoch == epoch else False), self.timeout_s)
+                epoch, self.world_rank, -1, self.reached, None, False, self.in_round), self.timeout_s)
         except SchedulerLost:
             self._scheduler_gone()
             raise
@@ -344,6 +373,13 @@ class GroupMember:
     def decided(self, epoch: int) -> bool:
         """Whether this member holds the verdict of group ``epoch``'s failure."""
         return epoch in self._verdicts
+
+    @property
+    def watch_epoch(self) -> int:
+        """The epoch to poll the scheduler about: this member's, or -1 (a heartbeat) if it has
+        none or its verdict is already known."""
+        epoch = self.epoch
+        return -1 if epoch is None or epoch in self._verdicts else epoch
 
     @property
     def stuck(self) -> bool:

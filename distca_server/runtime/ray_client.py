@@ -37,6 +37,7 @@ from .base import PlannedBatch, Runtime, StepState
 from .member import GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
+_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 
 
 def _ray_rank_and_size(rank, world_size):
@@ -122,6 +123,7 @@ class RayClientRuntime(Runtime):
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
         self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}")
+        self.member.scheduler_incarnation = cfg["scheduler"]
         self._needs_register = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-client-{self.rank}")
         self._lock = threading.RLock()
@@ -132,7 +134,8 @@ class RayClientRuntime(Runtime):
         client goes on with and the last group epoch it was in."""
         info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
                 "epoch": self.member.epoch if self.member is not None else None}
-        return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info), self.timeout_s)
+        return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
+                   max(self.timeout_s, _REGISTER_TIMEOUT_S))
 
     def _reregister(self) -> None:
         """Register again if the scheduler died since (lock held). A step with batches bound is
@@ -141,6 +144,7 @@ class RayClientRuntime(Runtime):
             return
         cfg = self._register(self._state.step)
         self._needs_register = self.member.scheduler_lost = False
+        self.member.scheduler_incarnation = cfg["scheduler"]
         if cfg["next_step"] > self._state.step:
             mid_step = bool(self._state.batches)
             step = self._state.step
@@ -184,7 +188,7 @@ class RayClientRuntime(Runtime):
         message = str(error)
         try:
             ask(self.scheduler.fail_step.remote(step, self.rank, message), self.timeout_s)
-        except DistCAError:  # the scheduler is gone: the peers' own timeouts take over
+        except Exception:  # the scheduler is gone or broken: the peers' own timeouts take over
             return
         if mid_step and self.member.joined:  # peers may wait in this step's next round
             self._worker.submit(self.member.fail, step, f"step {step}", f"rank {self.rank}: {message}",

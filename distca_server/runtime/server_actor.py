@@ -35,6 +35,7 @@ from .member import POLL_S, GroupFailure, GroupMember, SchedulerLost, Superseded
 
 _PARTS_KEPT = 8
 _REGISTER_RETRY_S = 0.5  # while the scheduler is restarting, try to register again this often
+_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 
 
 class AttentionServer:
@@ -67,6 +68,7 @@ class AttentionServer:
         self._retired_seconds: dict[str, float] = {}
         self._retired_traffic: dict[str, dict[str, int]] = {}
         self.last_error = ""
+        self.failures: list[float] = []  # wall-clock times (time.time()) of the failures it saw
         self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
         self._rounds_metric = ray.util.metrics.Counter(
             "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
@@ -77,9 +79,15 @@ class AttentionServer:
         threading.Thread(target=self._control, name=f"distca-server-{index}-control", daemon=True).start()
 
     def _register(self) -> None:
-        ray.get(self.scheduler.register_server.remote(
-            self.index, self._handle, {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation,
-                                       "epoch": self.member.epoch}), timeout=self.timeout_s)
+        self.member.scheduler_incarnation = ray.get(self.scheduler.register_server.remote(
+            self.index, self._handle, self.describe()), timeout=max(self.timeout_s, _REGISTER_TIMEOUT_S))
+
+    def describe(self) -> dict:
+        """What the scheduler registers about this server: ``index``, ``node``, ``pid``,
+        ``incarnation`` and the last group ``epoch`` it was in (a restarted scheduler numbers
+        new epochs past it)."""
+        return {"index": self.index, "node": self.node, "pid": os.getpid(), "incarnation": self.incarnation,
+                "epoch": self.member.epoch}
 
     # ---- called by the scheduler and by tools ---------------------------------------------------
     def ping(self) -> bool:
@@ -97,8 +105,10 @@ class AttentionServer:
         if self.member.epoch is not None and self.member.epoch < epoch:
             self.member.abandon(self.member.epoch, "superseded")
 
-    def install_part(self, step: int, batch: int, data: bytes) -> None:
-        """Accept this server's descriptor of ``(step, batch)``.
+    def install_part(self, step: int, batch: int, data: bytes) -> bool:
+        """Accept this server's descriptor of ``(step, batch)``. A batch's plan never changes, so
+        the first part received for it is kept; returns False if one was already held (whether
+        parts agree is checked in every round's header).
 
         Raises:
             ValueError: malformed bytes or a part that is not a server's; the server keeps serving.
@@ -108,18 +118,23 @@ class AttentionServer:
             raise ValueError(f"descriptor is for step {part.step} batch {part.batch} server "
                              f"{part.server}, not a server part of step {step} batch {batch}")
         with self._cond:
+            if (step, batch) in self._parts:
+                return False
             self._parts[(step, batch)] = part
             while len(self._parts) > _PARTS_KEPT:
                 self._parts.popitem(last=False)
             self._cond.notify_all()
+        return True
 
     def stats(self) -> dict:
         """The server's counters over every round it served: ``rounds_served``, ``phase_seconds``
         (see :attr:`~distca_server.participant.Participant.timings`), ``traffic`` (bytes sent to
-        other participants, ``{round_kind: {tensor: bytes}}``), and its state and last error."""
-        return {"index": self.index, "node": self.node, "state": self.state,
+        other participants, ``{round_kind: {tensor: bytes}}``), its state, last error and when it
+        saw each failure (``failures``: ``time.time()`` stamps, the last 100), its process id."""
+        return {"index": self.index, "node": self.node, "state": self.state, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "rounds_served": self.rounds_served, "last_error": self.last_error,
+                "failures": list(self.failures[-100:]),
                 "phase_seconds": dict(self.phase_seconds), "traffic": self.traffic,
                 "assignment": self._assignment}
 
@@ -142,15 +157,10 @@ class AttentionServer:
                     time.sleep(_REGISTER_RETRY_S)
                     continue
                 registered, self.member.scheduler_lost = True, False
-            epoch = self.member.epoch if self.member.epoch is not None else -1
             try:
-                self.member.poll(epoch, POLL_S)
-            except SchedulerLost:
+                self.member.poll(self.member.watch_epoch, POLL_S)
+            except SchedulerLost:  # its epoch died with it; a new one is numbered past it
                 registered = False
-                with self._cond:  # its epochs died with it: wait for the restarted one's assignment
-                    self._assignment = None
-            if self.member.decided(epoch):  # nothing more to watch until a new epoch
-                self._wait(lambda: True if self.member.epoch != epoch or self._stop else None, POLL_S)
 
     # ---- the serving loop -------------------------------------------------------------------------
     def _wait(self, predicate, timeout_s: float):
@@ -241,6 +251,7 @@ class AttentionServer:
         """The failure is reported (GroupMember did); keep serving once the scheduler assigns a
         new epoch."""
         self.last_error = str(failure)[:500]
+        self.failures = self.failures[-99:] + [time.time()]
         self.state = "waiting"
 
 

@@ -417,15 +417,20 @@ def test_an_older_epochs_verdict_still_names_its_lost():
 # ---- bad input of one client: every client fails at once with its message -------------------------
 def test_fail_step_gives_every_client_the_same_value_error():
     c = make()
+    run_step(c, 0)
+    run_step(c, 1)
     c.report(2, 0, 1, LENS[1], SHAPE)  # rank 1 waits for rank 0, whose tensors were bad
     answer = c.fail_step(2, 0, "q has 40 rows but doc_lens sum to 343")
     assert answer == {"error": "ValueError", "message": "rank 0: q has 40 rows but doc_lens sum to 343"}
-    assert c.drain_resolved() == [(2, 0)] and c.answer(2, 0, 1) == answer
+    assert c.drain_resolved()[-1] == (2, 0) and c.answer(2, 0, 1) == answer
     assert c.report(2, 1, 1, LENS[1], SHAPE).answer == answer  # the step's later batches too
     assert c.fail_step(2, 1, "other") == answer  # the first error stays the step's
     assert c.register_client(0, 2, {"incarnation": "c0"})["next_step"] == 3
     out = run_step(c, 3)  # the next step is planned with fresh lengths, not the abandoned ones
     assert decode(c.answer(3, 0, 0)).doc_lens == LENS[0] and out.record["step"] == 3
+    c.report(6, 0, 1, LENS[1], SHAPE)
+    c.fail_step(6, 0, "bad")  # resolving it forgets steps 0-3 while the open batches are walked
+    assert sorted(c.batches) == [(6, 0)] and c.answer(6, 0, 1)["message"] == "rank 0: bad"
     with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         c.fail_step(-1, 0, "x")
 
