@@ -328,8 +328,9 @@ class SchedulerActor:
         return True
 
     async def status(self) -> dict:
-        """Job state for ``distca status``: servers (with their own counters), last plan, epoch."""
-        st = self.coord.status()
+        """Job state for ``distca status``: servers (with their own counters), last plan, epoch,
+        and this actor's process id (``pid``)."""
+        st = dict(self.coord.status(), pid=os.getpid())
         for row in st["servers"]:
             if row["state"] == "dead" or row["server"] not in self.handles:
                 continue
