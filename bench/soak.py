@@ -17,8 +17,9 @@ Faults, each at a fixed fraction of ``--steps`` (``--quick``: the first three on
 - ``late client``: client 1 has its plan but starts its round the timeout + 1 s after client 0;
 - ``client kill``: client 1's actor is killed during a step and the driver starts a new one with
   the same rank (a restarted training worker), which registers again;
-- ``scheduler kill``: the scheduler is killed during a step; Ray restarts it and every participant
-  registers again.
+- ``scheduler kill``: the scheduler is killed while both clients hold the step's plan, before its
+  rounds; the step in flight fails on every participant, Ray restarts the scheduler and every
+  participant registers again.
 
 A fault is *survived* when, within ``--recover`` steps after it, a step runs on every client with
 every output exact. Failed steps are the steps in which a client raised (``DistCAError`` naming
@@ -30,8 +31,8 @@ Usage::
     python bench/soak.py --quick    # 40 steps, 3 faults (CI smoke)
 
 Prints a table of the faults and a summary (steps, faults injected and survived, wrong outputs,
-each actor's RSS at the start and end) and writes JSON to ``--json`` (default
-``bench/results/soak.json``).
+each actor's RSS at the start and end; the JSON also has it every 100 steps) and writes JSON to
+``--json`` (default ``bench/results/soak.json``).
 """
 
 from __future__ import annotations
@@ -144,9 +145,11 @@ class Soak:
     def step(self, i: int, fault: str | None = None) -> bool:
         """Run step ``i`` (injecting ``fault`` into it); True if every client ran it exactly."""
         ray, T = self.ray, self.args.timeout
-        late = T + 1.0 if fault == "late client" else 0.0
+        # late client: client 1 starts its rounds after the timeout; scheduler kill: both clients
+        # hold their plans for a second, so the kill falls into a step in flight
+        late = {"late client": [0.0, T + 1.0], "scheduler kill": [1.0, 1.0]}.get(fault, [0.0, 0.0])
         pid = ray.get(self.clients[0].pid.remote()) if fault == "client pause" else None
-        refs = [c.step.remote(i, self.args.layers, late if r == 1 else 0.0) for r, c in enumerate(self.clients)]
+        refs = [c.step.remote(i, self.args.layers, late[r]) for r, c in enumerate(self.clients)]
         if fault == "client pause":
             time.sleep(0.05)
             os.kill(pid, signal.SIGSTOP)
@@ -156,7 +159,7 @@ class Soak:
             time.sleep(0.05)
             ray.kill(self.job["servers"][1], no_restart=False)
         elif fault == "scheduler kill":
-            time.sleep(0.05)
+            time.sleep(0.5)
             ray.kill(self.job["scheduler"], no_restart=False)
         elif fault == "client kill":
             time.sleep(0.05)
@@ -213,7 +216,7 @@ def run(args, log) -> dict:
         pids = soak.pids()
         rss_start = {who: rss_mib(pid) for who, pid in pids.items()}
         faults = schedule(args.steps, args.quick)
-        rows, pending = [], None
+        rows, pending, trace = [], None, []
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
             fault = faults.get(i - args.warmup)
@@ -230,8 +233,10 @@ def run(args, log) -> dict:
                     pending = None
                 if pending is not None and i - pending["step"] >= args.recover:
                     pending = None  # not survived
-            if (i + 1) % 100 == 0:
-                log(f"{i + 1 - args.warmup} steps, {soak.failed} failed, {soak.wrong} wrong outputs")
+            if (i + 1 - args.warmup) % 100 == 0:
+                trace.append({"step": i + 1 - args.warmup, **{who: rss_mib(pid) for who, pid in soak.pids().items()}})
+                log(f"{i + 1 - args.warmup} steps, {soak.failed} failed, {soak.wrong} wrong outputs, RSS MiB "
+                    + ", ".join(f"{who} {v:.0f}" for who, v in trace[-1].items() if who != "step" and v))
         elapsed = time.perf_counter() - t0
         pids_end = soak.pids()
         rss_end = {who: rss_mib(pid) for who, pid in pids_end.items()}
@@ -244,6 +249,7 @@ def run(args, log) -> dict:
             "outputs_checked": soak.outputs, "worst_relative_error": soak.worst,
             "faults": rows, "faults_injected": len(rows), "faults_survived": sum(r["survived"] for r in rows),
             "rss_mib": {who: {"start": rss_start[who], "end": rss_end.get(who)} for who in rss_start},
+            "rss_trace_mib": trace,
             "restarted": restarted, "steps_per_s": args.steps / elapsed, "loop_s": elapsed}
 
 
@@ -285,7 +291,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="40 steps, 3 faults (CI smoke)")
     p.add_argument("--steps", type=int, help="measured steps (default 500, quick 40)")
-    p.add_argument("--warmup", type=int, default=2, help="steps before the RSS baseline")
+    p.add_argument("--warmup", type=int, help="steps before the RSS baseline, as buffers grow (default 20, quick 5)")
     p.add_argument("--layers", type=int, default=1, help="attends per step")
     p.add_argument("--timeout", type=float, help="the job's timeout in seconds (default 3, quick 2)")
     p.add_argument("--recover", type=int, default=5, help="steps a fault may take to be survived")
@@ -295,6 +301,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.quick else 500)
     args.timeout = args.timeout or (2.0 if args.quick else 3.0)
+    args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
     if args.steps < 10 or args.layers < 1 or args.timeout <= 0 or args.recover < 1:
         p.error("need --steps >= 10, --layers >= 1, --timeout > 0 and --recover >= 1")
     return args

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
+from .arbitration import Arbitration, Member
 from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import CostModel
 from .parts import plan_identity, plan_parts
@@ -137,14 +138,6 @@ class FailureOutcome:
     opened: bool = False
 
 
-class _Member(NamedTuple):
-    """A member of a group epoch, as verdicts name it."""
-
-    who: str  # e.g. "client rank 1 (node 10.0.0.2)"
-    client: bool
-    server: int | None  # the dedicated server id, None for a client
-
-
 class _Batch:
     __slots__ = ("reports", "shape", "answers")
 
@@ -152,19 +145,6 @@ class _Batch:
         self.reports: dict[int, tuple] = {}  # rank -> (doc_lens, shape)
         self.shape: tuple[CostModel, str] | None = None  # agreed once all reported
         self.answers: dict[int, dict] | None = None  # set once resolved
-
-
-class _Failure:
-    __slots__ = ("members", "reached", "waiting", "deadline", "step", "causes", "verdict")
-
-    def __init__(self, members: dict[int, _Member], deadline: float):
-        self.members = members  # world rank -> member
-        self.reached: dict[int, int] = {}  # world rank -> rounds of the epoch it reached
-        self.waiting: set[int] = set()  # world ranks that checked in from inside a round
-        self.deadline = deadline
-        self.step = -1  # the latest step a member reported failing in
-        self.causes: list[tuple[str, bool]] = []  # (message, bad input), in arrival order
-        self.verdict: dict | None = None
 
 
 class Coordinator:
@@ -209,10 +189,10 @@ class Coordinator:
         self.epoch = -1
         self.members: tuple | None = None  # who the current epoch is made of; None: form anew
         self.epoch_servers: tuple[int, ...] = ()  # server ids of the current epoch, in plan order
-        self.groups: dict[int, dict[int, _Member]] = {}  # epoch -> world rank -> member
+        self.groups: dict[int, dict[int, Member]] = {}  # epoch -> world rank -> member
         self.batches: dict[tuple[int, int], _Batch] = {}
         self.stores: dict[int, tuple[str, int]] = {}
-        self.failures: dict[int, _Failure] = {}
+        self.failures: dict[int, Arbitration] = {}
         self.failed_steps: dict[int, dict] = {}  # step -> the error answer every report of it gets
         self.next_step = 0
         self.floor = 0
@@ -555,13 +535,12 @@ class Coordinator:
 
         The first check-in opens the epoch's arbitration (deadline ``now + failure_grace_s``;
         ``opened``). The verdict is decided in the call where the last member checks in, or by
-        :meth:`close_failure` at the deadline: lost are the members that never checked in, and
-        those that checked in from outside any round with fewer rounds than the furthest client
-        reached (late: their peers waited for them in a round they never started). An epoch that
-        is not current and has no arbitration (already over) is answered at once, naming nobody.
-        Every verdict ends its epoch (the next batch forms a new group), ends the step (the job
-        goes on at the step after), and leaves lost servers out of plans until they answer a ping
-        again.
+        :meth:`close_failure` at the deadline; who is lost and which cause everyone reads is
+        :class:`~scheduler.arbitration.Arbitration`'s rule (the silent, and the late). An epoch
+        that is not current and has no arbitration (already over) is answered at once, naming
+        nobody. Every verdict ends its epoch (the next batch forms a new group), ends the step
+        (the job goes on at the step after), and leaves lost servers out of plans until they
+        answer a ping again.
         """
         fail = self.failures.get(epoch)
         opened = False
@@ -571,18 +550,13 @@ class Coordinator:
                                        "next_step": max(self.next_step, self.floor, step + 1),
                                        "cause": f"group epoch {epoch} is over", "detected": False},
                                       now)
-            fail = self.failures[epoch] = _Failure(self.groups[epoch], now + self.failure_grace_s)
+            fail = self.failures[epoch] = Arbitration(epoch, self.groups[epoch], now + self.failure_grace_s,
+                                                      self.failure_grace_s)
             opened = True
         if fail.verdict is None:
-            if world_rank in fail.members:
-                fail.reached[world_rank] = max(fail.reached.get(world_rank, 0), int(reached))
-                if in_round:
-                    fail.waiting.add(world_rank)
-            fail.step = max(fail.step, int(step))
-            if cause:
-                fail.causes.append((str(cause), bool(detected)))
-            if set(fail.reached) >= set(fail.members):
-                self._decide(epoch, fail)
+            fail.check_in(world_rank, step, reached, in_round, cause, detected)
+            if fail.complete:
+                self._decide(fail)
         return FailureOutcome(fail.verdict, fail.deadline, opened)
 
     def close_failure(self, epoch: int, now: float) -> dict | None:
@@ -594,7 +568,7 @@ class Coordinator:
             return {"epoch": epoch, "lost": [], "lost_ranks": [], "next_step": max(self.next_step, self.floor),
                     "cause": f"group epoch {epoch} is over", "detected": False}
         if fail.verdict is None and now >= fail.deadline:
-            self._decide(epoch, fail)
+            self._decide(fail)
         return fail.verdict
 
     def arbitration(self, epoch: int) -> str | None:
@@ -603,37 +577,30 @@ class Coordinator:
         fail = self.failures.get(epoch)
         return None if fail is None else ("open" if fail.verdict is None else "decided")
 
-    def _decide(self, epoch: int, fail: _Failure) -> None:
-        furthest = max((n for r, n in fail.reached.items() if fail.members[r].client), default=0)
-        lost, ranks = [], []
-        for r, member in sorted(fail.members.items()):
-            if r not in fail.reached:
-                lost.append(f"{member.who}: did not answer within {self.failure_grace_s:g} s")
-            elif r not in fail.waiting and fail.reached[r] < furthest:
-                lost.append(f"{member.who}: late, had not started the round its peers waited for")
-            else:
-                continue
-            ranks.append(r)
-            server = self.servers.get(member.server)
-            if server is not None and server["state"] == "alive":  # out of plans until it answers a ping
+    def _decide(self, fail: Arbitration) -> None:
+        """Decide ``fail``'s verdict and act on it: lost servers out of plans until they answer a
+        ping, a fresh group for the next batch, the step failed for every later report."""
+        lost = fail.lost()
+        for r, _ in lost:
+            server = self.servers.get(fail.members[r].server)
+            if server is not None and server["state"] == "alive":
                 server["state"] = "suspect"
-        if epoch == self.epoch:
+        if fail.epoch == self.epoch:
             self.members = None  # whatever happened, the next batch forms a fresh group
-        own = [c for c, bad in fail.causes if bad]
-        cause = (own or [c for c, _ in fail.causes] or [""])[0]
+        cause, detected = fail.cause()
         if fail.step >= 0:
             self._fail_step(fail.step, error_answer("DistCAError", f"step {fail.step} failed in group "
-                                                                    f"epoch {epoch}: {cause}"[:500]))
-        fail.verdict = {"epoch": epoch, "lost": lost, "lost_ranks": ranks,
-                        "next_step": max(self.next_step, self.floor), "cause": cause, "detected": bool(own)}
+                                                                    f"epoch {fail.epoch}: {cause}"[:500]))
+        fail.verdict = {"epoch": fail.epoch, "lost": [why for _, why in lost], "lost_ranks": [r for r, _ in lost],
+                        "next_step": max(self.next_step, self.floor), "cause": cause, "detected": detected}
 
-    def _describe(self, servers) -> dict[int, _Member]:
+    def _describe(self, servers) -> dict[int, Member]:
         """World rank -> member of a group of the clients and ``servers`` (in plan order)."""
         W = self.world_size or 0
-        out = {r: _Member(f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})", True, None)
+        out = {r: Member(f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})", True, None)
                for r in range(W)}
         for plan_index, sid in enumerate(servers):
-            out[W + plan_index] = _Member(
+            out[W + plan_index] = Member(
                 f"attention server {sid} (node {self.servers.get(sid, {}).get('node', '?')})", False, sid)
         return out
 
