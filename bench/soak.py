@@ -17,6 +17,9 @@ Faults, each at a fixed fraction of ``--steps`` (``--quick``: the first three on
 - ``late client``: client 1 has its plan but starts its round the timeout + 1 s after client 0;
 - ``client kill``: client 1's actor is killed during a step and the driver starts a new one with
   the same rank (a restarted training worker), which registers again;
+
+Every fault but the late client strikes a step in flight: both clients get the step's plan and
+hold it for a moment (``HOLD_S``) before the rounds while the fault strikes.
 - ``scheduler kill``: the scheduler is killed while both clients hold the step's plan, before its
   rounds; the step in flight fails on every participant, Ray restarts the scheduler and every
   participant registers again.
@@ -57,6 +60,9 @@ FAULTS = [  # (kind, at this fraction of the steps)
     ("server kill", 0.15), ("client pause", 0.35), ("late client", 0.5),
     ("client kill", 0.65), ("scheduler kill", 0.85)]
 QUICK_FAULTS = 3
+# Seconds both clients hold the step's plan before its rounds while the fault strikes (a third of
+# the way in): a Ray actor's death reaches the calls in flight to it ~1.7 s after the kill.
+HOLD_S = {"server kill": 0.6, "client pause": 0.6, "client kill": 0.6, "scheduler kill": 3.0}
 
 
 class SoakClient:
@@ -145,24 +151,23 @@ class Soak:
     def step(self, i: int, fault: str | None = None) -> bool:
         """Run step ``i`` (injecting ``fault`` into it); True if every client ran it exactly."""
         ray, T = self.ray, self.args.timeout
-        # late client: client 1 starts its rounds after the timeout; scheduler kill: both clients
-        # hold their plans for a second, so the kill falls into a step in flight
-        late = {"late client": [0.0, T + 1.0], "scheduler kill": [1.0, 1.0]}.get(fault, [0.0, 0.0])
+        # Faults hit a step in flight: both clients get the step's plan, then hold it for HOLD_S
+        # before the rounds while the fault strikes (a late client holds past the timeout instead).
+        hold = HOLD_S.get(fault, 0.0)
+        late = [0.0, T + 1.0] if fault == "late client" else [hold, hold]
         pid = ray.get(self.clients[0].pid.remote()) if fault == "client pause" else None
         refs = [c.step.remote(i, self.args.layers, late[r]) for r, c in enumerate(self.clients)]
+        if hold:
+            time.sleep(hold / 3)
         if fault == "client pause":
-            time.sleep(0.05)
             os.kill(pid, signal.SIGSTOP)
             time.sleep(T + 1.0)
             os.kill(pid, signal.SIGCONT)
         elif fault == "server kill":
-            time.sleep(0.05)
             ray.kill(self.job["servers"][1], no_restart=False)
         elif fault == "scheduler kill":
-            time.sleep(0.5)
             ray.kill(self.job["scheduler"], no_restart=False)
         elif fault == "client kill":
-            time.sleep(0.05)
             ray.kill(self.clients[1], no_restart=True)
         results = []
         for ref in refs:

@@ -36,6 +36,10 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def scheduler_lost(self) -> bool:
+        """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
+        return self.client._runtime.member.scheduler_lost
+
     def step(self, lens, seed, layers=2, head_dim=16, dtype="float32", late_s=0.0, bad_layer=None):
         """``layers`` attends (each on its own q,k,v) and one backward; returns the max relative
         error of out, dq, dk, dv against the float64 reference, or the error raised, and how long

@@ -287,7 +287,10 @@ def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
     before = status(NAME)
     assert all(r["ok"] for r in _run(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
     ray.kill(job["scheduler"], no_restart=False)
-    time.sleep(1.0)  # every member notices through its long-poll
+    deadline = time.monotonic() + 30  # every member notices through its long-poll (Ray: ~1.7 s)
+    while not all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     results = _run(job, [("finish", (LENS[r], s), {}) for r in range(2)])
     for r in results:
         assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
