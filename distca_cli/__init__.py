@@ -31,8 +31,12 @@ def _connect(address: str) -> None:
 
 def _up(args) -> int:
     _connect(args.address)
-    launch(name=args.name, servers=args.servers, mode=args.mode,
-           epsilon=args.epsilon, timeout_s=args.timeout, detached=True)
+    try:
+        launch(name=args.name, servers=args.servers, mode=args.mode,
+               epsilon=args.epsilon, timeout_s=args.timeout, detached=True)
+    except ValueError as exc:  # e.g. a job of that name is running: one line, no traceback
+        print(f"distca up: {exc}", file=sys.stderr)
+        return 1
     print(f"distca job {args.name!r} up: {args.mode} mode"
           + (f", {args.servers} attention servers" if args.mode == "dedicated" else ""))
     return 0
@@ -41,8 +45,12 @@ def _up(args) -> int:
 def format_status(st: dict) -> str:
     """The ``distca status`` table of a job's status dict (:func:`distca_server.status`)."""
     last = st.get("last") or {}
-    lines = [f"job {st['name']}: {st['mode']} mode, clients {st['world_size'] or 0} "
-             f"(registered {st['clients']}), group epoch {st['epoch']}, next step {st['next_step']}"]
+    if st.get("scheduler", "running") != "running":
+        lines = [f"job {st['name']}: scheduler {st['scheduler']}; {len(st['servers'])} attention "
+                 f"servers found by name"]
+    else:
+        lines = [f"job {st['name']}: {st['mode']} mode, clients {st['world_size'] or 0} "
+                 f"(registered {st['clients']}), group epoch {st['epoch']}, next step {st['next_step']}"]
     if last:
         lines.append(f"last plan: step {last['step']} batch {last['batch']}, imbalance "
                      f"{last['imbalance_before']:.3f} -> {last['imbalance_after']:.3f}, "
@@ -62,7 +70,12 @@ def format_status(st: dict) -> str:
 
 def _status(args) -> int:
     _connect(args.address)
-    print(format_status(status(args.name)))
+    try:
+        st = status(args.name)
+    except ValueError as exc:  # no such job: one line, no traceback
+        print(f"distca status: {exc}", file=sys.stderr)
+        return 1
+    print(format_status(st))
     return 0
 
 

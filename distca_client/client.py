@@ -97,7 +97,11 @@ class DistCAClient:
         Raises:
             ValueError: as :meth:`attend`, before anything is queued.
         """
-        lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+        try:
+            lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+        except ValueError as exc:  # peers must not wait for this rank's round until they time out
+            self._runtime.fail_step(exc)
+            raise
         fmt = RowFormat.of(q, k)
         step = self._runtime.step_for(lens, fmt, q.device)
         self._remember(step)

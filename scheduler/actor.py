@@ -6,7 +6,12 @@ adds only what needs Ray or an event loop: planning and cutting on a worker thre
 (``asyncio.to_thread``: the loop keeps answering pings and reports meanwhile), waiting with
 timeouts (``asyncio.wait_for``), pinging dedicated servers and feeding the results to the
 coordinator, sending them their assignments and parts (``assign.remote``, ``install_part.remote``),
-and exporting per-step metrics with ``ray.util.metrics`` (they appear on the Ray dashboard).
+answering members' long-polls about their epoch (``watch``), and exporting per-step metrics with
+``ray.util.metrics`` (they appear on the Ray dashboard).
+
+The actor may be restarted by Ray (``launch(..., scheduler_restarts=n)``): it then starts empty,
+and every participant re-registers with its last step and epoch (they notice its death through
+their long-polls or their next call), which is all the coordinator needs to go on.
 
 Every step each client reports ``(step, batch, rank, doc_lens, shape)`` once and gets its own
 msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch; every layer and the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
@@ -28,7 +34,8 @@ from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome
 
 NAMESPACE = "distca"
 log = logging.getLogger(__name__)
-PING_TIMEOUT_S = 2.0  # a server that does not answer a ping within this is dead for the next epoch
+PING_TIMEOUT_S = 2.0  # a server that does not answer a ping within this is left out of this plan
+SUSPECT_PING_S = 0.2  # a server that missed its last ping gets this long (it rejoins once it answers)
 _RETRY_S = 0.25  # while no dedicated server is alive, ping again this often
 
 
@@ -38,6 +45,17 @@ def scheduler_actor_name(name: str) -> str:
 
 def server_actor_name(name: str, index: int) -> str:
     return f"distca-server-{name}-{index}"
+
+
+def job_actor_names(name: str) -> list[str]:
+    """Names of job ``name``'s actors alive in namespace ``distca`` (scheduler first, then its
+    servers by index), found by name: without asking the scheduler, which may be gone."""
+    found = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == NAMESPACE}
+    prefix = server_actor_name(name, "")
+    servers = sorted((n for n in found if n.startswith(prefix) and n[len(prefix):].isdigit()),
+                     key=lambda n: int(n[len(prefix):]))
+    return [n for n in (scheduler_actor_name(name),) if n in found] + servers
 
 
 @ray.remote(num_cpus=0)
@@ -51,20 +69,26 @@ class SchedulerActor:
         epsilon, min_shard: planner settings (see :func:`scheduler.plan_batch`).
         timeout_s: how long any wait lasts before participants get ``DistCAError``.
         failure_grace_s: after a participant reports a failed round, how long the actor waits
-            for the others to report before naming the silent ones lost.
+            for the other members to check in before naming the silent ones lost.
         backend: attention kernel backend name for servers ("auto" picks the fastest).
+        coordinator_options: more :class:`~scheduler.coordinator.Coordinator` keyword arguments
+            (``max_report_docs``, ``max_report_tokens``).
     """
 
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05,
-                 min_shard: int = 128, timeout_s: float = 60.0, failure_grace_s: float = 2.0,
-                 backend: str = "auto"):
+                 min_shard: int = 128, timeout_s: float = 60.0, failure_grace_s: float = 1.0,
+                 backend: str = "auto", coordinator_options: dict | None = None):
         self.coord = Coordinator(name, mode, epsilon=epsilon, min_shard=min_shard, timeout_s=timeout_s,
-                                 failure_grace_s=failure_grace_s, backend=backend)
+                                 failure_grace_s=failure_grace_s, backend=backend,
+                                 **(coordinator_options or {}))
         self.name, self.mode, self.timeout_s = name, mode, timeout_s
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restarted scheduler is another one
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
         self._batch_done: dict[tuple[int, int], asyncio.Event] = {}
         self._store_set: dict[int, asyncio.Event] = {}
         self._verdict_set: dict[int, asyncio.Event] = {}
+        self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
+        self._discovering = None  # the search for servers by name after a restart, while it runs
         tags = ("job",)
         self._tags = {"job": name}
         self.m = {
@@ -79,36 +103,79 @@ class SchedulerActor:
         }
 
     # ---- membership --------------------------------------------------------------------------
-    def register_client(self, rank: int, world_size: int, info: dict) -> dict:
-        """A client joins (or rejoins after a restart) as ``rank`` of ``world_size``.
+    async def register_client(self, rank: int, world_size: int, info: dict) -> dict:
+        """A client joins (or rejoins after a restart of its own or of the scheduler) as ``rank``
+        of ``world_size``; ``info`` may carry its last ``step`` and ``epoch``.
 
-        Returns ``{"name", "mode", "timeout_s", "backend", "next_step"}``: the job's settings and
-        the step it must start at.
+        Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "scheduler"}``: the job's
+        settings, the step it must start at, and this scheduler's incarnation.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's.
         """
-        return self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
+        out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
+        self._wake_resolved()
+        self._discovery()  # after a restart, clients register first: find the servers meanwhile
+        return dict(out, scheduler=self.incarnation)
 
     def unregister_client(self, rank: int, incarnation: str) -> None:
         self.coord.unregister_client(rank, incarnation)
 
-    def register_server(self, index: int, handle, info: dict) -> None:
-        """A dedicated server (re)starts; it joins the next group epoch."""
+    def register_server(self, index: int, handle, info: dict) -> str:
+        """A dedicated server (re)starts, or re-registers with a restarted scheduler (``info``
+        may carry its last ``epoch``); it joins the next group epoch. Returns this scheduler's
+        incarnation."""
         self.coord.register_server(index, dict(info, registered=time.time()))
         self.handles[index] = handle
+        return self.incarnation
+
+    def _discovery(self):
+        """A restarted scheduler knows no server yet: start finding the job's servers by name
+        (each also re-registers by itself once it notices the restart, but later). Returns the
+        running search, or None."""
+        if self.mode == "dedicated" and not self.handles and self._discovering is None:
+            self._discovering = asyncio.ensure_future(self._discover_servers())
+        return self._discovering
+
+    async def _discover_servers(self) -> None:
+        prefix = server_actor_name(self.name, "")
+
+        async def register(name):
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                info = await asyncio.wait_for(handle.describe.remote(), timeout=self.timeout_s)
+            except Exception:  # gone or restarting: it registers itself when it is back
+                return
+            if info["index"] not in self.handles:
+                self.register_server(info["index"], handle, info)
+        try:
+            await asyncio.gather(*(register(n) for n in job_actor_names(self.name) if n.startswith(prefix)))
+        finally:
+            self._discovering = None
 
     async def _live_servers(self) -> list[int]:
-        """Ping every server not known dead; returns the ids that answered."""
-        async def alive(i):
+        """Ping every server not known dead (a suspect one briefly); returns the ids that answered
+        ready. A server is ready when its serving loop is not stuck in a failed epoch."""
+        search = self._discovery() if not self.handles else None
+        if search is not None:
+            await search
+        async def state(i, was):
             try:
-                await asyncio.wait_for(self.handles[i].ping.remote(), timeout=PING_TIMEOUT_S)
-                return True
-            except Exception:  # dead or unreachable actor: any Ray error means "not serving"
-                return False
+                ready = await asyncio.wait_for(self.handles[i].ping.remote(),
+                                               timeout=PING_TIMEOUT_S if was == "alive" else SUSPECT_PING_S)
+                return "alive" if ready else "suspect"
+            except ray.exceptions.ActorDiedError:
+                return "dead"
+            except Exception:  # slow, unreachable or restarting: try again at the next plan
+                return "suspect"
         ids = self.coord.servers_to_ping()
-        oks = await asyncio.gather(*(alive(i) for i in ids))
-        return self.coord.servers_pinged(dict(zip(ids, oks)))
+        states = await asyncio.gather(*(state(i, was) for i, was in ids.items()))
+        return self.coord.servers_pinged(dict(zip(ids, states)))
+
+    def _wake_resolved(self) -> None:
+        """Wake the waiters of every batch the coordinator resolved since the last call."""
+        for key in self.coord.drain_resolved():
+            self._batch_event(key).set()
 
     # ---- planning ------------------------------------------------------------------------------
     async def report(self, step: int, batch: int, rank: int, doc_lens: list[int], shape: dict) -> dict:
@@ -120,10 +187,9 @@ class SchedulerActor:
         every client of the batch) or ``"DistCAError"`` (a client never reported, no live server).
         """
         out = self.coord.report(step, batch, rank, doc_lens, shape)
+        self._wake_resolved()
         key = (step, batch)
         if out.answer is not None:
-            if out.resolved:
-                self._batch_event(key).set()
             return out.answer
         done = self._batch_event(key)
         if out.plan:
@@ -132,9 +198,16 @@ class SchedulerActor:
             await asyncio.wait_for(done.wait(), timeout=self.timeout_s)
         except asyncio.TimeoutError:
             answer = self.coord.abort(step, batch, rank)
-            done.set()  # the others of this batch get the same error now
+            self._wake_resolved()  # the others of this batch (and of its step) get the error now
             return answer
         return self.coord.answer(step, batch, rank)
+
+    def fail_step(self, step: int, rank: int, message: str) -> dict:
+        """Client ``rank`` raised ``ValueError(message)`` on its own input in ``step``: every
+        client of the step gets it at once (see :meth:`Coordinator.fail_step`)."""
+        answer = self.coord.fail_step(step, rank, message)
+        self._wake_resolved()
+        return answer
 
     def _batch_event(self, key) -> asyncio.Event:
         event = self._batch_done.get(key)
@@ -162,6 +235,7 @@ class SchedulerActor:
             self.coord.abort(step, batch, 0, f"step {step} batch {batch}: planning failed: "
                                              f"{type(exc).__name__}: {exc}")
         finally:
+            self._wake_resolved()
             done.set()
             for old in [k for k in self._batch_done if k not in self.coord.batches]:
                 del self._batch_done[old]
@@ -207,10 +281,15 @@ class SchedulerActor:
         return self._store_set.setdefault(epoch, asyncio.Event())
 
     # ---- failures ------------------------------------------------------------------------------
-    async def report_failure(self, epoch: int, world_rank: int, step: int, detail: str) -> dict:
-        """A participant's round of group ``epoch`` failed. Returns ``{"lost": [...], "next_step"}``
-        once every member has reported or the grace period ends; silent members are lost."""
-        out = self.coord.failure(epoch, world_rank, step, time.monotonic())
+    async def report_failure(self, epoch: int, world_rank: int, step: int, reached: int = 0,
+                             cause: str | None = None, detected: bool = False, in_round: bool = True) -> dict:
+        """A member of group ``epoch`` checks in to its failure (see :meth:`Coordinator.failure`):
+        a round failed for it (``cause``), or it answers the arbitration. Returns the verdict once
+        every member has checked in or the grace period ends."""
+        out = self.coord.failure(epoch, world_rank, step, time.monotonic(), reached, cause, detected, in_round)
+        self._wake_resolved()
+        if out.opened:  # wake every member's long-poll: they check in at once
+            self._arbitration.setdefault(epoch, asyncio.Event()).set()
         decided = self._verdict_set.setdefault(epoch, asyncio.Event())
         verdict = out.verdict
         while verdict is None:
@@ -219,10 +298,29 @@ class SchedulerActor:
             except asyncio.TimeoutError:
                 pass
             verdict = self.coord.close_failure(epoch, time.monotonic())
+        self._wake_resolved()
         decided.set()  # wake the other members waiting for this verdict
-        for old in [e for e in self._verdict_set if e < self.coord.epoch - KEEP_EPOCHS]:
-            del self._verdict_set[old]
+        for table in (self._verdict_set, self._arbitration):
+            for old in [e for e in table if e < self.coord.epoch - KEEP_EPOCHS]:
+                del table[old]
         return verdict
+
+    async def watch(self, epoch: int, poll_s: float = 5.0) -> dict:
+        """A member's long-poll about group ``epoch``: ``{"state", "scheduler"}`` with state
+        ``"open"``/``"decided"`` as soon as the epoch's arbitration opens (check in), None after
+        ``poll_s`` seconds of nothing; ``scheduler`` is this scheduler's incarnation (a member
+        that registered with another one re-registers)."""
+        state = self.coord.arbitration(epoch)
+        if state is None and epoch >= self.coord.epoch - KEEP_EPOCHS:
+            try:
+                await asyncio.wait_for(self._arbitration.setdefault(epoch, asyncio.Event()).wait(),
+                                       timeout=poll_s)
+            except asyncio.TimeoutError:
+                pass
+            state = self.coord.arbitration(epoch)
+        elif state is None:  # a forgotten epoch (or none, -1): just a heartbeat
+            await asyncio.sleep(poll_s)
+        return {"state": state, "scheduler": self.incarnation}
 
     # ---- inspection ----------------------------------------------------------------------------
     def plan_descriptor(self, step: int, batch: int) -> bytes | None:
@@ -234,10 +332,11 @@ class SchedulerActor:
         return True
 
     async def status(self) -> dict:
-        """Job state for ``distca status``: servers (with their own counters), last plan, epoch."""
-        st = self.coord.status()
+        """Job state for ``distca status``: servers (with their own counters), last plan, epoch,
+        and this actor's process id (``pid``)."""
+        st = dict(self.coord.status(), pid=os.getpid())
         for row in st["servers"]:
-            if row["state"] != "alive":
+            if row["state"] == "dead" or row["server"] not in self.handles:
                 continue
             try:
                 stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)

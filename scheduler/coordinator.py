@@ -5,19 +5,30 @@
 call is one state transition that returns plain data telling the wrapper what to hand out:
 
 - membership: :meth:`~Coordinator.register_client`, :meth:`~Coordinator.unregister_client`,
-  :meth:`~Coordinator.register_server`, :meth:`~Coordinator.servers_pinged`;
-- one step: :meth:`~Coordinator.report` (one per client per ``(step, batch)``) says when all
-  clients of a batch reported; :meth:`~Coordinator.plan` then plans it over the live servers and
-  cuts every participant's part (its pure work, :meth:`~Coordinator.plan_work`, can run apart,
-  e.g. on a worker thread, and be handed to :meth:`~Coordinator.plan`);
-  :meth:`~Coordinator.answer`, :meth:`~Coordinator.abort` (a timeout or any other reason to give
-  up on a batch);
+  :meth:`~Coordinator.register_server`, :meth:`~Coordinator.servers_pinged`. Registrations carry
+  the member's last step and group epoch, so a restarted scheduler rebuilds where the job is from
+  its participants re-registering;
+- one step: :meth:`~Coordinator.report` (one per client per ``(step, batch)``, bounded in size)
+  says when all clients of a batch reported; :meth:`~Coordinator.plan` then plans it over the
+  live servers and cuts every participant's part (its pure work,
+  :meth:`~Coordinator.plan_work`, can run apart, e.g. on a worker thread, and be handed to
+  :meth:`~Coordinator.plan`); :meth:`~Coordinator.answer`,
+  :meth:`~Coordinator.abort` (a timeout or any other reason to give up on a batch),
+  :meth:`~Coordinator.fail_step` (a client's own bad input: every client gets its ``ValueError``);
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
   plan order); :meth:`~Coordinator.publish_store` / :meth:`~Coordinator.store_address` relay each
   epoch's rendezvous address;
 - failures: :meth:`~Coordinator.failure` and :meth:`~Coordinator.close_failure` decide who was
-  lost in a failed epoch (the silent members, once all others reported or the grace period ended).
+  lost in a failed epoch. Every member checks in with how far it got (rounds reached in the
+  epoch); the lost are the members that did not check in within the grace period and the clients
+  that had not reached the round the others failed in (late). The verdict carries the causes the
+  members reported, so every participant raises the same message.
+
+Steps: ``next_step`` is where a (re)joining client starts; ``floor`` is the first step that is
+not over. A step ends for everyone when one of its batches failed (a verdict, a timeout, bad
+input); reports of an unknown batch below the floor are answered ``resync`` (go on at the floor),
+so clients that disagree about the step after a failure or a scheduler restart meet again.
 
 Deadlines are computed from a ``now`` the caller passes (any monotonic clock). The only clock
 read here is ``timer`` (``time.perf_counter`` unless given), which measures how long planning
@@ -31,9 +42,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from .checks import finite_nonnegative, is_int, positive_int
+from .arbitration import Arbitration, Member
+from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import CostModel
-from .parts import plan_parts
+from .parts import plan_identity, plan_parts
 from .planner import plan_batch
 from .tasks import MODES, Plan
 
@@ -41,11 +53,18 @@ DEVICE_TYPES = ("cpu", "cuda")
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
 KEEP_EPOCHS = 2  # rendezvous addresses and failure verdicts of older epochs are forgotten
 PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
+# A report is bounded before anything else looks at it: one client's documents and tokens per
+# batch. Far above real batches (~10^2-10^4 documents, <= 1M tokens per rank), far below what
+# pins the scheduler (10M one-token documents took minutes and 5.7 GB to plan).
+MAX_REPORT_DOCS = 1 << 16
+MAX_REPORT_TOKENS = 1 << 24
+SERVER_STATES = ("alive", "suspect", "dead")
 
 
-def error_answer(kind: str, message: str) -> dict:
-    """A report's error answer: ``kind`` is ``"ValueError"`` (bad input) or ``"DistCAError"``."""
-    return {"error": kind, "message": message}
+def error_answer(kind: str, message: str, **extra) -> dict:
+    """A report's error answer: ``kind`` is ``"ValueError"`` (bad input), ``"DistCAError"`` or
+    ``"resync"`` (the step is over: go on at ``extra["next_step"]``)."""
+    return {"error": kind, "message": message, **extra}
 
 
 @dataclass(frozen=True)
@@ -106,15 +125,16 @@ class PlanOutcome:
 
 @dataclass(frozen=True)
 class PlanCut:
-    """The pure work of :meth:`Coordinator.plan`: the batch's plan and every participant's part
-    bytes, with the milliseconds planning and cutting took; or the ``ValueError`` message the
-    documents raised (``plan`` None)."""
+    """The pure work of :meth:`Coordinator.plan`: the batch's plan, its descriptor and every
+    participant's part bytes (each carrying the plan's id), with the milliseconds planning and
+    cutting took; or the ``ValueError`` message the documents raised (``plan`` None)."""
 
     plan: Plan | None
     parts: list[bytes]
     plan_ms: float = 0.0
     cut_ms: float = 0.0
     error: str | None = None
+    descriptor: bytes = b""
 
 
 def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
@@ -124,21 +144,30 @@ def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard
         plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
                           min_shard=min_shard)
         planned = timer()
-        parts = [p.to_msgpack() for p in plan_parts(plan, step, batch)]
+        whole = plan.to_msgpack()
+        parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]
         cut = timer()
     except ValueError as exc:  # bad documents: every client of the batch gets the same error
         return PlanCut(None, [], error=str(exc))
-    return PlanCut(plan, parts, (planned - start) * 1e3, (cut - planned) * 1e3)
+    return PlanCut(plan, parts, (planned - start) * 1e3, (cut - planned) * 1e3, descriptor=whole)
 
 
 @dataclass(frozen=True)
 class FailureOutcome:
-    """What :meth:`Coordinator.failure` tells the wrapper: the ``verdict`` (``{"lost": [...],
-    "next_step": int}``) if it is decided, else None; then wait until ``deadline`` (on the
-    caller's clock) or until another call decides it, and call :meth:`Coordinator.close_failure`."""
+    """What :meth:`Coordinator.failure` tells the wrapper: the ``verdict`` if it is decided, else
+    None; then wait until ``deadline`` (on the caller's clock) or until another call decides it,
+    and call :meth:`Coordinator.close_failure`. ``opened``: this call opened the epoch's
+    arbitration: tell every member to check in (:meth:`Coordinator.arbitration`).
+
+    A verdict is ``{"epoch", "lost": [descriptions], "lost_ranks": [world ranks], "next_step",
+    "cause": str, "detected": bool}``: ``cause`` is what the members reported, a participant's own
+    finding first; ``detected`` whether it is one (a ``ValueError`` a participant raised before
+    moving bytes: parts that disagree, clients that disagree on the round, bad input) rather than
+    what a collective reported (a timeout, a closed connection)."""
 
     verdict: dict | None
     deadline: float
+    opened: bool = False
 
 
 class _Batch:
@@ -150,16 +179,6 @@ class _Batch:
         self.answers: dict[int, dict] | None = None  # set once resolved
 
 
-class _Failure:
-    __slots__ = ("members", "reported", "deadline", "lost")
-
-    def __init__(self, members: dict[int, str], deadline: float):
-        self.members = members  # world rank -> description
-        self.reported: set = set()
-        self.deadline = deadline
-        self.lost: list[str] | None = None  # the verdict, once decided
-
-
 class Coordinator:
     """The scheduler of job ``name``: membership, plans, group epochs, failure verdicts.
 
@@ -168,43 +187,60 @@ class Coordinator:
         mode: ``"dedicated"`` (attention servers are separate processes) or ``"inplace"``.
         epsilon, min_shard: planner settings (see :func:`scheduler.plan_batch`).
         timeout_s: how long clients wait for each other (the wrapper's timeouts; in messages).
-        failure_grace_s: after the first failure report of an epoch, how long the others have to
-            report before the silent ones are named lost.
+        failure_grace_s: after the first failure report of an epoch, how long the other members
+            have to check in before the silent ones are named lost (live members check in within
+            a scheduler round trip).
         backend: attention kernel backend name handed to clients.
+        max_report_docs, max_report_tokens: the most documents and tokens one client may report
+            for one batch; a larger report is a ``ValueError`` for every client of the batch.
         timer: clock for measuring planning and cutting (seconds; default ``time.perf_counter``).
 
     Raises:
-        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε or ``min_shard``.
+        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε, ``min_shard``
+            or report bound.
     """
 
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05, min_shard: int = 128,
-                 timeout_s: float = 60.0, failure_grace_s: float = 2.0, backend: str = "auto",
+                 timeout_s: float = 60.0, failure_grace_s: float = 1.0, backend: str = "auto",
+                 max_report_docs: int = MAX_REPORT_DOCS, max_report_tokens: int = MAX_REPORT_TOKENS,
                  timer: Callable[[], float] = time.perf_counter):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
         finite_nonnegative("epsilon", epsilon)
         positive_int("min_shard", min_shard)
+        self.max_report_docs = positive_int("max_report_docs", max_report_docs)
+        self.max_report_tokens = positive_int("max_report_tokens", max_report_tokens)
         self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
         self.timeout_s, self.failure_grace_s, self.backend = timeout_s, failure_grace_s, backend
         self.timer = timer
         self.world_size: int | None = None
         self.clients: dict[int, dict] = {}
-        self.servers: dict[int, dict] = {}  # server id -> info + "state" ("alive" | "dead")
+        # server id -> info + "state": "alive", "suspect" (missed a ping or was named lost: left
+        # out of plans until it answers one again) or "dead" (its actor died: until it registers)
+        self.servers: dict[int, dict] = {}
         self.epoch = -1
         self.members: tuple | None = None  # who the current epoch is made of; None: form anew
         self.epoch_servers: tuple[int, ...] = ()  # server ids of the current epoch, in plan order
+        self.groups: dict[int, dict[int, Member]] = {}  # epoch -> world rank -> member
         self.batches: dict[tuple[int, int], _Batch] = {}
         self.stores: dict[int, tuple[str, int]] = {}
-        self.failures: dict[int, _Failure] = {}
+        self.failures: dict[int, Arbitration] = {}
+        self.failed_steps: dict[int, dict] = {}  # step -> the error answer every report of it gets
         self.next_step = 0
+        self.floor = 0
         self.steps_planned = 0
         self.last: dict = {}
-        self.plans: dict[tuple[int, int], Plan] = {}  # (step, batch) -> plan, the newest PLANS_KEPT
+        self.plans: dict[tuple[int, int], bytes] = {}  # (step, batch) -> plan descriptor, newest PLANS_KEPT
+        self._resolved: list[tuple[int, int]] = []  # batches resolved since the last drain_resolved
 
     # ---- membership --------------------------------------------------------------------------
     def register_client(self, rank: int, world_size: int, info: dict) -> dict:
         """Client ``rank`` of ``world_size`` joins (or rejoins after a restart with a new
         ``info["incarnation"]``, which makes the next batch form a new epoch).
+
+        ``info`` may carry ``"step"`` (the step the client goes on with) and ``"epoch"`` (the last
+        group epoch it was in): a client re-registering with a restarted scheduler rebuilds the
+        job's step and epoch numbering this way.
 
         Returns:
             ``{"name", "mode", "timeout_s", "backend", "next_step"}``: the job's settings and the
@@ -221,8 +257,19 @@ class Coordinator:
         if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         self.clients[int(rank)] = dict(info, rank=int(rank))
+        self._rebuild(info)
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
-                "backend": self.backend, "next_step": self.next_step}
+                "backend": self.backend, "next_step": max(self.next_step, self.floor)}
+
+    def _rebuild(self, info: dict) -> None:
+        """Take a registering member's last step and epoch into account (after a scheduler
+        restart the coordinator starts empty): steps before it are over, and epochs are numbered
+        past it, so no member mistakes a new group for one it was in."""
+        step, epoch = info.get("step"), info.get("epoch")
+        if is_int(step) and step > self.floor:
+            self._raise_floor(int(step))
+        if is_int(epoch) and epoch > self.epoch:
+            self.epoch, self.members = int(epoch), None
 
     def unregister_client(self, rank: int, incarnation: str) -> None:
         """Client ``rank`` leaves, unless a newer incarnation already took its place."""
@@ -230,7 +277,8 @@ class Coordinator:
             del self.clients[rank]
 
     def register_server(self, index: int, info: dict) -> None:
-        """Dedicated server ``index`` (re)starts; it joins the next group epoch.
+        """Dedicated server ``index`` (re)starts, or re-registers with a restarted scheduler
+        (``info["epoch"]``: its last group epoch); it joins the next group epoch.
 
         Raises:
             ValueError: ``index`` not an int >= 0.
@@ -238,19 +286,27 @@ class Coordinator:
         if not is_int(index) or index < 0:
             raise ValueError(f"server index must be an int >= 0, got {index!r}")
         self.servers[int(index)] = dict(info, index=int(index), state="alive")
+        self._rebuild({"epoch": info.get("epoch")})
 
-    def servers_to_ping(self) -> list[int]:
-        """Ids of the servers not yet known dead, ascending: the wrapper pings these."""
-        return sorted(i for i, s in self.servers.items() if s["state"] == "alive")
+    def servers_to_ping(self) -> dict[int, str]:
+        """``{server id: state}`` of every server not known dead, ascending: the wrapper pings
+        these ("suspect" ones briefly: they are left out until they answer)."""
+        return {i: s["state"] for i, s in sorted(self.servers.items()) if s["state"] != "dead"}
 
-    def servers_pinged(self, alive: dict[int, bool]) -> list[int]:
-        """Record ping results (server id -> answered); returns the live ids, ascending.
-        A server that did not answer is dead until it registers again."""
-        for sid, ok in alive.items():
-            if not ok and sid in self.servers:
-                self.servers[sid]["state"] = "dead"
-        return sorted(sid for sid, ok in alive.items() if ok and sid in self.servers
-                      and self.servers[sid]["state"] == "alive")
+    def servers_pinged(self, states: dict[int, str]) -> list[int]:
+        """Record ping results, ``{server id: "alive" (answered and ready) | "suspect" (no answer
+        in time, or not ready) | "dead" (its actor died)}``; returns the live ids, ascending.
+        A suspect server is pinged again at the next plan; a dead one waits until it registers.
+
+        Raises:
+            ValueError: a state other than those three.
+        """
+        for sid, state in states.items():
+            if state not in SERVER_STATES:
+                raise ValueError(f"server {sid}: state must be one of {SERVER_STATES}, got {state!r}")
+            if sid in self.servers:
+                self.servers[sid]["state"] = state
+        return sorted(sid for sid, state in states.items() if state == "alive" and sid in self.servers)
 
     # ---- group epochs ------------------------------------------------------------------------
     def epoch_for(self, live_servers, device_type: str) -> EpochDecision:
@@ -270,10 +326,10 @@ class Coordinator:
             return EpochDecision(self.epoch, self.epoch_servers)
         self.epoch += 1
         self.members, self.epoch_servers = members, servers
-        for old in [e for e in self.stores if e < self.epoch - KEEP_EPOCHS]:
-            del self.stores[old]
-        for old in [e for e in self.failures if e < self.epoch - KEEP_EPOCHS]:
-            del self.failures[old]
+        self.groups[self.epoch] = self._describe(servers)
+        for table in (self.stores, self.failures, self.groups):
+            for old in [e for e in table if e < self.epoch - KEEP_EPOCHS]:
+                del table[old]
         world = W + len(servers)
         return EpochDecision(self.epoch, servers, tuple(
             Assignment(sid, self.epoch, W + i, world, i, device_type) for i, sid in enumerate(servers)))
@@ -293,18 +349,26 @@ class Coordinator:
         ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. When the
         last client of the batch reports, every shape is checked and compared: a bad or
         disagreeing one resolves the batch with a ``ValueError`` answer for every client. A
-        repeated identical report is the same report; a different one gets a ``ValueError``
-        answer of its own (the batch goes on with the first). An unregistered rank gets a
-        ``DistCAError`` answer. Document lengths are checked by :meth:`plan`.
+        report of more than ``max_report_docs`` documents or ``max_report_tokens`` tokens does
+        the same at once (and is not kept). A repeated identical report is the same report; a
+        different one gets a ``ValueError`` answer of its own (the batch goes on with the first).
+        An unregistered rank gets a ``DistCAError`` answer with ``"register": True``; a step that
+        failed, that step's error; an unknown batch of a step that is over, a ``resync`` answer.
+        Document lengths are checked by :meth:`plan`.
         """
         if self.world_size is None or not is_int(rank) or rank not in self.clients:
-            return ReportOutcome(error_answer("DistCAError", f"rank {rank} is not registered with job {self.name!r}"))
+            return ReportOutcome(error_answer("DistCAError", f"rank {rank} is not registered with job "
+                                                             f"{self.name!r}", register=True))
         if not (is_int(step) and step >= 0 and is_int(batch) and batch >= 0):
             return ReportOutcome(error_answer("ValueError", f"step and batch must be ints >= 0, got "
                                                             f"step={step!r}, batch={batch!r}"))
         key = (int(step), int(batch))
         state = self.batches.get(key)
         if state is None:
+            if key[0] in self.failed_steps:
+                return ReportOutcome(self.failed_steps[key[0]])
+            if key[0] < self.floor:
+                return ReportOutcome(self._resync(key[0]))
             state = self.batches[key] = _Batch()
         if rank in state.reports:
             if not _same(state.reports[rank], (doc_lens, shape)):
@@ -314,6 +378,10 @@ class Coordinator:
             return ReportOutcome(state.answers[rank] if state.answers is not None else None)
         if state.answers is not None:  # given up before this client reported (timeout, abort)
             return ReportOutcome(state.answers[rank])
+        too_big = self._oversized(rank, doc_lens)
+        if too_big is not None:  # refused before anything plans it: every client gets the error
+            self._resolve(key, state, error_answer("ValueError", too_big))
+            return ReportOutcome(state.answers[rank], resolved=True)
         state.reports[rank] = (doc_lens, shape)
         if len(state.reports) < self.world_size:
             return ReportOutcome()
@@ -339,6 +407,27 @@ class Coordinator:
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
                        self.min_shard, step, batch, self.timer)
 
+    def _oversized(self, rank: int, doc_lens) -> str | None:
+        """The message refusing a report above the bounds, or None (bad lengths are the
+        planner's to name)."""
+        try:
+            n = len(doc_lens)
+        except TypeError:
+            return None
+        if n > self.max_report_docs:
+            return (f"rank {rank} reported {n} documents; one report holds at most "
+                    f"{self.max_report_docs} (max_report_docs)")
+        if isinstance(doc_lens, (list, tuple)) and not bad_lengths(doc_lens):
+            tokens = sum(doc_lens)
+            if tokens > self.max_report_tokens:
+                return (f"rank {rank} reported {tokens} tokens; one report holds at most "
+                        f"{self.max_report_tokens} (max_report_tokens)")
+        return None
+
+    def _resync(self, step: int) -> dict:
+        return error_answer("resync", f"step {step} is over for job {self.name!r}; the job goes on "
+                                      f"at step {self.floor}", next_step=self.floor)
+
     def plan(self, step: int, batch: int, live_servers=None, cut: PlanCut | None = None) -> PlanOutcome:
         """Plan a fully reported batch over ``live_servers`` (dedicated mode: server ids that
         answered a ping, in plan order; ignored in-place), keep or form the group epoch and cut
@@ -346,8 +435,9 @@ class Coordinator:
         ``cut``: the result of :meth:`plan_work` for the same arguments, if already computed.
 
         Every client's answer becomes ``{"part": bytes, "group": {"epoch", "world_rank",
-        "world_size", "device_type"}}``; bad documents give every client the same ``ValueError``
-        answer, no live server a ``DistCAError`` answer.
+        "world_size", "device_type"}}``; every part carries the plan's id
+        (:func:`~scheduler.parts.plan_identity`). Bad documents give every client the same
+        ``ValueError`` answer, no live server a ``DistCAError`` answer.
         """
         key = (step, batch)
         state = self.batches.get(key)
@@ -365,7 +455,7 @@ class Coordinator:
             self._resolve(key, state, error_answer("ValueError", cut.error))
             return PlanOutcome(resolved=True)
         plan, parts = cut.plan, cut.parts
-        self.plans[key] = plan
+        self.plans[key] = cut.descriptor
         while len(self.plans) > PLANS_KEPT:
             del self.plans[next(iter(self.plans))]
         decision = self.epoch_for(servers, device_type)
@@ -379,8 +469,7 @@ class Coordinator:
 
     def plan_descriptor(self, step: int, batch: int) -> bytes | None:
         """The whole plan of ``(step, batch)`` as msgpack, or None once it is no longer kept."""
-        plan = self.plans.get((step, batch))
-        return None if plan is None else plan.to_msgpack()
+        return self.plans.get((step, batch))
 
     def answer(self, step: int, batch: int, rank: int) -> dict:
         """Client ``rank``'s answer for a resolved batch (a ``DistCAError`` answer if the batch is
@@ -392,8 +481,9 @@ class Coordinator:
 
     def abort(self, step: int, batch: int, rank: int, message: str | None = None) -> dict:
         """Give up on ``(step, batch)``: every client gets a ``DistCAError`` answer (the wrapper
-        calls this when client ``rank``'s wait timed out, or when planning failed unexpectedly).
-        A batch already resolved keeps its answers. Returns client ``rank``'s answer.
+        calls this when client ``rank``'s wait timed out, or when planning failed unexpectedly),
+        and so does every later report of that step: the job goes on at the next step. A batch
+        already resolved keeps its answers. Returns client ``rank``'s answer.
 
         The default message names the clients that never reported.
         """
@@ -408,15 +498,57 @@ class Coordinator:
                            f"{self.timeout_s:g} s" if missing else
                            f"step {step} batch {batch} was not planned within {self.timeout_s:g} s")
             self._resolve(key, state, error_answer("DistCAError", message))
+            self._fail_step(step, state.answers[rank] if rank in state.answers else
+                            error_answer("DistCAError", message))
         return state.answers.get(rank) or error_answer("DistCAError", f"rank {rank} is not in job {self.name!r}")
+
+    def fail_step(self, step: int, rank: int, message: str) -> dict:
+        """Client ``rank`` hit bad input of its own in ``step`` (e.g. a tensor that does not match
+        its documents): every open batch of the step, and every later report of it, gets the same
+        ``ValueError`` answer naming the rank, so peers fail at once instead of after a timeout;
+        the job goes on at ``step + 1``. Returns that answer.
+
+        Raises:
+            ValueError: ``step`` not an int >= 0.
+        """
+        if not is_int(step) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        answer = self.failed_steps.get(step) or error_answer("ValueError", f"rank {rank}: {message}")
+        self._fail_step(int(step), answer)
+        return answer
+
+    def _fail_step(self, step: int, answer: dict) -> None:
+        self.failed_steps.setdefault(step, answer)
+        for key, state in list(self.batches.items()):  # resolving forgets old batches
+            if key[0] == step and state.answers is None:
+                self._resolve(key, state, self.failed_steps[step])
+        self._raise_floor(step + 1)
+
+    def _raise_floor(self, floor: int) -> None:
+        """Steps below ``floor`` are over: their open batches resync at ``floor``."""
+        if floor <= self.floor:
+            return
+        self.floor = floor
+        for key, state in list(self.batches.items()):  # resolving forgets old batches
+            if key[0] < floor and state.answers is None:
+                self._resolve(key, state, self._resync(key[0]))
+
+    def drain_resolved(self) -> list[tuple[int, int]]:
+        """The ``(step, batch)`` keys resolved since the last call (the wrapper wakes their
+        waiters)."""
+        out, self._resolved = self._resolved, []
+        return out
 
     def _resolve(self, key, state: _Batch, error: dict | None, answers: dict | None = None) -> None:
         W = self.world_size or 0
         state.answers = answers if answers is not None else {r: error for r in range(W)}
+        self._resolved.append(key)
         step = key[0]
         self.next_step = max(self.next_step, step + 1)
         for old in [k for k in self.batches if k[0] < step - _KEEP_STEPS]:
             del self.batches[old]
+        for old in [s for s in self.failed_steps if s < step - _KEEP_STEPS]:
+            del self.failed_steps[old]
 
     def _record(self, plan: Plan, step, batch, servers, plan_ms: float, cut_ms: float) -> dict:
         before, after = plan.imbalance()
@@ -432,51 +564,87 @@ class Coordinator:
         return self.last
 
     # ---- failures ----------------------------------------------------------------------------
-    def failure(self, epoch: int, world_rank: int, step: int, now: float) -> FailureOutcome:
-        """World rank ``world_rank`` of group ``epoch`` had a round fail during ``step``.
+    def failure(self, epoch: int, world_rank: int, step: int, now: float, reached: int = 0,
+                cause: str | None = None, detected: bool = False, in_round: bool = True) -> FailureOutcome:
+        """World rank ``world_rank`` of group ``epoch`` checks in to a failure of the epoch.
 
-        The first report of an epoch opens its arbitration (deadline ``now + failure_grace_s``).
-        When every member has reported, the verdict is decided in this same call (nobody lost).
-        A report for an epoch that is not the current one is answered at once, naming nobody.
-        Every verdict ends the epoch: the next batch forms a new group.
+        A member checks in when a round failed for it (``cause``: what went wrong; ``detected``:
+        it found the problem itself, e.g. a part that does not match its peers', rather than seeing
+        a collective fail) or, alive and told that the epoch's arbitration opened, with
+        ``cause=None``. ``reached`` is how many rounds of the epoch it
+        reached (completed, plus the one it is in or waiting for); ``in_round`` whether it is in
+        one (a server waiting for the next round's header is); ``step`` the step it was in (-1 if
+        it does not know, e.g. a server).
+
+        The first check-in opens the epoch's arbitration (deadline ``now + failure_grace_s``;
+        ``opened``). The verdict is decided in the call where the last member checks in, or by
+        :meth:`close_failure` at the deadline; who is lost and which cause everyone reads is
+        :class:`~scheduler.arbitration.Arbitration`'s rule (the silent, and the late). An epoch
+        that is not current and has no arbitration (already over) is answered at once, naming
+        nobody. Every verdict ends its epoch (the next batch forms a new group), ends the step
+        (the job goes on at the step after), and leaves lost servers out of plans until they
+        answer a ping again.
         """
-        self.next_step = max(self.next_step, step + 1)
         fail = self.failures.get(epoch)
+        opened = False
         if fail is None:
-            fail = self.failures[epoch] = _Failure(self._describe_members(epoch), now + self.failure_grace_s)
-            if not fail.members:  # not the current group: nobody to wait for, nothing to end
-                fail.lost = []
-        if fail.lost is None:
-            fail.reported.add(world_rank)
-            if fail.reported >= set(fail.members):
-                self._decide(epoch, fail)
-        return FailureOutcome(self._verdict(fail), fail.deadline)
+            if epoch != self.epoch or epoch not in self.groups or self.members is None:
+                return FailureOutcome({"epoch": epoch, "lost": [], "lost_ranks": [],
+                                       "next_step": max(self.next_step, self.floor, step + 1),
+                                       "cause": f"group epoch {epoch} is over", "detected": False},
+                                      now)
+            fail = self.failures[epoch] = Arbitration(epoch, self.groups[epoch], now + self.failure_grace_s,
+                                                      self.failure_grace_s)
+            opened = True
+        if fail.verdict is None:
+            fail.check_in(world_rank, step, reached, in_round, cause, detected)
+            if fail.complete:
+                self._decide(fail)
+        return FailureOutcome(fail.verdict, fail.deadline, opened)
 
     def close_failure(self, epoch: int, now: float) -> dict | None:
         """The verdict of group ``epoch``'s failure: decided now if the grace period is over
-        (``now >= deadline``; the silent members are lost), else None (still waiting)."""
+        (``now >= deadline``), else None (still waiting). An epoch without arbitration names
+        nobody."""
         fail = self.failures.get(epoch)
         if fail is None:
-            return {"lost": [], "next_step": self.next_step}
-        if fail.lost is None and now >= fail.deadline:
-            self._decide(epoch, fail)
-        return self._verdict(fail)
+            return {"epoch": epoch, "lost": [], "lost_ranks": [], "next_step": max(self.next_step, self.floor),
+                    "cause": f"group epoch {epoch} is over", "detected": False}
+        if fail.verdict is None and now >= fail.deadline:
+            self._decide(fail)
+        return fail.verdict
 
-    def _decide(self, epoch: int, fail: _Failure) -> None:
-        fail.lost = [desc for r, desc in sorted(fail.members.items()) if r not in fail.reported]
-        if epoch == self.epoch:
+    def arbitration(self, epoch: int) -> str | None:
+        """``"open"`` while group ``epoch``'s failure is being arbitrated (members must check in),
+        ``"decided"`` once its verdict is out, None if the epoch has not failed."""
+        fail = self.failures.get(epoch)
+        return None if fail is None else ("open" if fail.verdict is None else "decided")
+
+    def _decide(self, fail: Arbitration) -> None:
+        """Decide ``fail``'s verdict and act on it: lost servers out of plans until they answer a
+        ping, a fresh group for the next batch, the step failed for every later report."""
+        lost = fail.lost()
+        for r, _ in lost:
+            server = self.servers.get(fail.members[r].server)
+            if server is not None and server["state"] == "alive":
+                server["state"] = "suspect"
+        if fail.epoch == self.epoch:
             self.members = None  # whatever happened, the next batch forms a fresh group
+        cause, detected = fail.cause()
+        if fail.step >= 0:
+            self._fail_step(fail.step, error_answer("DistCAError", f"step {fail.step} failed in group "
+                                                                    f"epoch {fail.epoch}: {cause}"[:500]))
+        fail.verdict = {"epoch": fail.epoch, "lost": [why for _, why in lost], "lost_ranks": [r for r, _ in lost],
+                        "next_step": max(self.next_step, self.floor), "cause": cause, "detected": detected}
 
-    def _verdict(self, fail: _Failure) -> dict | None:
-        return None if fail.lost is None else {"lost": list(fail.lost), "next_step": self.next_step}
-
-    def _describe_members(self, epoch: int) -> dict[int, str]:
-        if epoch != self.epoch or self.members is None:
-            return {}
-        W = self.world_size
-        out = {r: f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})" for r in range(W)}
-        for plan_index, sid in enumerate(self.epoch_servers):
-            out[W + plan_index] = f"attention server {sid} (node {self.servers.get(sid, {}).get('node', '?')})"
+    def _describe(self, servers) -> dict[int, Member]:
+        """World rank -> member of a group of the clients and ``servers`` (in plan order)."""
+        W = self.world_size or 0
+        out = {r: Member(f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})", True, None)
+               for r in range(W)}
+        for plan_index, sid in enumerate(servers):
+            out[W + plan_index] = Member(
+                f"attention server {sid} (node {self.servers.get(sid, {}).get('node', '?')})", False, sid)
         return out
 
     # ---- inspection --------------------------------------------------------------------------
@@ -488,7 +656,8 @@ class Coordinator:
                     "last_tasks": self.last.get("server_tasks", {}).get(sid)}
                    for sid, s in sorted(self.servers.items())]
         return {"name": self.name, "mode": self.mode, "world_size": self.world_size,
-                "clients": sorted(self.clients), "epoch": self.epoch, "next_step": self.next_step,
+                "clients": sorted(self.clients), "epoch": self.epoch,
+                "next_step": max(self.next_step, self.floor),
                 "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
 
 
@@ -528,5 +697,5 @@ def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str]:
     return shape
 
 
-__all__ = ["Assignment", "Coordinator", "DEVICE_TYPES", "KEEP_EPOCHS", "EpochDecision", "FailureOutcome", "PlanOutcome",
-           "ReportOutcome", "error_answer"]
+__all__ = ["Assignment", "Coordinator", "DEVICE_TYPES", "KEEP_EPOCHS", "EpochDecision", "FailureOutcome",
+           "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PlanOutcome", "ReportOutcome", "error_answer"]

@@ -8,6 +8,7 @@ full on decode; parts cut from a plan (already validated) skip the checks and ar
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,9 @@ from .tasks import (MODES, Plan, participant_count, participant_roles,
 FORMAT = "distca.part"
 VERSION = 1
 _KEYS = frozenset({"step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant", "rank",
-                   "server", "doc_lens", "client_tasks", "server_tasks"})
+                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id"})
 _MAX = (1 << 40) - 1
+PLAN_ID_MAX = (1 << 64) - 1
 _NO_TASKS = np.zeros((0, 7), dtype=np.int64)
 _NO_TASKS.flags.writeable = False
 
@@ -42,6 +44,9 @@ class PlanPart:
         client_tasks: int64 [n, 7] (server, src_rank, doc_index, q_start, q_end, kv_start, kv_end)
             of every task of this rank's documents, sorted, as in ``Plan.task_array``.
         server_tasks: int64 [m, 7], the same columns, of the tasks this server runs.
+        plan_id: the identity of the plan this part was cut from (:func:`plan_identity`, an unsigned
+            64-bit int; 0 when none was given). Every participant of a round checks that all
+            agree before any byte moves.
 
     Raises:
         ValueError: any field out of range, tasks not sorted or not full-prefix shards, or client
@@ -60,6 +65,7 @@ class PlanPart:
     doc_lens: list[int]
     client_tasks: np.ndarray
     server_tasks: np.ndarray
+    plan_id: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +74,7 @@ class PlanPart:
             raise ValueError(f"cost must be a CostModel, got {type(self.cost).__name__}")
         for name in ("step", "batch", "num_ranks", "num_servers", "participant"):
             setattr(self, name, int_in_range(name, getattr(self, name), 1 if name.startswith("num") else 0, _MAX))
+        self.plan_id = int_in_range("plan_id", self.plan_id, 0, PLAN_ID_MAX)
         if self.mode == "inplace" and self.num_ranks != self.num_servers:
             raise ValueError(f"inplace part with {self.num_ranks} ranks but {self.num_servers} servers")
         if not 0 <= self.participant < self.num_participants:
@@ -153,15 +160,15 @@ class PlanPart:
     # ---- wire format ---------------------------------------------------------------------------
     def to_msgpack(self) -> bytes:
         """Serialise to a :mod:`scheduler.descriptor` map of format ``distca.part``: the scalar
-        fields, ``cost`` (:meth:`CostModel.to_wire`), and int64 ``bin`` arrays ``doc_lens``,
-        ``client_tasks`` and ``server_tasks`` (rows of 7)."""
+        fields (``plan_id`` an unsigned 64-bit int), ``cost`` (:meth:`CostModel.to_wire`), and
+        int64 ``bin`` arrays ``doc_lens``, ``client_tasks`` and ``server_tasks`` (rows of 7)."""
         return descriptor.pack(FORMAT, VERSION, {
             "step": self.step, "batch": self.batch, "mode": self.mode, "num_ranks": self.num_ranks,
             "num_servers": self.num_servers, "cost": self.cost.to_wire(),
             "participant": self.participant, "rank": self.rank, "server": self.server,
             "doc_lens": descriptor.int_bin(self.doc_lens),
             "client_tasks": descriptor.int_bin(self.client_tasks),
-            "server_tasks": descriptor.int_bin(self.server_tasks)})
+            "server_tasks": descriptor.int_bin(self.server_tasks), "plan_id": self.plan_id})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "PlanPart":
@@ -173,6 +180,7 @@ class PlanPart:
         obj = descriptor.unpack(data, FORMAT, VERSION, _KEYS, "part")
         fields = {key: descriptor.int_field(obj, key, 0, _MAX)
                   for key in ("step", "batch", "num_ranks", "num_servers", "participant")}
+        fields["plan_id"] = descriptor.int_field(obj, "plan_id", 0, PLAN_ID_MAX)
         for key in ("rank", "server"):
             fields[key] = descriptor.int_field(obj, key, 0, _MAX, optional=True)
         try:
@@ -185,7 +193,7 @@ class PlanPart:
 
     @classmethod
     def _cut(cls, plan: Plan, participant: int, step: int, batch: int, client_tasks: np.ndarray,
-             server_tasks: np.ndarray) -> "PlanPart":
+             server_tasks: np.ndarray, plan_id: int = 0) -> "PlanPart":
         """A part of an already validated ``plan``, built without re-validation.
 
         ``client_tasks``/``server_tasks`` must be the participant's rows of ``plan.task_array`` in
@@ -197,7 +205,7 @@ class PlanPart:
             step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
             num_servers=plan.num_servers, cost=plan.cost, participant=participant, rank=rank,
             server=server, doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
-            client_tasks=client_tasks, server_tasks=server_tasks)
+            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id)
         return part
 
 
@@ -214,8 +222,20 @@ def _check_cut_args(plan: Plan, step, batch) -> tuple[int, int]:
     return int_in_range("step", step, 0, _MAX), int_in_range("batch", batch, 0, _MAX)
 
 
-def plan_part(plan: Plan, participant: int, step: int = 0, batch: int = 0) -> PlanPart:
-    """Cut participant ``participant``'s part out of ``plan`` (a validated :class:`Plan`).
+def plan_identity(descriptor_bytes: bytes, step: int, batch: int) -> int:
+    """The identity of a plan bound to ``(step, batch)``: the first 8 bytes of the BLAKE2b hash
+    of ``step``, ``batch`` (int64) and the plan's descriptor (:meth:`Plan.to_msgpack`), as an
+    unsigned 64-bit int (never 0, which means "none given"). The scheduler computes it once per
+    batch and puts it in every part, so participants holding parts of different plans (another
+    step's, or a forged one) find out before any byte moves."""
+    h = hashlib.blake2b(descriptor.int_bin([step, batch]), digest_size=8)
+    h.update(descriptor_bytes)
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+def plan_part(plan: Plan, participant: int, step: int = 0, batch: int = 0, plan_id: int = 0) -> PlanPart:
+    """Cut participant ``participant``'s part out of ``plan`` (a validated :class:`Plan`),
+    carrying ``plan_id`` (see :func:`plan_identity`).
 
     To cut every part, :func:`plan_parts` is much faster (one pass instead of one per part).
 
@@ -223,15 +243,16 @@ def plan_part(plan: Plan, participant: int, step: int = 0, batch: int = 0) -> Pl
         ValueError: ``participant`` outside ``[0, plan.num_participants)``, or a bad step/batch.
     """
     step, batch = _check_cut_args(plan, step, batch)
+    plan_id = int_in_range("plan_id", plan_id, 0, PLAN_ID_MAX)
     participant = int_in_range("participant", participant, 0, plan.num_participants - 1)
     rank, server = participant_roles(plan.mode, plan.num_ranks, participant)
     arr = plan.task_array
     client = _read_only(arr[arr[:, 1] == rank]) if rank is not None else _NO_TASKS
     own = _read_only(arr[arr[:, 0] == server]) if server is not None else _NO_TASKS
-    return PlanPart._cut(plan, participant, step, batch, client, own)
+    return PlanPart._cut(plan, participant, step, batch, client, own, plan_id)
 
 
-def plan_parts(plan: Plan, step: int = 0, batch: int = 0) -> list[PlanPart]:
+def plan_parts(plan: Plan, step: int = 0, batch: int = 0, plan_id: int = 0) -> list[PlanPart]:
     """Every participant's part of ``plan``, in participant order, cut in one pass.
 
     ``plan.task_array`` is already in server order (the plan's canonical order), so each server's
@@ -239,10 +260,13 @@ def plan_parts(plan: Plan, step: int = 0, batch: int = 0) -> list[PlanPart]:
     client's rows are one slice too. Boundaries come from ``np.searchsorted``; no part is
     re-validated (the plan was). O(T log T + P) for T tasks and P participants.
 
+    Every part carries ``plan_id`` (see :func:`plan_identity`).
+
     Raises:
-        ValueError: a bad step or batch.
+        ValueError: a bad step, batch or plan id.
     """
     step, batch = _check_cut_args(plan, step, batch)
+    plan_id = int_in_range("plan_id", plan_id, 0, PLAN_ID_MAX)
     arr = _read_only(plan.task_array)
     by_server = np.searchsorted(arr[:, 0], np.arange(plan.num_servers + 1)).tolist()
     by_rank_arr = _read_only(arr[np.argsort(arr[:, 1], kind="stable")])
@@ -252,8 +276,8 @@ def plan_parts(plan: Plan, step: int = 0, batch: int = 0) -> list[PlanPart]:
         rank, server = participant_roles(plan.mode, plan.num_ranks, p)
         client = by_rank_arr[by_rank[rank]:by_rank[rank + 1]] if rank is not None else _NO_TASKS
         own = arr[by_server[server]:by_server[server + 1]] if server is not None else _NO_TASKS
-        parts.append(PlanPart._cut(plan, p, step, batch, client, own))
+        parts.append(PlanPart._cut(plan, p, step, batch, client, own, plan_id))
     return parts
 
 
-__all__ = ["PlanPart", "plan_part", "plan_parts"]
+__all__ = ["PLAN_ID_MAX", "PlanPart", "plan_identity", "plan_part", "plan_parts"]

@@ -10,6 +10,7 @@ client of a job on Ray). ``DistCAClient`` and its autograd function see only thi
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -156,6 +157,11 @@ class Runtime(ABC):
     def new_step(self) -> None:
         """End the current step now (forward-only loops: nothing counts toward the step)."""
 
+    def fail_step(self, error: ValueError) -> None:
+        """This process's own input failed a check (``error``, which the caller raises) in the
+        current step. A runtime with peers makes them fail the step at once with the same
+        message instead of waiting for it; locally there is nobody to tell."""
+
     @abstractmethod
     def close(self) -> None:
         """Stop the runtime's threads and leave any group; later calls raise DistCAError."""
@@ -165,14 +171,25 @@ class StepState:
     """Which step a runtime is in, the batches bound in it, and when it ends.
 
     A step ends once as many backward rounds as counted forward rounds have run (checked when the
-    next batch is looked up), or at :meth:`advance`. Not thread-safe: the runtime holds its lock.
+    next batch is looked up), or at :meth:`advance`.
+
+    Which batch an ``attend`` call belongs to: a batch with the same key (documents, attention
+    shape, device) whose forward results were all claimed (``wait()``-ed, in program order), the
+    least recently used first; if every such batch still has a forward round outstanding, a new
+    batch. So ping-pong nano-batches with identical documents are two batches on that client as on
+    the clients whose nano-batches differ, and each layer goes back to its own nano-batch: the
+    choice follows the program's order of calls, the same on every client, never timing.
+
+    Not thread-safe: the runtime holds its lock (claims take a lock of their own).
     """
 
     def __init__(self, step: int = 0):
         self.step = step
-        self.batches: OrderedDict = OrderedDict()
+        self.batches: OrderedDict = OrderedDict()  # batch index -> PlannedBatch, least recently used first
         self._next_batch = 0
         self.forward_rounds = self.backward_rounds = self.seq = 0
+        self._claims = threading.Lock()
+        self._open: dict[int, int] = {}  # id(batch) -> forward rounds whose results are not claimed
 
     @property
     def ended(self) -> bool:
@@ -184,26 +201,48 @@ class StepState:
         self.batches.clear()
         self._next_batch = 0
         self.forward_rounds = self.backward_rounds = self.seq = 0
+        with self._claims:
+            self._open.clear()
 
     def lookup(self, key):
-        """The batch bound to ``key`` in the current step (ending the step first if it is done),
-        or None."""
+        """The batch of the current step for ``key`` (ending the step first if it is done): the
+        least recently used one bound to ``key`` with every forward result claimed, or None."""
         if self.ended:
             self.advance()
-        found = self.batches.get(key)
-        if found is not None:
-            self.batches.move_to_end(key)
-        return found
+        with self._claims:
+            for index, batch in self.batches.items():
+                if batch.key == key and not self._open.get(id(batch)):
+                    self.batches.move_to_end(index)
+                    return batch
+        return None
 
     def next_batch_index(self) -> int:
         return self._next_batch
 
     def add(self, key, batch: PlannedBatch) -> None:
         """Bind ``batch`` (whose index is :meth:`next_batch_index`) to ``key``."""
-        self.batches[key] = batch
+        batch.key = key
+        self.batches[self._next_batch] = batch
         self._next_batch += 1
         while len(self.batches) > BATCHES_KEPT:
-            self.batches.popitem(last=False)
+            _, old = self.batches.popitem(last=False)
+            with self._claims:
+                self._open.pop(id(old), None)
+
+    def claimable(self, batch: PlannedBatch, future: Future) -> Future:
+        """``future`` (of ``batch``'s forward round) as a future whose first ``result()`` call
+        claims the round: until then, ``batch`` is not handed out for its key again."""
+        with self._claims:
+            self._open[id(batch)] = self._open.get(id(batch), 0) + 1
+        return _ClaimedFuture(future, lambda: self._claim(batch))
+
+    def _claim(self, batch: PlannedBatch) -> None:
+        with self._claims:
+            n = self._open.get(id(batch), 0)
+            if n > 1:
+                self._open[id(batch)] = n - 1
+            else:
+                self._open.pop(id(batch), None)
 
     def count_round(self, batch: PlannedBatch, kind: RoundKind, counts_for_step: bool = True) -> int:
         """Count one round of ``batch``; returns its sequence number within the step.
@@ -222,3 +261,25 @@ class StepState:
         elif kind == RoundKind.BACKWARD:
             self.backward_rounds += 1
         return seq
+
+
+class _ClaimedFuture(Future):
+    """A round's future that calls ``on_claim`` once, at the first ``result()`` call."""
+
+    def __init__(self, inner: Future, on_claim):
+        super().__init__()
+        self._on_claim = on_claim
+        inner.add_done_callback(self._copy)
+
+    def _copy(self, inner: Future) -> None:
+        exc = inner.exception()
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(inner.result())
+
+    def result(self, timeout=None):
+        claim, self._on_claim = self._on_claim, None
+        if claim is not None:
+            claim()
+        return super().result(timeout)

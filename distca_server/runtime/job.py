@@ -3,30 +3,39 @@
 ``launch`` starts the job's :class:`~scheduler.actor.SchedulerActor` and, in dedicated mode, its
 :class:`~distca_server.runtime.server_actor.AttentionServer` actors (detached by default, so they
 outlive the driver that started them); clients then ``DistCAClient.connect(name)`` from any Ray
-task or actor.
+task or actor. Every actor of a job is named (``distca-scheduler-<name>``,
+``distca-server-<name>-<i>`` in namespace ``distca``), so ``status`` and ``shutdown`` find them by
+name, without asking the scheduler: they work while it is gone or restarting.
 """
 
 from __future__ import annotations
 
+import time
+
 import ray
 
-from scheduler.actor import NAMESPACE, SchedulerActor, scheduler_actor_name, server_actor_name
+from scheduler.actor import NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name
 
+from ..errors import DistCAError
 from .server_actor import AttentionServerActor
 
+_GONE_S = 30.0  # shutdown waits this long for the killed actors' names to be released
 
-def _scheduler(name: str):
+
+def _actor(name: str):
     try:
-        return ray.get_actor(scheduler_actor_name(name), namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
 
 
 def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
            epsilon: float = 0.05, min_shard: int = 128, timeout_s: float = 60.0,
-           failure_grace_s: float = 2.0, backend: str = "auto", detached: bool = True,
-           max_restarts: int = 0, server_options: dict | None = None) -> dict:
-    """Start job ``name``: its scheduler and ``servers`` dedicated attention servers.
+           failure_grace_s: float = 1.0, backend: str = "auto", detached: bool = True,
+           max_restarts: int = 0, scheduler_restarts: int = -1, server_options: dict | None = None,
+           start_timeout_s: float = 300.0, coordinator_options: dict | None = None) -> dict:
+    """Start job ``name``: its scheduler and ``servers`` dedicated attention servers, all or
+    nothing (if any actor fails to start, the ones started are stopped and the error raised).
 
     Args:
         name: job name clients connect to.
@@ -35,19 +44,26 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
         mode: ``"dedicated"`` or ``"inplace"``.
         epsilon, min_shard: planner settings.
         timeout_s: how long any wait lasts before ``DistCAError``.
-        failure_grace_s: how long the scheduler waits for survivors' reports after a failure.
+        failure_grace_s: after a failure, how long the scheduler waits for the other members to
+            check in before naming the silent ones lost.
         backend: kernel backend on the servers.
         detached: keep the actors alive after this driver exits (``distca down`` stops them).
             With ``detached=False`` the actors live as long as the returned handles do: keep them.
         max_restarts: how often Ray restarts a dead server (a restarted server rejoins).
+        scheduler_restarts: how often Ray restarts a dead scheduler (-1: always); a restarted
+            scheduler rebuilds its state from the participants re-registering, the step in flight
+            fails on every participant and the next one runs.
         server_options: Ray actor options for the servers; default one GPU each on a cluster
             with GPUs, else one CPU.
+        start_timeout_s: how long the actors may take to start.
+        coordinator_options: more scheduler settings (``max_report_docs``, ``max_report_tokens``).
 
     Returns:
         ``{"scheduler": handle, "servers": [handles]}``.
 
     Raises:
-        ValueError: bad arguments, or a job of that name already running.
+        ValueError: bad arguments, or actors of a job of that name already running.
+        DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
@@ -55,54 +71,86 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
         raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
     if mode == "dedicated" and (not isinstance(servers, int) or servers < 1):
         raise ValueError(f"dedicated mode needs servers >= 1, got {servers!r}")
-    if _scheduler(name) is not None:
-        raise ValueError(f"a distca job named {name!r} is already running; `distca down --name {name}` first")
+    running = job_actor_names(name)
+    if running:
+        raise ValueError(f"a distca job named {name!r} is already running (actors {running}); "
+                         f"`distca down --name {name}` first")
     lifetime = "detached" if detached else None
-    scheduler = SchedulerActor.options(name=scheduler_actor_name(name), namespace=NAMESPACE,
-                                       lifetime=lifetime).remote(
-        name, mode, epsilon, min_shard, timeout_s, failure_grace_s, backend)
-    ray.get(scheduler.ping.remote())
-    handles = []
-    if mode == "dedicated":
-        if server_options is None:
-            gpus = ray.cluster_resources().get("GPU", 0)
-            server_options = {"num_gpus": 1} if gpus > 0 else {"num_cpus": 1}
-        for i in range(servers):
-            handles.append(AttentionServerActor.options(
-                name=server_actor_name(name, i), namespace=NAMESPACE, lifetime=lifetime,
-                max_concurrency=8, max_restarts=max_restarts, **server_options).remote(
-                    name, i, timeout_s, 3600.0, backend))
-        ray.get([h.ping.remote() for h in handles])
+    started = []
+    try:
+        scheduler = SchedulerActor.options(
+            name=scheduler_actor_name(name), namespace=NAMESPACE, lifetime=lifetime,
+            max_restarts=scheduler_restarts).remote(
+            name, mode, epsilon, min_shard, timeout_s, failure_grace_s, backend, coordinator_options)
+        started.append(scheduler)
+        ray.get(scheduler.ping.remote(), timeout=start_timeout_s)
+        handles = []
+        if mode == "dedicated":
+            if server_options is None:
+                gpus = ray.cluster_resources().get("GPU", 0)
+                server_options = {"num_gpus": 1} if gpus > 0 else {"num_cpus": 1}
+            for i in range(servers):
+                handles.append(AttentionServerActor.options(
+                    name=server_actor_name(name, i), namespace=NAMESPACE, lifetime=lifetime,
+                    max_concurrency=8, max_restarts=max_restarts, **server_options).remote(
+                        name, i, timeout_s, 3600.0, backend))
+                started.append(handles[-1])
+            ray.get([h.ping.remote() for h in handles], timeout=start_timeout_s)
+    except BaseException as exc:
+        for handle in started:
+            ray.kill(handle, no_restart=True)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise DistCAError(f"job {name!r} did not start within {start_timeout_s:g} s (not enough "
+                              f"resources for its servers?); nothing is left running") from None
+        raise
     return {"scheduler": scheduler, "servers": handles}
 
 
 def status(name: str = "default") -> dict:
-    """The job's state (see ``SchedulerActor.status``).
+    """The job's state (see ``SchedulerActor.status``). Without a scheduler that answers (gone or
+    restarting), the servers found by name answer for themselves: ``scheduler`` says which.
 
     Raises:
-        ValueError: no job of that name.
+        ValueError: no actor of a job of that name.
     """
-    scheduler = _scheduler(name)
-    if scheduler is None:
+    names = job_actor_names(name)
+    if not names:
         raise ValueError(f"no distca job named {name!r} on this Ray cluster")
-    return ray.get(scheduler.status.remote(), timeout=30)
+    scheduler = _actor(scheduler_actor_name(name)) if scheduler_actor_name(name) in names else None
+    if scheduler is not None:
+        try:
+            return dict(ray.get(scheduler.status.remote(), timeout=30), scheduler="running")
+        except Exception as exc:  # dead, restarting or stuck: fall back to the servers
+            state = f"not answering ({type(exc).__name__})"
+    else:
+        state = "missing"
+    rows = []
+    for n in names[1 if scheduler is not None else 0:]:
+        sid = int(n.rsplit("-", 1)[1])
+        row = {"server": sid, "node": "?", "state": "unreachable", "rounds_served": None,
+               "last_flops": None, "last_tasks": None}
+        handle = _actor(n)
+        try:
+            stats = ray.get(handle.stats.remote(), timeout=10)
+            row.update(node=stats["node"], state=stats["state"], rounds_served=stats["rounds_served"])
+        except Exception:  # a dead or stuck server: shown as unreachable
+            pass
+        rows.append(row)
+    return {"name": name, "scheduler": state, "mode": "?", "world_size": None, "clients": [], "epoch": None,
+            "next_step": None, "steps_planned": None, "last": {}, "servers": rows}
 
 
 def shutdown(name: str = "default") -> int:
-    """Stop job ``name``'s servers and scheduler; returns how many actors were stopped."""
+    """Stop every actor of job ``name`` found by name (servers, then the scheduler, none of them
+    restarted), and wait until their names are free; returns how many were stopped."""
+    names = job_actor_names(name)
     stopped = 0
-    scheduler = _scheduler(name)
-    if scheduler is not None:
-        try:
-            ids = [s["server"] for s in ray.get(scheduler.status.remote(), timeout=30)["servers"]]
-        except Exception:  # a broken scheduler still gets killed below
-            ids = []
-        for i in ids:
-            try:
-                ray.kill(ray.get_actor(server_actor_name(name, i), namespace=NAMESPACE))
-                stopped += 1
-            except ValueError:
-                pass
-        ray.kill(scheduler)
-        stopped += 1
+    for n in names[::-1]:  # servers first: the scheduler is last to go
+        handle = _actor(n)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+            stopped += 1
+    deadline = time.monotonic() + _GONE_S
+    while job_actor_names(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return stopped

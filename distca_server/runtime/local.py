@@ -179,12 +179,13 @@ class LocalRuntime(Runtime):
 
     def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, fn, *args):
         """Count a round of ``batch`` toward its step and queue ``fn(*args)`` behind the earlier
-        rounds; returns its future."""
+        rounds; returns its future (a forward round's tells the step when it is claimed)."""
         with self._lock:
             if self._closed:
                 raise DistCAError("this DistCAClient is closed")
             self._state.count_round(batch, kind, counts_for_step)
-            return self._rounds.submit(fn, *args)
+            future = self._rounds.submit(fn, *args)
+            return self._state.claimable(batch, future) if kind == RoundKind.FORWARD else future
 
     def run(self, jobs):
         """Run one exchange-synchronised job per participant; return their results in order.

@@ -3,14 +3,32 @@ dedicated attention servers.
 
 Each membership of the job (clients, live servers, device type) is a *group epoch* the scheduler
 hands out. A member joins epoch ``e`` as world rank ``r`` of ``w`` through the scheduler's
-rendezvous relay (world rank 0 publishes its ``TCPStore`` address, the others look it up), runs
-rounds over it (the round header first, then the participant's round), and when anything in a
-round fails leaves the group, reports to the scheduler and raises the scheduler's verdict, naming
-the lost participants, as :class:`GroupFailure`.
+rendezvous relay (world rank 0 publishes its ``TCPStore`` address, the others look it up) and runs
+rounds over it: the round header first (:mod:`distca_server.header`: which round, and whether
+every pair agrees on what moves), then the participant's round.
+
+Liveness comes from the data plane. When a round fails anywhere (a participant found its part
+disagrees, a peer's connection closed, an exchange timed out), that member checks in with the
+scheduler, which opens the epoch's arbitration. Every other member learns of it through a
+long-poll (:meth:`GroupMember.poll`) and checks in too, saying how many rounds of the epoch it
+reached and whether it is in one; a member blocked waiting for a round header stops waiting at
+once. The verdict names the members that never checked in and those that had not started the
+round their peers waited in (late), with the cause the members reported; every member raises it
+as :class:`GroupFailure`. A scheduler that dies (and restarts) fails the epoch for every member
+the same way (:class:`SchedulerLost`).
+
+Why the header wait is abandoned rather than aborted: a gloo collective cannot be interrupted,
+and a timed-out one keeps its group's connections open, so peers do not see them close. The
+header exchange runs on a helper thread; an abandoned one stays blocked there until its own
+timeout or its peers leave, while the member moves on.
 """
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import ray
@@ -19,35 +37,61 @@ import torch
 from scheduler.cost import RoundKind
 
 from ..errors import DistCAError
-from ..header import RoundHeader, exchange_header
+from ..header import RoundHeader, check_claims, claims, common_header, exchange_header
 from ..participant import Participant
 from ..transport.torch_dist import TorchDistTransport, join_group
 
+POLL_S = 5.0  # one long-poll of the scheduler lasts at most this long
+_WAKE_S = 0.1  # while polling, check this often whether the member moved to another epoch
+
+
+def _terse(detail: str) -> str:
+    """A collective's error without gloo's source location and advice."""
+    detail = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", detail)
+    return detail.split(" This is typically caused")[0]
+
+
+class SchedulerLost(DistCAError):
+    """The job's scheduler actor died (Ray restarts it if the job allows): its state is gone, so
+    every member leaves its group and re-registers."""
+
 
 def ask(ref, timeout_s: float):
-    """``ray.get`` of a call to the scheduler actor, its silence or death as :class:`DistCAError`."""
+    """``ray.get`` of a call to the scheduler actor, its silence as :class:`DistCAError` and its
+    death as :class:`SchedulerLost`."""
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise DistCAError(f"the distca scheduler did not answer within {timeout_s:g} s") from None
     except ray.exceptions.RayActorError as exc:
-        raise DistCAError(f"the distca scheduler is gone: {exc}") from None
+        raise SchedulerLost(f"the distca scheduler is gone: {str(exc).splitlines()[0][:200]}") from None
 
 
 class GroupFailure(DistCAError):
-    """A round or a join failed; raised after the scheduler's verdict. The Ray client goes on
-    at :attr:`next_step` and raises the message as a plain :class:`DistCAError`; a server records
-    it and waits for its next group epoch.
+    """A round or a join failed; raised with the scheduler's verdict. The Ray client goes on at
+    :attr:`next_step`; a server records it and waits for its next group epoch.
 
     Attributes:
-        lost: descriptions of the participants that never reported back (e.g. ``"attention
-            server 1 (node 10.0.0.2)"``), or the scheduler itself if it did not answer.
+        lost: descriptions of the lost participants with why (e.g. ``"attention server 1 (node
+            10.0.0.2): did not answer within 1 s"``), empty if none was lost.
         next_step: the step every client goes on with.
+        cause: what the members reported: a participant's own finding first.
+        detected: the cause is a participant's own finding (a ``ValueError``), not a symptom.
     """
 
-    def __init__(self, message: str, lost: list[str], next_step: int):
+    def __init__(self, message: str, lost: list[str], next_step: int, cause: str = "", detected: bool = False):
         super().__init__(message)
-        self.lost, self.next_step = lost, next_step
+        self.lost, self.next_step, self.cause, self.detected = lost, next_step, cause, detected
+
+
+class Superseded(DistCAError):
+    """A newer group epoch was assigned while this member waited for a round of the old one (a
+    dedicated server): not a failure, the member just leaves the old group."""
+
+
+class _Abandoned(Exception):
+    """The epoch's arbitration opened (or the scheduler died, or a newer epoch was assigned)
+    while this member waited."""
 
 
 class GroupMember:
@@ -55,23 +99,42 @@ class GroupMember:
 
     Args:
         scheduler: the job's ``SchedulerActor`` handle (``publish_store``, ``store_address``,
-            ``report_failure``).
+            ``report_failure``, ``watch``).
         host: this node's IP address (where world rank 0 hosts the rendezvous store).
         timeout_s: deadline of the join and of every exchange inside a round.
         who: how errors name this member, e.g. ``"rank 0"`` or ``"server 1"``.
+        watch: start a thread per joined epoch that long-polls the scheduler (clients); a
+            dedicated server polls from its own control loop instead.
     """
 
-    def __init__(self, scheduler, host: str, timeout_s: float, who: str):
+    def __init__(self, scheduler, host: str, timeout_s: float, who: str, *, watch: bool = True):
         self.scheduler, self.host, self.timeout_s, self.who = scheduler, host, timeout_s, who
         self.transport: TorchDistTransport | None = None
         self.epoch: int | None = None  # the last epoch joined (or tried); kept after leaving
         self.world_rank: int | None = None
         self.world_size: int | None = None
+        self.rounds_done = 0  # rounds of the current epoch completed
+        self.in_round = False  # joining, in a round, or (a server) waiting for the next header
+        self.scheduler_lost = False  # set when the scheduler died; the owner re-registers, then clears it
+        self.scheduler_incarnation: str | None = None  # the scheduler registered with (owner sets it)
+        self._watch = watch
+        self._live: int | None = None  # the epoch joined or joining; None after leaving
+        self._cond = threading.Condition()
+        self._abandoned: dict[int, str] = {}  # epoch -> why its waits stop
+        self._verdicts: dict[int, dict] = {}  # epoch -> verdict, once known
+        self._headers = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-header-{who}")
+        self._pending = None  # (transport, future) of an abandoned header exchange still blocked
 
     @property
     def joined(self) -> bool:
         return self.transport is not None
 
+    @property
+    def reached(self) -> int:
+        """Rounds of the current epoch reached: completed, plus the one it is in."""
+        return self.rounds_done + (1 if self.in_round else 0)
+
+    # ---- joining and leaving -----------------------------------------------------------------------
     def join(self, epoch: int, world_rank: int, world_size: int, device, *, step: int) -> None:
         """Be world rank ``world_rank`` of group epoch ``epoch`` (no-op if already), leaving the
         previous epoch's group.
@@ -84,6 +147,10 @@ class GroupMember:
             return
         self.leave()
         self.epoch, self.world_rank, self.world_size = epoch, world_rank, world_size
+        self.rounds_done, self.in_round, self._live = 0, True, epoch
+        if self._watch:
+            threading.Thread(target=self._watch_epoch, args=(epoch,), daemon=True,
+                             name=f"distca-watch-{self.who}-{epoch}").start()
         try:
             self.transport = join_group(
                 epoch=epoch, rank=world_rank, world_size=world_size, host=self.host,
@@ -92,28 +159,59 @@ class GroupMember:
                                                self.timeout_s),
                 lookup=lambda: self._lookup(epoch))
         except DistCAError as exc:
-            raise self.fail(step, "joining the group", str(exc)) from None
+            raise self.fail(step, f"joining group epoch {epoch}", str(exc)) from None
+        finally:
+            self.in_round = False
 
     def leave(self) -> None:
-        """Drop the group (peers still in a collective with it see their connection close)."""
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = None
+        """Drop the group (peers still in an exchange with it see their connection close, unless
+        an exchange of this member is still pending in it). A group with an abandoned header
+        exchange pending is closed when that exchange ends: closing it now would wait for it."""
+        self._live = None
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        pending = self._pending
+        if pending is not None and pending[0] is transport and not pending[1].done():
+            pending[1].add_done_callback(lambda _: transport.close())
+        else:
+            transport.close()
 
+    def close(self) -> None:
+        """Leave the group and stop the helper threads."""
+        self.leave()
+        self.abandon(self.epoch, "closed")
+        self._headers.shutdown(wait=False)
+
+    def abandon(self, epoch: int | None, why: str) -> None:
+        """Stop waiting for epoch ``epoch``'s next round header: its arbitration opened, or the
+        scheduler died, or (``why="superseded"``, a server) a newer epoch was assigned. The next
+        round of the epoch fails at once."""
+        if epoch is None:
+            return
+        with self._cond:
+            self._abandoned.setdefault(epoch, why)
+            for old in [e for e in self._abandoned if e < epoch - 2]:
+                del self._abandoned[old]
+            self._cond.notify_all()
+
+    # ---- rounds ------------------------------------------------------------------------------------
     def run_round(self, header: RoundHeader | None, num_clients: int,
                   participant_for: Callable[[RoundHeader], Participant], tensors=(), *,
                   header_timeout_s: float | None = None):
-        """Exchange the round header, then run the round it names.
+        """Exchange the round header and check it, then run the round it names.
 
         Args:
             header: this client's header, or None on a dedicated server (it learns the round from
                 the clients' common header).
             num_clients: client world ranks (they come first in the group).
-            participant_for: the participant that runs the round named by the common header.
+            participant_for: the participant that runs the round named by a header (a client's
+                own, or a server's part of the header's batch).
             tensors: the client's ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)``
                 (backward) rows; empty on a dedicated server.
             header_timeout_s: how long to wait for the header (servers wait for the next round
-                much longer than for data inside a round); default the member's timeout.
+                much longer than for data inside a round); default the member's timeout. The wait
+                ends early when the epoch's arbitration opens.
 
         Returns:
             What the participant's round returns: ``(out, lse)`` or ``(dq, dk, dv)`` on a client,
@@ -121,41 +219,172 @@ class GroupMember:
 
         Raises:
             DistCAError: not in a group (an earlier round failed; a new step forms a new one).
-            GroupFailure: the round failed anywhere (clients disagreeing on the round, a lost or
-                slow peer, a bad descriptor); the group is left and the failure reported.
+            GroupFailure: the round failed anywhere (clients disagreeing on the round, parts that
+                disagree, a lost, late or slow peer, the scheduler's death); the group is left
+                and the failure reported.
+            Superseded: a newer epoch was assigned while waiting (the group is left).
         """
-        transport = self.transport
+        transport, epoch = self.transport, self.epoch
         if transport is None:
             what = header.describe() if header is not None else "the next round"
             raise DistCAError(f"{self.who} has no group for {what} (a previous round failed; "
                               f"start a new step)")
         step = header.step if header is not None else -1
-        what = header.describe() if header is not None else "a round"
+        what = header.describe() if header is not None else "the next round"
+        self.in_round = True
         try:
-            common = exchange_header(transport, header, num_clients, timeout_s=header_timeout_s)
+            own = None
+            if header is not None:
+                own = claims(participant_for(header), header.kind)
+            rows = self._header(transport, header, own, header_timeout_s, epoch)
+            common = common_header(rows, num_clients)
             step, what = common.step, common.describe()
             participant = participant_for(common)
+            check_claims(common, rows, participant, self.world_rank)
             args = tensors or (None,) * len(common.kind.dispatch)
             if common.kind == RoundKind.FORWARD:
-                return participant.forward(transport, *args, common.softmax_scale)
-            return participant.backward(transport, *args, common.softmax_scale)
+                result = participant.forward(transport, *args, common.softmax_scale)
+            else:
+                result = participant.backward(transport, *args, common.softmax_scale)
+            self.rounds_done += 1
+            return result
+        except _Abandoned as exc:
+            if str(exc) in ("superseded", "closed"):
+                self.leave()
+                raise Superseded(f"{self.who}: group epoch {epoch} was {exc}") from None
+            raise self.fail(step, what, None) from None
         except (DistCAError, ValueError, RuntimeError) as exc:
-            raise self.fail(step, what, str(exc)) from None
+            raise self.fail(step, what, str(exc), detected=isinstance(exc, ValueError)) from None
+        finally:
+            self.in_round = False
 
-    def fail(self, step: int, what: str, detail: str) -> GroupFailure:
-        """Leave the group, report the failure of ``what`` in ``step`` to the scheduler and wait
-        for its verdict (who was lost, which step comes next); returns it as a
-        :class:`GroupFailure` for the caller to raise or record."""
-        epoch, world_rank = self.epoch, self.world_rank
+    def _header(self, transport, header, own, timeout_s, epoch):
+        """The header exchange on the helper thread, waited for until it ends or the epoch is
+        abandoned."""
+        with self._cond:
+            if epoch in self._abandoned:
+                raise _Abandoned(self._abandoned[epoch])
+        future = self._headers.submit(exchange_header, transport, header, own, timeout_s)
+
+        def wake(_):
+            with self._cond:
+                self._cond.notify_all()
+        future.add_done_callback(wake)
+        with self._cond:
+            while not future.done() and epoch not in self._abandoned:
+                self._cond.wait()
+            if epoch in self._abandoned:
+                if not future.done():  # it stays blocked: later headers need a thread of their own
+                    self._pending = (transport, future)
+                    self._headers.shutdown(wait=False)
+                    self._headers = ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix=f"distca-header-{self.who}")
+                raise _Abandoned(self._abandoned[epoch])
+        return future.result()
+
+    # ---- failures ----------------------------------------------------------------------------------
+    def fail(self, step: int, what: str, detail: str | None, *, detected: bool = False,
+             in_round: bool = True) -> GroupFailure:
+        """Leave the group, check in to the epoch's failure with the scheduler (``detail``: what
+        went wrong here; ``detected``: a finding of this member's own, e.g. parts that disagree)
+        and wait for its verdict; returns it as a :class:`GroupFailure` for the caller to raise or
+        record."""
+        epoch, world_rank, reached = self.epoch, self.world_rank, self.rounds_done + (1 if in_round else 0)
+        detail = _terse(detail) if detail else detail
+        verdict = self._verdicts.get(epoch)
+        # Check in before leaving: this member's cause and progress reach the verdict ahead of
+        # what its leaving makes its peers see (a closed connection).
+        if verdict is None and not self.scheduler_lost:
+            try:
+                verdict = ask(self.scheduler.report_failure.remote(
+                    epoch, world_rank, step, reached, detail, detected, in_round), self.timeout_s)
+            except SchedulerLost:
+                self._scheduler_gone()
+            except DistCAError as exc:  # the scheduler is slow: name it
+                verdict = {"lost": [f"the scheduler ({exc})"], "next_step": step + 1,
+                           "cause": detail or "", "detected": detected}
         self.leave()
+        if verdict is None or self.scheduler_lost:
+            return GroupFailure(f"{self.who}: {what} failed: the job's scheduler died (it restarts if the "
+                                f"job allows); every participant fails this step. "
+                                f"{('Cause: ' + detail[:300]) if detail else ''}".rstrip(),
+                                [], step + 1, detail or "scheduler died", detected)
+        self._verdicts[epoch] = verdict
+        cause = verdict.get("cause") or detail or ""
+        lost = "; ".join(verdict["lost"]) or "none"
+        return GroupFailure(f"{self.who}: {what} failed; lost: {lost}. Cause: {cause[:400]}",
+                            list(verdict["lost"]), int(verdict["next_step"]), cause,
+                            bool(verdict.get("detected")))
+
+    def poll(self, epoch: int, poll_s: float = POLL_S) -> None:
+        """One long-poll of the scheduler about group ``epoch`` (returns within ``poll_s``, or as
+        soon as this member moves to another epoch). If its arbitration opened, stop waiting for
+        its rounds and check in (how far this member got), keeping the verdict for the member's
+        own failure report.
+
+        Raises:
+            SchedulerLost: the scheduler died, or answers as another incarnation (it restarted):
+                this member's epoch is abandoned and its owner must register again.
+        """
+        ref = self.scheduler.watch.remote(epoch, poll_s)
+        deadline = time.monotonic() + poll_s + self.timeout_s
+        while not ray.wait([ref], timeout=_WAKE_S)[0]:
+            if self.watch_epoch != epoch or time.monotonic() > deadline:
+                return  # moved on (the caller polls the new epoch), or the scheduler is slow
         try:
-            verdict = ray.get(self.scheduler.report_failure.remote(epoch, world_rank, step, detail),
-                              timeout=self.timeout_s)
-        except Exception as exc:  # the scheduler itself is gone or slow
-            verdict = {"lost": [f"the scheduler ({type(exc).__name__})"], "next_step": step + 1}
-        lost = ", ".join(verdict["lost"]) or "no participant named (all reported back)"
-        return GroupFailure(f"{self.who}: {what} failed; lost: {lost}. Cause: {detail[:300]}",
-                            list(verdict["lost"]), int(verdict["next_step"]))
+            reply = ask(ref, self.timeout_s)
+        except SchedulerLost:
+            self._scheduler_gone()
+            raise
+        except DistCAError:
+            return
+        if self.scheduler_incarnation is not None and reply["scheduler"] != self.scheduler_incarnation:
+            self._scheduler_gone()
+            raise SchedulerLost("the distca scheduler restarted")
+        if reply["state"] is None or epoch in self._verdicts or self.epoch != epoch:
+            return
+        self.abandon(epoch, "the group's arbitration opened")
+        try:
+            verdict = ask(self.scheduler.report_failure.remote(
+                epoch, self.world_rank, -1, self.reached, None, False, self.in_round), self.timeout_s)
+        except SchedulerLost:
+            self._scheduler_gone()
+            raise
+        except DistCAError:
+            return
+        self._verdicts.setdefault(epoch, verdict)
+        for old in [e for e in self._verdicts if e < epoch - 2]:
+            del self._verdicts[old]
+
+    def _watch_epoch(self, epoch: int) -> None:
+        """A client's watcher: poll while the member is in ``epoch``."""
+        while self._live == epoch:
+            try:
+                self.poll(epoch)
+            except SchedulerLost:
+                return
+            if epoch in self._verdicts:
+                return
+
+    def _scheduler_gone(self) -> None:
+        self.scheduler_lost = True
+        self.abandon(self.epoch, "the scheduler died")
+
+    def decided(self, epoch: int) -> bool:
+        """Whether this member holds the verdict of group ``epoch``'s failure."""
+        return epoch in self._verdicts
+
+    @property
+    def watch_epoch(self) -> int:
+        """The epoch to poll the scheduler about: this member's, or -1 (a heartbeat) if it has
+        none or its verdict is already known."""
+        epoch = self.epoch
+        return -1 if epoch is None or epoch in self._verdicts else epoch
+
+    @property
+    def stuck(self) -> bool:
+        """In a round of an abandoned epoch: a data exchange that only its timeout ends."""
+        return self.in_round and self.epoch in self._abandoned
 
     def _lookup(self, epoch: int) -> tuple[str, int]:
         addr = ask(self.scheduler.store_address.remote(epoch), self.timeout_s + 5)

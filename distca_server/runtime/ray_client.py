@@ -3,9 +3,14 @@
 Per step the client reports its batch to the scheduler actor once and gets its part of the plan;
 then every layer's forward round and, later, backward round runs over the job's all-to-all group
 (joined, run and left through :class:`~distca_server.runtime.member.GroupMember`). Steps end as in
-:class:`~distca_server.runtime.base.StepState`; within a step, each distinct batch (ping-pong
-nano-batches) gets its own plan. All rounds of a client run in order on one worker thread, so
+:class:`~distca_server.runtime.base.StepState`; within a step, each batch (ping-pong nano-batches,
+identical or not) gets its own plan. All rounds of a client run in order on one worker thread, so
 ``attend_async`` rounds keep the same order on every client.
+
+After a failure every client goes on at the step the scheduler names. When the scheduler dies
+and Ray restarts it, the client registers again with its step and epoch (the step in flight
+fails on every participant) and goes on; a report of a step the job has left behind is answered
+``resync`` and made again at the job's step.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
 from .base import PlannedBatch, Runtime, StepState
-from .member import GroupFailure, GroupMember, ask
+from .member import GroupFailure, GroupMember, SchedulerLost, ask
+
+_REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
+_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 
 
 def _ray_rank_and_size(rank, world_size):
@@ -108,16 +116,42 @@ class RayClientRuntime(Runtime):
         self.name = name
         self.node = ray.util.get_node_ip_address()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        cfg = ask(self.scheduler.register_client.remote(
-            self.rank, self.world_size,
-            {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation}), timeout_s or 60.0)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else 60.0
+        self.member: GroupMember | None = None
+        cfg = self._register()
         self.mode, self.backend = cfg["mode"], cfg["backend"]
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
         self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}")
+        self.member.scheduler_incarnation = cfg["scheduler"]
+        self._needs_register = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-client-{self.rank}")
         self._lock = threading.RLock()
         self.closed = False
+
+    def _register(self, step: int = 0) -> dict:
+        """Register with the job's scheduler (again after it restarted), telling it the step this
+        client goes on with and the last group epoch it was in."""
+        info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
+                "epoch": self.member.epoch if self.member is not None else None}
+        return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
+                   max(self.timeout_s, _REGISTER_TIMEOUT_S))
+
+    def _reregister(self) -> None:
+        """Register again if the scheduler died since (lock held). A step with batches bound is
+        over when the job goes on at a later step: :class:`DistCAError`."""
+        if not (self._needs_register or self.member.scheduler_lost):
+            return
+        cfg = self._register(self._state.step)
+        self._needs_register = self.member.scheduler_lost = False
+        self.member.scheduler_incarnation = cfg["scheduler"]
+        if cfg["next_step"] > self._state.step:
+            mid_step = bool(self._state.batches)
+            step = self._state.step
+            self._state.advance(cfg["next_step"])
+            if mid_step:
+                raise DistCAError(f"rank {self.rank}: step {step} failed: the job's scheduler restarted and "
+                                  f"goes on at step {cfg['next_step']}")
 
     @property
     def step(self) -> int:
@@ -135,10 +169,34 @@ class RayClientRuntime(Runtime):
         the verdict as the plain :class:`DistCAError` users see."""
         with self._lock:
             self._state.advance(max(failure.next_step, self._state.step + 1))
+            if self.member.scheduler_lost:
+                self._needs_register = True
         return DistCAError(str(failure))
 
+    def fail_step(self, error: ValueError) -> None:
+        """This client's own input failed a check in the current step: every other client of
+        the job fails the step at once with the same message (their open reports get it as a
+        ``ValueError``; peers waiting in a round get a ``DistCAError`` carrying it), and all go
+        on at the next step. Never raises: the caller raises ``error``."""
+        with self._lock:
+            if self.closed:
+                return
+            if self._state.ended:
+                self._state.advance()
+            step, mid_step = self._state.step, self._state.seq > 0
+            self._state.advance()
+        message = str(error)
+        try:
+            ask(self.scheduler.fail_step.remote(step, self.rank, message), self.timeout_s)
+        except Exception:  # the scheduler is gone or broken: the peers' own timeouts take over
+            return
+        if mid_step and self.member.joined:  # peers may wait in this step's next round
+            self._worker.submit(self.member.fail, step, f"step {step}", f"rank {self.rank}: {message}",
+                                detected=True).result()
+
     def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> RayBatch:
-        """The batch object for ``doc_lens`` in the current step, asking the scheduler on first sight."""
+        """The batch for ``doc_lens`` in the current step (see :meth:`StepState.lookup`), asking
+        the scheduler for a new one when none is free."""
         if self.closed:
             raise DistCAError("this DistCAClient is closed")
         with self._lock:
@@ -146,10 +204,30 @@ class RayClientRuntime(Runtime):
             found = self._state.lookup(key)
             if found is not None:
                 return found
-            step, batch = self._state.step, self._state.next_batch_index()
             shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type}
-            answer = ask(self.scheduler.report.remote(step, batch, self.rank, list(doc_lens), shape),
-                         self.timeout_s + 10)
+            for _ in range(_REPORT_TRIES):
+                self._reregister()
+                step, batch = self._state.step, self._state.next_batch_index()
+                try:
+                    answer = ask(self.scheduler.report.remote(step, batch, self.rank, list(doc_lens), shape),
+                                 self.timeout_s + 10)
+                except SchedulerLost as exc:
+                    self._needs_register = True
+                    self._state.advance()
+                    raise DistCAError(f"rank {self.rank}: step {step} failed: {exc}") from None
+                if answer.get("register"):  # a restarted scheduler that does not know us yet
+                    self._needs_register = True
+                    continue
+                if answer.get("error") == "resync":  # the job left this step behind
+                    mid_step = bool(self._state.batches)
+                    self._state.advance(max(answer["next_step"], step + 1))
+                    if mid_step:
+                        raise DistCAError(f"rank {self.rank}: {answer['message']}")
+                    continue
+                break
+            else:
+                raise DistCAError(f"rank {self.rank}: the scheduler of job {self.name!r} did not plan "
+                                  f"step {step} batch {batch} after {_REPORT_TRIES} tries")
             if "error" in answer:  # every client of the batch gets it: all move on together
                 self._state.advance()
                 if answer["error"] == "ValueError":
@@ -182,13 +260,15 @@ class RayClientRuntime(Runtime):
     def submit(self, batch: RayBatch, kind: RoundKind, tensors, softmax_scale: float, dtype,
                counts_for_step: bool = True):
         """Count a round toward its step and queue it on the client's worker thread; returns a
-        future of its result."""
+        future of its result (a forward round's tells the step when its result is claimed)."""
         with self._lock:
             if self.closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
-        header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale))
-        return self._worker.submit(self._run, batch, header, tensors)
+        header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
+                             batch.participants[0].part.plan_id)
+        future = self._worker.submit(self._run, batch, header, tensors)
+        return self._state.claimable(batch, future) if kind == RoundKind.FORWARD else future
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
         participant = batch.participants[0]
@@ -203,7 +283,7 @@ class RayClientRuntime(Runtime):
                 return
             self.closed = True
         self._worker.shutdown(wait=True)
-        self.member.leave()
+        self.member.close()
         try:
             ray.get(self.scheduler.unregister_client.remote(self.rank, self.incarnation), timeout=10)
         except Exception:  # closing must not fail because the job is already down

@@ -6,6 +6,11 @@ header, finds the step's part (pushed by the scheduler), runs the server's CA-ta
 kernel call and sends the results back. It keeps no state between rounds: backward receives Q, K,
 V, O, LSE and dO again. Method calls (``ping``, ``assign``, ``install_part``, ``stats``) run on
 other threads of the actor, so the job can be inspected while a round is in flight.
+
+A second thread keeps the server in touch with the scheduler: it long-polls it about the server's
+epoch (so a failure anywhere in the group stops the server's wait for the next round at once, and
+the server checks in to the arbitration), and when the scheduler dies it re-registers with the
+restarted one. A newer epoch's assignment also ends the wait for the old epoch's next round.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
 from .base import as_traffic, sum_traffic
-from .member import GroupFailure, GroupMember
+from .member import POLL_S, GroupFailure, GroupMember, SchedulerLost, Superseded
 
 _PARTS_KEPT = 8
+_REGISTER_RETRY_S = 0.5  # while the scheduler is restarting, try to register again this often
+_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 
 
 class AttentionServer:
@@ -61,28 +68,47 @@ class AttentionServer:
         self._retired_seconds: dict[str, float] = {}
         self._retired_traffic: dict[str, dict[str, int]] = {}
         self.last_error = ""
-        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}")
+        self.failures: list[float] = []  # wall-clock times (time.time()) of the failures it saw
+        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
         self._rounds_metric = ray.util.metrics.Counter(
             "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
-        handle = ray.get_runtime_context().current_actor
-        ray.get(self.scheduler.register_server.remote(
-            index, handle, {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation}))
+        self._handle = ray.get_runtime_context().current_actor
+        self._register()
         self._thread = threading.Thread(target=self._serve, name=f"distca-server-{index}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._control, name=f"distca-server-{index}-control", daemon=True).start()
+
+    def _register(self) -> None:
+        self.member.scheduler_incarnation = ray.get(self.scheduler.register_server.remote(
+            self.index, self._handle, self.describe()), timeout=max(self.timeout_s, _REGISTER_TIMEOUT_S))
+
+    def describe(self) -> dict:
+        """What the scheduler registers about this server: ``index``, ``node``, ``pid``,
+        ``incarnation`` and the last group ``epoch`` it was in (a restarted scheduler numbers
+        new epochs past it)."""
+        return {"index": self.index, "node": self.node, "pid": os.getpid(), "incarnation": self.incarnation,
+                "epoch": self.member.epoch}
 
     # ---- called by the scheduler and by tools ---------------------------------------------------
     def ping(self) -> bool:
-        return not self._stop
+        """True if the server can serve a new epoch now: not stopped, and its serving loop is
+        not stuck in a round of a failed epoch (which only the round's timeout ends)."""
+        return not self._stop and not self.member.stuck
 
     def assign(self, epoch: int, world_rank: int, world_size: int, plan_index: int, device_type: str) -> None:
-        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) at the next round."""
+        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) at the next round;
+        a wait for the next round of an older epoch ends now."""
         with self._cond:
             if self._assignment is None or epoch > self._assignment[0]:
                 self._assignment = (epoch, world_rank, world_size, plan_index, device_type)
                 self._cond.notify_all()
+        if self.member.epoch is not None and self.member.epoch < epoch:
+            self.member.abandon(self.member.epoch, "superseded")
 
-    def install_part(self, step: int, batch: int, data: bytes) -> None:
-        """Accept this server's descriptor of ``(step, batch)``.
+    def install_part(self, step: int, batch: int, data: bytes) -> bool:
+        """Accept this server's descriptor of ``(step, batch)``. A batch's plan never changes, so
+        the first part received for it is kept; returns False if one was already held (whether
+        parts agree is checked in every round's header).
 
         Raises:
             ValueError: malformed bytes or a part that is not a server's; the server keeps serving.
@@ -92,18 +118,23 @@ class AttentionServer:
             raise ValueError(f"descriptor is for step {part.step} batch {part.batch} server "
                              f"{part.server}, not a server part of step {step} batch {batch}")
         with self._cond:
+            if (step, batch) in self._parts:
+                return False
             self._parts[(step, batch)] = part
             while len(self._parts) > _PARTS_KEPT:
                 self._parts.popitem(last=False)
             self._cond.notify_all()
+        return True
 
     def stats(self) -> dict:
         """The server's counters over every round it served: ``rounds_served``, ``phase_seconds``
         (see :attr:`~distca_server.participant.Participant.timings`), ``traffic`` (bytes sent to
-        other participants, ``{round_kind: {tensor: bytes}}``), and its state and last error."""
-        return {"index": self.index, "node": self.node, "state": self.state,
+        other participants, ``{round_kind: {tensor: bytes}}``), its state, last error and when it
+        saw each failure (``failures``: ``time.time()`` stamps, the last 100), its process id."""
+        return {"index": self.index, "node": self.node, "state": self.state, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "rounds_served": self.rounds_served, "last_error": self.last_error,
+                "failures": list(self.failures[-100:]),
                 "phase_seconds": dict(self.phase_seconds), "traffic": self.traffic,
                 "assignment": self._assignment}
 
@@ -111,6 +142,25 @@ class AttentionServer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self.member.close()
+
+    # ---- in touch with the scheduler ------------------------------------------------------------
+    def _control(self) -> None:
+        """Long-poll the scheduler about this server's epoch (check in when it fails); when the
+        scheduler dies, leave the group and register again with the restarted one."""
+        registered = True
+        while not self._stop:
+            if not registered:
+                try:
+                    self._register()
+                except Exception:  # still restarting (or gone for good): keep trying
+                    time.sleep(_REGISTER_RETRY_S)
+                    continue
+                registered, self.member.scheduler_lost = True, False
+            try:
+                self.member.poll(self.member.watch_epoch, POLL_S)
+            except SchedulerLost:  # its epoch died with it; a new one is numbered past it
+                registered = False
 
     # ---- the serving loop -------------------------------------------------------------------------
     def _wait(self, predicate, timeout_s: float):
@@ -155,8 +205,12 @@ class AttentionServer:
                 member.run_round(None, num_clients,
                                  lambda header: self._participant(header, device, participants),
                                  header_timeout_s=self.idle_timeout_s)
+            except Superseded:
+                continue
             except GroupFailure as failure:
                 self._failed(failure)
+                continue
+            except DistCAError:  # no group (left after a failure): wait for the next assignment
                 continue
             self.rounds_served += 1
             self._count(participants)
@@ -197,6 +251,7 @@ class AttentionServer:
         """The failure is reported (GroupMember did); keep serving once the scheduler assigns a
         new epoch."""
         self.last_error = str(failure)[:500]
+        self.failures = self.failures[-99:] + [time.time()]
         self.state = "waiting"
 
 

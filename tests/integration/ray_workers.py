@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
 import torch
 
 from distca_client import DistCAClient, DistCAError
-from distca_server.refs import attend_with_grads_ref
+from distca_server.refs import attend_with_grads_ref, varlen_attention_ref
+from distca_server.wire import RowFormat
 
 
-def _inputs(lens, seed, hq=4, hkv=2, d=16):
+def _inputs(lens, seed, hq=4, hkv=2, d=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
-    return [torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv, hq)]
+    return [torch.randn(T, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
+
+
+def _failed(exc, start):
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
 
 
 @ray.remote(num_cpus=0)
@@ -27,15 +33,33 @@ class TrainWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def step(self, lens, seed, layers=2, head_dim=16):
+    def pid(self) -> int:
+        return os.getpid()
+
+    def scheduler_lost(self) -> bool:
+        """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
+        return self.client._runtime.member.scheduler_lost
+
+    def step(self, lens, seed, layers=2, head_dim=16, dtype="float32", late_s=0.0, bad_layer=None):
         """``layers`` attends (each on its own q,k,v) and one backward; returns the max relative
-        error of out, dq, dk, dv against the float64 reference, or the error raised."""
+        error of out, dq, dk, dv against the float64 reference, or the error raised, and how long
+        the step took (``seconds``, from its first attend; a late start not counted).
+
+        ``late_s``: get the plan of the step first, then wait this long before the first round.
+        ``bad_layer``: that layer's q has one row too few (a local ``ValueError``)."""
         start = time.monotonic()
         try:
-            cases = [_inputs(lens, seed * 100 + self.rank * 10 + i, d=head_dim) for i in range(layers)]
+            dt = getattr(torch, dtype)
+            cases = [_inputs(lens, seed * 100 + self.rank * 10 + i, d=head_dim, dtype=dt) for i in range(layers)]
             leaves = [[t.clone().requires_grad_() for t in c[:3]] for c in cases]
-            outs = [self.client.attend(q, k, v, lens) for q, k, v in leaves]
-            sum((o * c[3]).sum() for o, c in zip(outs, cases)).backward()
+            if late_s:
+                self.client._runtime.step_for(list(lens), RowFormat.of(*leaves[0][:2]), torch.device("cpu"))
+                time.sleep(late_s)
+                start = time.monotonic()
+            outs = []
+            for i, (q, k, v) in enumerate(leaves):
+                outs.append(self.client.attend(q[1:] if i == bad_layer else q, k, v, lens))
+            sum((o.float() * c[3].float()).sum() for o, c in zip(outs, cases)).backward()
             worst = 0.0
             for (q, k, v), out, c in zip(leaves, outs, cases):
                 want = attend_with_grads_ref(c[0], c[1], c[2], lens, c[3], head_dim ** -0.5)
@@ -43,8 +67,27 @@ class TrainWorker:
                     worst = max(worst, ((g.double() - w).abs().max() / w.abs().max()).item())
             return {"ok": True, "error": worst, "seconds": time.monotonic() - start}
         except (DistCAError, ValueError) as exc:
-            return {"ok": False, "type": type(exc).__name__, "message": str(exc),
-                    "seconds": time.monotonic() - start}
+            return _failed(exc, start)
+
+    def forward_loop(self, lens_list, seed, ping_pong=False):
+        """A forward-only loop (no grad, ``new_step()`` after each batch): with ``ping_pong``,
+        each batch runs as two async nano-batches with the same documents. Returns the max
+        relative error of every output against the float64 reference."""
+        start = time.monotonic()
+        worst = 0.0
+        try:
+            with torch.no_grad():
+                for i, lens in enumerate(lens_list):
+                    runs = [_inputs(lens, seed + 10 * i + j + self.rank)[:3] for j in range(2 if ping_pong else 1)]
+                    for _ in range(2):  # two layers, each nano-batch back on its own plan
+                        handles = [self.client.attend_async(q, k, v, lens) for q, k, v in runs]
+                        for (q, k, v), h in zip(runs, handles):
+                            want = varlen_attention_ref(q.double(), k.double(), v.double(), lens, 16 ** -0.5)
+                            worst = max(worst, ((h.wait().double() - want).abs().max() / want.abs().max()).item())
+                    self.client.new_step()
+            return {"ok": True, "error": worst, "seconds": time.monotonic() - start}
+        except (DistCAError, ValueError) as exc:
+            return _failed(exc, start)
 
     def ping_pong(self, lens_a, lens_b, seed):
         """Two nano-batches with interleaved async rounds (DistCA §4.2), then backward."""

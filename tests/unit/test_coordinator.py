@@ -9,13 +9,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from scheduler import CostModel, plan_batch
 from scheduler.coordinator import Assignment, Coordinator
-from scheduler.parts import PlanPart, plan_part
+from scheduler.parts import PlanPart, plan_identity, plan_part
 
 COST = CostModel(4, 2, 16, 2)
 SHAPE = {"cost": COST.to_wire(), "device_type": "cpu"}
@@ -51,7 +52,7 @@ def run_step(c, step, lens=LENS, live=None, shape=SHAPE, batch=0):
     assert [o.plan for o in outs] == [False] * (len(lens) - 1) + [True]
     assert all(o.answer is None for o in outs)
     ids = c.servers_to_ping()
-    alive = c.servers_pinged({i: (live is None or i in live) for i in ids})
+    alive = c.servers_pinged({i: "alive" if live is None or i in live else "suspect" for i in ids})
     return c.plan(step, batch, alive if c.mode == "dedicated" else None)
 
 
@@ -62,7 +63,7 @@ def decode(answer) -> PlanPart:
 
 def same_part(got: PlanPart, want: PlanPart) -> None:
     for name in ("step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant", "rank",
-                 "server", "doc_lens"):
+                 "server", "doc_lens", "plan_id"):
         assert getattr(got, name) == getattr(want, name), name
     assert np.array_equal(got.client_tasks, want.client_tasks)
     assert np.array_equal(got.server_tasks, want.server_tasks)
@@ -75,13 +76,16 @@ def test_full_step_dedicated_parts_match_plan_part():
     assert out.resolved
     assert out.assignments == (Assignment(0, 0, 2, 4, 0, "cpu"), Assignment(1, 0, 3, 4, 1, "cpu"))
     plan = plan_batch(LENS, 2, cost=COST, epsilon=0.05, mode="dedicated", min_shard=8)
+    pid = plan_identity(plan.to_msgpack(), 0, 0)
+    assert pid != plan_identity(plan.to_msgpack(), 1, 0) != plan_identity(plan.to_msgpack(), 0, 1)
+    assert c.plan_descriptor(0, 0) == plan.to_msgpack()
     for r in range(2):
         answer = c.answer(0, 0, r)
         assert answer["group"] == {"epoch": 0, "world_rank": r, "world_size": 4, "device_type": "cpu"}
-        same_part(decode(answer), plan_part(plan, r, 0, 0))
+        same_part(decode(answer), plan_part(plan, r, 0, 0, plan_id=pid))
     assert [sid for sid, _ in out.server_parts] == [0, 1]
     for i, (sid, data) in enumerate(out.server_parts):
-        same_part(PlanPart.from_msgpack(data), plan_part(plan, 2 + i, 0, 0))
+        same_part(PlanPart.from_msgpack(data), plan_part(plan, 2 + i, 0, 0, plan_id=pid))
     rec = out.record
     assert rec is c.last and c.steps_planned == 1 and c.next_step == 1
     assert rec["plan_ms"] == pytest.approx(10.0) and rec["cut_ms"] == pytest.approx(3.0)
@@ -103,8 +107,8 @@ def test_plan_work_runs_apart_from_the_state():
     for coord in (c, d):
         for r in range(2):
             coord.report(0, 0, r, LENS[r], SHAPE)
-    alive = c.servers_pinged({i: True for i in c.servers_to_ping()})
-    d.servers_pinged({i: True for i in d.servers_to_ping()})
+    alive = c.servers_pinged({i: "alive" for i in c.servers_to_ping()})
+    d.servers_pinged({i: "alive" for i in d.servers_to_ping()})
     work = c.plan_work(0, 0, alive)
     cut = work()
     assert cut.error is None and cut.plan == plan_batch(LENS, 2, cost=COST, epsilon=0.05,
@@ -133,7 +137,7 @@ def test_full_step_inplace():
     for r in range(3):
         answer = c.answer(0, 0, r)
         assert answer["group"]["world_size"] == 3
-        same_part(decode(answer), plan_part(plan, r, 0, 0))
+        same_part(decode(answer), plan_part(plan, r, 0, 0, plan_id=plan_identity(plan.to_msgpack(), 0, 0)))
     assert c.last["server_flops"].keys() == {0, 1, 2}
 
 
@@ -155,22 +159,30 @@ def test_server_drops_out_then_client_restarts_then_device_changes():
     assert [sid for sid, _ in out.server_parts] == [0]
     assert c.answer(1, 0, 0)["group"] == {"epoch": 1, "world_rank": 0, "world_size": 3, "device_type": "cpu"}
     assert decode(c.answer(1, 0, 0)).num_servers == 1
-    assert c.servers_to_ping() == [0] and c.last["server_flops"].keys() == {0}
-    assert [row["state"] for row in c.status()["servers"]] == ["alive", "dead"]
+    assert c.servers_to_ping() == {0: "alive", 1: "suspect"} and c.last["server_flops"].keys() == {0}
+    assert [row["state"] for row in c.status()["servers"]] == ["alive", "suspect"]
 
     # client 1 restarts: same rank, new incarnation -> a new epoch, at the step the job is at
     assert c.register_client(1, 2, {"incarnation": "c1-again", "node": "node9"})["next_step"] == 2
-    out = run_step(c, 2)
+    out = run_step(c, 2, live={0})
     assert c.epoch == 2 and [a.server for a in out.assignments] == [0]
-    run_step(c, 3)
+    run_step(c, 3, live={0})
     assert c.epoch == 2  # nothing changed
 
-    out = run_step(c, 4, shape={"cost": COST.to_wire(), "device_type": "cuda"})
+    out = run_step(c, 4, shape={"cost": COST.to_wire(), "device_type": "cuda"}, live={0})
     assert c.epoch == 3 and out.assignments[0].device_type == "cuda"
 
-    c.register_server(1, {"incarnation": "s1-again", "node": "srv1"})  # back after a restart
+    # one slow ping does not drop a server for good: it is pinged again and rejoins when it answers
     out = run_step(c, 5)
     assert c.epoch == 4 and [a.server for a in out.assignments] == [0, 1]
+    run_step(c, 6, live={1})
+    c.servers_pinged({0: "dead"})  # its actor died: not pinged until it registers again
+    assert c.servers_to_ping() == {1: "alive"}
+    c.register_server(0, {"incarnation": "s0-again", "node": "srv0"})  # back after a restart
+    out = run_step(c, 7)
+    assert c.epoch == 6 and [a.server for a in out.assignments] == [0, 1]
+    with pytest.raises(ValueError, match="server 1: state must be one of .* got True"):
+        c.servers_pinged({1: True})
 
 
 def test_unregister_only_the_same_incarnation():
@@ -186,7 +198,8 @@ def test_unregister_only_the_same_incarnation():
 def test_unregistered_rank_gets_distca_error():
     c = Coordinator("job", "inplace")
     out = c.report(0, 0, 0, [5], SHAPE)
-    assert out.answer == {"error": "DistCAError", "message": "rank 0 is not registered with job 'job'"}
+    assert out.answer == {"error": "DistCAError", "message": "rank 0 is not registered with job 'job'",
+                          "register": True}
     c.register_client(0, 2, {"incarnation": "a"})
     out = c.report(0, 0, 1, [5], SHAPE)
     assert out.answer["error"] == "DistCAError" and "rank 1 is not registered" in out.answer["message"]
@@ -223,7 +236,7 @@ def test_client_reporting_twice():
     other = c.report(0, 0, 0, [343], SHAPE)  # different documents: refused, only for this caller
     assert other.answer["error"] == "ValueError" and "rank 0 reported step 0 batch 0 twice" in other.answer["message"]
     assert not other.resolved
-    c.plan(0, 0, c.servers_pinged({0: True, 1: True}))
+    c.plan(0, 0, c.servers_pinged({0: "alive", 1: "alive"}))
     assert c.plan(0, 0, [0, 1]).resolved is False  # planning twice does nothing
     assert c.steps_planned == 1
     repeat = c.report(0, 0, 0, LENS[0], SHAPE)  # once planned, a repeat gets the same part
@@ -302,50 +315,201 @@ def test_old_batches_are_forgotten():
 
 
 # ---- failure arbitration ------------------------------------------------------------------------
+def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=()):
+    return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "next_step": next_step,
+            "cause": cause, "detected": detected}
+
+
 def test_failure_verdict_names_the_silent_member_after_the_grace_period():
     c = make()
     run_step(c, 0)
-    first = c.failure(0, 0, step=0, now=100.0)
-    assert first.verdict is None and first.deadline == 100.0 + GRACE
-    for world_rank, now in ((1, 100.4), (2, 101.0)):  # both clients and server 0 report
-        assert c.failure(0, world_rank, 0, now).verdict is None
+    first = c.failure(0, 0, step=0, now=100.0, reached=3, cause="all-to-all timed out")
+    assert first.verdict is None and first.deadline == 100.0 + GRACE and first.opened
+    assert c.arbitration(0) == "open" and c.arbitration(1) is None
+    for world_rank, now in ((1, 100.4), (2, 101.0)):  # client 1 and server 0 check in, alive
+        out = c.failure(0, world_rank, -1, now, reached=3)
+        assert out.verdict is None and not out.opened
     assert c.close_failure(0, now=101.9) is None  # still within the grace period
-    verdict = c.close_failure(0, now=102.0)
-    assert verdict == {"lost": ["attention server 1 (node srv1)"], "next_step": 1}
-    assert c.close_failure(0, now=500.0) == verdict
-    # the silent one reporting late gets the same verdict; the next batch forms a new group
-    assert c.failure(0, 3, 0, 103.0).verdict == verdict
-    out = run_step(c, 1)
-    assert c.epoch == 1 and len(out.assignments) == 2
+    decided = c.close_failure(0, now=102.0)
+    assert decided == verdict(["attention server 1 (node srv1): did not answer within 2 s"], ranks=[3],
+                              cause="all-to-all timed out")
+    assert c.close_failure(0, now=500.0) == decided and c.arbitration(0) == "decided"
+    # the silent one reporting late gets the same verdict; the next batch forms a new group without
+    # it until it answers a ping again
+    assert c.failure(0, 3, 0, 103.0).verdict == decided
+    assert c.servers_to_ping() == {0: "alive", 1: "suspect"}
+    out = run_step(c, 1, live={0})
+    assert c.epoch == 1 and [a.server for a in out.assignments] == [0]
 
 
-def test_failure_verdict_when_every_member_reports_names_nobody():
+def test_failure_verdict_when_every_member_checks_in_names_nobody():
     c = make()
     run_step(c, 0)
-    outs = [c.failure(0, wr, step=0, now=10.0 + wr) for wr in range(4)]
-    assert [o.verdict for o in outs[:3]] == [None, None, None]
-    assert outs[3].verdict == {"lost": [], "next_step": 1}  # decided in the same call: readable at once
-    assert c.close_failure(0, now=10.5) == {"lost": [], "next_step": 1}  # before the deadline too
+    outs = [c.failure(0, wr, step=0, now=10.0 + wr, reached=2) for wr in range(4)]
+    assert [o.verdict for o in outs[:3]] == [None, None, None] and [o.opened for o in outs] == [True] + [False] * 3
+    assert outs[3].verdict == verdict()  # decided in the same call: readable at once
+    assert c.close_failure(0, now=10.5) == verdict()  # before the deadline too
     run_step(c, 1)
     assert c.epoch == 1
+
+
+def test_a_late_client_is_named_and_nobody_else():
+    """Client 1 had not started the round that client 0 and both servers waited in (defect 1):
+    only it is lost, although every member answered."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=0.0, reached=5, cause="rank 0: all-to-all timed out after 10 s")
+    c.failure(0, 2, step=-1, now=0.1, reached=5)
+    c.failure(0, 3, step=-1, now=0.1, reached=5)
+    out = c.failure(0, 1, step=0, now=0.2, reached=4, in_round=False)  # its watcher: alive, but behind
+    assert out.verdict == verdict(["client rank 1 (node node1): late, had not started the round its peers "
+                                   "waited for"], ranks=[1], cause="rank 0: all-to-all timed out after 10 s")
+    assert c.servers_to_ping() == {0: "alive", 1: "alive"}  # servers that waited stay in the plans
+
+
+def test_a_member_that_failed_inside_an_earlier_round_is_not_late():
+    """Client 0 got its results of round 4 and waits in round 5; client 1's return exchange of
+    round 4 failed (server 1 died mid-round): only the server is lost."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 1, step=0, now=0.0, reached=4, cause="connection closed")
+    c.failure(0, 0, step=0, now=0.1, reached=5, in_round=True)
+    c.failure(0, 2, step=-1, now=0.1, reached=5)
+    assert c.close_failure(0, now=GRACE)["lost_ranks"] == [3]
+
+
+def test_a_servers_own_error_is_the_cause_everyone_reads():
+    """A participant's own error (e.g. a part that disagrees with its peers') is the cause in the
+    verdict every member receives, ahead of the collective errors it caused elsewhere."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=0.0, reached=1, cause="connection closed by peer")
+    c.failure(0, 2, step=0, now=0.1, reached=1, cause="server 0: participant 0 sends 640 bytes, "
+                                                      "participant 2 expects 768", detected=True)
+    c.failure(0, 1, step=0, now=0.2, reached=1, cause="connection closed by peer")
+    out = c.failure(0, 3, step=-1, now=0.3, reached=1)
+    assert out.verdict["lost"] == [] and out.verdict["detected"]
+    assert out.verdict["cause"].startswith("server 0: participant 0 sends 640 bytes")
 
 
 def test_failure_of_a_client_rank_and_next_step():
     c = make("inplace", clients=3, servers=0)
     run_step(c, 0, [[30], [40], [50]])
-    c.failure(0, 0, step=7, now=0.0)
-    c.failure(0, 2, step=7, now=0.1)
-    assert c.close_failure(0, now=GRACE) == {"lost": ["client rank 1 (node node1)"], "next_step": 8}
+    c.failure(0, 0, step=7, now=0.0, reached=1)
+    c.failure(0, 2, step=7, now=0.1, reached=1)
+    assert c.close_failure(0, now=GRACE)["lost"] == ["client rank 1 (node node1): did not answer within 2 s"]
+    assert c.close_failure(0, now=GRACE)["next_step"] == 8
+
+
+def test_a_failed_step_fails_its_other_batches_and_later_reports():
+    """After a verdict in step 3, a client that goes on with step 3's second nano-batch learns at
+    once that the step is over; the job goes on at step 4."""
+    c = make()
+    run_step(c, 3)
+    c.report(3, 1, 0, LENS[0], SHAPE)  # rank 0's second nano-batch, waiting for rank 1
+    for wr in range(4):
+        c.failure(0, wr, step=3, now=0.0, reached=1, cause="timed out")
+    assert c.drain_resolved() == [(3, 0), (3, 1)]
+    for r in range(2):
+        assert c.answer(3, 1, r)["error"] == "DistCAError" and "step 3 failed" in c.answer(3, 1, r)["message"]
+    assert c.report(3, 2, 1, LENS[1], SHAPE).answer["error"] == "DistCAError"
+    assert c.status()["next_step"] == 4
+    out = run_step(c, 4)
+    assert out.record is not None and c.epoch == 1
 
 
 def test_failure_of_a_stale_epoch_is_answered_at_once_and_keeps_the_group():
     c = make()
     run_step(c, 0)
     out = c.failure(99, 0, step=0, now=5.0)
-    assert out.verdict == {"lost": [], "next_step": 1}
+    assert out.verdict == verdict(epoch=99, cause="group epoch 99 is over") and not out.opened
     run_step(c, 1)
     assert c.epoch == 0  # the current group was not ended by a report about another epoch
-    assert c.close_failure(12345, now=0.0) == {"lost": [], "next_step": 2}
+    assert c.close_failure(12345, now=0.0)["lost"] == []
+
+
+def test_an_older_epochs_verdict_still_names_its_lost():
+    """A verdict is kept with its epoch: a member of an older epoch reporting late reads the
+    names, not "nobody" (defect 6)."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=0.0, reached=1)
+    decided = c.close_failure(0, now=GRACE)
+    assert [x.split(":")[0] for x in decided["lost"]] == [
+        "client rank 1 (node node1)", "attention server 0 (node srv0)", "attention server 1 (node srv1)"]
+    run_step(c, 1)
+    assert c.epoch == 1 and c.failure(0, 1, 0, now=50.0).verdict == decided
+
+
+# ---- bad input of one client: every client fails at once with its message -------------------------
+def test_fail_step_gives_every_client_the_same_value_error():
+    c = make()
+    run_step(c, 0)
+    run_step(c, 1)
+    c.report(2, 0, 1, LENS[1], SHAPE)  # rank 1 waits for rank 0, whose tensors were bad
+    answer = c.fail_step(2, 0, "q has 40 rows but doc_lens sum to 343")
+    assert answer == {"error": "ValueError", "message": "rank 0: q has 40 rows but doc_lens sum to 343"}
+    assert c.drain_resolved()[-1] == (2, 0) and c.answer(2, 0, 1) == answer
+    assert c.report(2, 1, 1, LENS[1], SHAPE).answer == answer  # the step's later batches too
+    assert c.fail_step(2, 1, "other") == answer  # the first error stays the step's
+    assert c.register_client(0, 2, {"incarnation": "c0"})["next_step"] == 3
+    out = run_step(c, 3)  # the next step is planned with fresh lengths, not the abandoned ones
+    assert decode(c.answer(3, 0, 0)).doc_lens == LENS[0] and out.record["step"] == 3
+    c.report(6, 0, 1, LENS[1], SHAPE)
+    c.fail_step(6, 0, "bad")  # resolving it forgets steps 0-3 while the open batches are walked
+    assert sorted(c.batches) == [(6, 0)] and c.answer(6, 0, 1)["message"] == "rank 0: bad"
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        c.fail_step(-1, 0, "x")
+
+
+# ---- report bounds ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("lens, match", [
+    ([1] * 65, r"rank 1 reported 65 documents; one report holds at most 64 \(max_report_docs\)"),
+    ([1000, 25], r"rank 1 reported 1025 tokens; one report holds at most 1024 \(max_report_tokens\)")])
+def test_oversized_report_is_a_value_error_naming_the_limit(lens, match):
+    c = Coordinator("job", "inplace", min_shard=8, max_report_docs=64, max_report_tokens=1024)
+    for r in range(2):
+        c.register_client(r, 2, {"incarnation": f"c{r}"})
+    c.report(0, 0, 0, [5], SHAPE)
+    out = c.report(0, 0, 1, lens, SHAPE)
+    assert out.resolved and not out.plan and out.answer["error"] == "ValueError"
+    assert re.search(match, out.answer["message"]) and c.answer(0, 0, 0) == out.answer
+    assert c.batches[(0, 0)].reports.keys() == {0}  # the oversized report is not kept
+    first = c.report(1, 0, 0, lens, SHAPE)  # refused before the others report, too
+    assert first.resolved and first.answer["error"] == "ValueError"
+    with pytest.raises(ValueError, match="max_report_docs must be a positive int, got 0"):
+        Coordinator("job", max_report_docs=0)
+
+
+def test_default_bounds_refuse_ten_million_documents_at_once():
+    c = make("inplace", clients=1, servers=0)
+    t0 = time.perf_counter()
+    out = c.report(0, 0, 0, [1] * 10_000_000, SHAPE)
+    assert time.perf_counter() - t0 < 0.5  # refused by its length, not planned
+    assert out.answer["error"] == "ValueError" and "at most 65536 (max_report_docs)" in out.answer["message"]
+
+
+# ---- a restarted scheduler rebuilds from re-registrations -----------------------------------------
+def test_restart_rebuilds_step_and_epoch_from_registrations():
+    """A fresh coordinator (the restarted actor) learns where the job was from the members
+    re-registering: epochs are numbered past every member's last one and steps go on after the
+    one that was in flight, whichever member registers first."""
+    c = Coordinator("job", "dedicated", min_shard=8, timeout_s=10.0, failure_grace_s=GRACE, timer=Ticks(1.0))
+    c.register_server(0, {"incarnation": "s0", "node": "srv0", "epoch": 4})
+    assert c.register_client(1, 2, {"incarnation": "c1", "node": "node1", "step": 12, "epoch": 4})["next_step"] == 12
+    # rank 1 is first: its report of step 12 waits ...
+    assert c.report(12, 0, 1, LENS[1], SHAPE).answer is None
+    # ... then rank 0 re-registers: it had already given up step 12, so the job goes on at 13
+    assert c.register_client(0, 2, {"incarnation": "c0", "node": "node0", "step": 13, "epoch": 5})["next_step"] == 13
+    assert c.drain_resolved() == [(12, 0)]
+    resync = c.answer(12, 0, 1)
+    assert resync["error"] == "resync" and resync["next_step"] == 13
+    assert c.report(12, 1, 1, LENS[1], SHAPE).answer["error"] == "resync"  # any batch of step 12
+    out = run_step(c, 13)
+    assert c.epoch == 6 and out.assignments == (Assignment(0, 6, 2, 3, 0, "cpu"),)
+    assert decode(c.answer(13, 0, 1)).step == 13
+    # a member of a pre-restart epoch reporting a failure of it is answered at once
+    assert c.failure(4, 2, 12, now=0.0).verdict["lost"] == []
 
 
 # ---- rendezvous and status ---------------------------------------------------------------------------
@@ -354,7 +518,7 @@ def test_rendezvous_addresses_per_epoch():
     assert c.store_address(0) is None
     c.publish_store(0, "10.0.0.1", 2900)
     assert c.store_address(0) == ("10.0.0.1", 2900)
-    for step in range(4):  # every step a new epoch (a server flaps); old addresses are forgotten
+    for step in range(4):  # every step a new epoch (a server restarts); old addresses are forgotten
         c.register_server(1, {"incarnation": f"s1-{step}"})
         run_step(c, step)
         c.publish_store(c.epoch, "h", step)
@@ -367,7 +531,8 @@ def test_status_rows():
     st = c.status()
     assert st["world_size"] == 2 and st["clients"] == [0, 1] and st["epoch"] == 0
     assert st["servers"] == [
-        {"server": 0, "node": "srv0", "state": "dead", "rounds_served": None, "last_flops": None, "last_tasks": None},
+        {"server": 0, "node": "srv0", "state": "suspect", "rounds_served": None, "last_flops": None,
+         "last_tasks": None},
         {"server": 1, "node": "srv1", "state": "alive", "rounds_served": None,
          "last_flops": st["last"]["server_flops"][1], "last_tasks": st["last"]["server_tasks"][1]}]
 

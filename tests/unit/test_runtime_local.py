@@ -124,8 +124,8 @@ def test_traffic_is_the_last_steps_and_equals_comm_bytes():
         qa, ka, va, da = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(a, 1)))
         qb, kb, vb, db = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(b, 2)))
         ha, hb = client.attend_async(qa, ka, va, a), client.attend_async(qb, kb, vb, b)
-        batch_a = client._runtime.step_for(a, client.last_step.fmt, torch.device("cpu"))
         out_a, out_b = ha.wait(), hb.wait()
+        batch_a = client._runtime.step_for(a, client.last_step.fmt, torch.device("cpu"))  # claimed: found
         ((out_a * da).sum() + (out_b * db).sum()).backward()
         batch_b = client.last_step
         assert (batch_a.step, batch_a.batch, batch_b.step, batch_b.batch) == (2, 0, 2, 1)

@@ -1,0 +1,37 @@
+"""Smoke test of bench/soak.py in --quick mode: 40 steps with a server killed, a client paused
+past the timeout and a late client; every fault survived, no wrong output, the JSON complete."""
+
+import json
+import sys
+
+import pytest
+
+from scripts import load_script
+
+ray = pytest.importorskip("ray")
+
+MODULE = "bench_soak"
+
+
+def test_quick_soak_survives_every_fault(tmp_path, capsys):
+    bench = load_script("bench/soak.py", MODULE)  # Ray ships its client actor class by value
+    out = tmp_path / "soak.json"
+    was_running = ray.is_initialized()
+    try:
+        assert bench.main(["--quick", "--json", str(out)]) == 0
+    finally:
+        if not was_running and ray.is_initialized():
+            ray.shutdown()
+        sys.modules.pop(MODULE, None)
+    printed = capsys.readouterr().out
+    assert "faults survived" in printed and "RSS start MiB" in printed
+
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "soak" and result["quick"] is True and result["steps"] == 40
+    assert [f["fault"] for f in result["faults"]] == ["server kill", "client pause", "late client"]
+    assert result["faults_survived"] == result["faults_injected"] == 3
+    assert result["wrong_outputs"] == 0 and result["outputs_checked"] >= 4 * 30
+    assert 1 <= result["failed_steps"] <= 6 and result["exact_steps"] >= 34
+    assert result["worst_relative_error"] < 1e-4
+    assert "server 1" in result["restarted"]
+    assert set(result["rss_mib"]) == {"scheduler", "server 0", "server 1", "client 0", "client 1"}

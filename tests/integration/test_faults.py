@@ -1,0 +1,332 @@
+"""Faults a cluster produces, each reproduced on a local Ray job (issue 11's defects 1-9).
+
+For each: every surviving participant raises within the timeout + 1 s, the message names the
+right participant or cause, no process aborts (every actor still answers), and the next step is
+exact against the float64 reference. One dedicated job (2 clients, 2 servers, a 3 s timeout)
+serves the tests in file order; each leaves it healthy for the next, which checks that too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from distca_cli import format_status, main as cli_main  # noqa: E402
+from distca_server import DistCAError, launch, shutdown, status  # noqa: E402
+from scheduler import CostModel, plan_batch  # noqa: E402
+from scheduler.actor import job_actor_names, scheduler_actor_name  # noqa: E402
+from scheduler.parts import PlanPart, plan_identity, plan_parts  # noqa: E402
+
+T = 3.0  # the job's timeout
+GRACE = 0.5
+SLACK = 1.0  # "within the timeout + 1 s"
+NAME = "faults"
+LENS = [[100, 28], [50, 7, 60]]
+COST = CostModel(4, 2, 16, 4)  # TrainWorker's shape: 4 query heads, 2 KV heads, head_dim 16, float32
+
+
+@pytest.fixture(scope="module")
+def job(local_ray):
+    from ray_workers import TrainWorker
+    handles = launch(name=NAME, servers=2, mode="dedicated", timeout_s=T, failure_grace_s=GRACE,
+                     detached=False, max_restarts=1, server_options={"num_cpus": 0}, min_shard=8,
+                     coordinator_options={"max_report_docs": 64})
+    workers = [TrainWorker.remote(NAME, r, 2, T) for r in range(2)]
+    handles["workers"] = workers
+    handles["step"] = [0]  # test seed counter
+    yield handles
+    shutdown(NAME)
+
+
+def _run(job, calls):
+    """``calls[r]``: (method name, args, kwargs) for worker r, run together."""
+    return ray.get([getattr(w, m).remote(*a, **kw) for w, (m, a, kw) in zip(job["workers"], calls)],
+                   timeout=120)
+
+
+def _exact_next_step(job, lens=LENS, servers=(0, 1)):
+    """The step after a fault runs on every client and matches the float64 reference; every
+    actor (of ``servers``) still answers (nothing aborted)."""
+    job["step"][0] += 1
+    results = _run(job, [("step", (lens[r], job["step"][0]), {}) for r in range(2)])
+    assert all(r["ok"] for r in results), results
+    assert max(r["error"] for r in results) <= 1e-5
+    assert all(ray.get([job["servers"][i].ping.remote() for i in servers], timeout=30))
+    assert len(ray.get([w.pid.remote() for w in job["workers"]], timeout=30)) == 2
+
+
+def _wait_answers(actor, timeout_s=60.0):
+    """Wait until a (restarting) actor answers ``ping``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.ping.remote(), timeout=timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "the actor did not come back"
+            time.sleep(0.2)
+
+
+def _server_failures_since(job, t0, wait_s=2.0):
+    """Per server, the times it saw a failure since ``t0`` (waiting up to ``wait_s`` for every
+    server to record one: a server records it just after its clients raise)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = [[t for t in st["failures"] if t >= t0] for st in ray.get([s.stats.remote() for s in job["servers"]])]
+        if all(out) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+def test_healthy_job_is_exact(job):
+    _exact_next_step(job)
+    _exact_next_step(job)
+    st = status(NAME)
+    assert st["scheduler"] == "running" and [s["state"] for s in st["servers"]] == ["serving", "serving"]
+
+
+def test_late_client_costs_one_step_and_is_named(job):
+    """Defect 1: both clients have the step's plan; client 1 starts its first round 5 s after
+    client 0 (timeout 3 s). Client 0 and both servers fail within the timeout + 1 s naming client
+    1 as late; client 1 fails at once when it comes; the next step runs, on the same servers."""
+    epoch = status(NAME)["epoch"]
+    job["step"][0] += 1
+    t0 = time.time()
+    results = _run(job, [("step", (LENS[0], job["step"][0]), {}),
+                         ("step", (LENS[1], job["step"][0]), {"late_s": T + 2})])
+    early, late = results
+    assert not early["ok"] and early["type"] == "DistCAError", early
+    assert early["seconds"] <= T + SLACK, early
+    assert "client rank 1" in early["message"] and "late" in early["message"], early["message"]
+    assert "attention server" not in early["message"].split("Cause")[0]
+    assert "(forward, float32)" in early["message"]  # defect 6: the round is described with its dtype
+    assert not late["ok"] and late["type"] == "DistCAError" and late["seconds"] < 1.0, late
+    assert "client rank 1" in late["message"]
+    for failures in _server_failures_since(job, t0):  # the servers stopped waiting as quickly
+        assert failures and failures[0] - t0 <= T + SLACK + 0.5, failures
+    _exact_next_step(job)
+    st = status(NAME)
+    assert [s["state"] for s in st["servers"]] == ["serving", "serving"] and st["epoch"] == epoch + 1
+    assert st["last"]["server_flops"].keys() == {0, 1}
+
+
+def test_mixed_dtypes_fail_together_without_crashing_the_verdict(job):
+    """Defect 3: one bf16 and one fp16 client agree on the attention shape (2-byte elements) but
+    not on the round: every participant reports, the verdict is decided in the last report, and
+    both clients get it."""
+    job["step"][0] += 1
+    results = _run(job, [("step", (LENS[r], job["step"][0]), {"dtype": d, "layers": 1})
+                         for r, d in enumerate(("bfloat16", "float16"))])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+        assert "clients disagree on the next round" in r["message"], r["message"]
+        assert "bfloat16" in r["message"] and "float16" in r["message"]
+        assert "lost: none" in r["message"]
+    _exact_next_step(job)
+
+
+def test_identical_nano_batches_ping_pong_and_forward_only_loops(job):
+    """Defect 4: rank 0's two nano-batches have the same documents, rank 1's differ; in a
+    training step (ping-pong, backward) and in a forward-only loop with ping-pong."""
+    for i in range(2):
+        job["step"][0] += 1
+        results = _run(job, [("ping_pong", ([100, 28], [100, 28], job["step"][0]), {}),
+                             ("ping_pong", ([50, 7], [9, 90], job["step"][0]), {})])
+        assert all(r["ok"] for r in results), results
+        assert max(r["error"] for r in results) <= 1e-5
+    results = _run(job, [("forward_loop", ([[100, 28], [100, 28], [64]], 5), {"ping_pong": True}),
+                         ("forward_loop", ([[50, 7], [3, 90], [64]], 5), {"ping_pong": True})])
+    assert all(r["ok"] for r in results), results
+    assert max(r["error"] for r in results) <= 1e-5
+    _exact_next_step(job)
+
+
+def test_a_local_value_error_fails_every_peer_at_once(job):
+    """Defect 7: client 0's tensors do not match its documents, before the step's report and in
+    the middle of a step. Client 1 fails at once with the same message (not after a timeout),
+    and the next step is planned with fresh lengths."""
+    for bad_layer, kind in ((0, "ValueError"), (1, "DistCAError")):
+        job["step"][0] += 1
+        results = _run(job, [("step", (LENS[0], job["step"][0]), {"bad_layer": bad_layer}),
+                             ("step", (LENS[1], job["step"][0]), {})])
+        bad, peer = results
+        assert not bad["ok"] and bad["type"] == "ValueError" and bad["seconds"] < 1.5, bad
+        assert not peer["ok"] and peer["type"] == kind and peer["seconds"] < 1.5, peer
+        assert "rank 0" in peer["message"] and "127" in peer["message"], peer["message"]
+        _exact_next_step(job, [[77, 3], [200]])
+
+
+def _forge(job, step, server, make):
+    """Install a forged part for ``(step, 0)`` on ``server`` before the clients start the step (a
+    server keeps the first part it gets for a batch): ``make(part, parts)`` forges it from the
+    server's true part (the plan is deterministic, so the test knows it in advance)."""
+    plan = plan_batch(LENS, 2, cost=COST, epsilon=0.05, mode="dedicated", min_shard=8)
+    parts = plan_parts(plan, step, 0, plan_identity(plan.to_msgpack(), step, 0))
+    forged = make(parts[2 + server], parts)
+    assert ray.get(job["servers"][server].install_part.remote(step, 0, forged.to_msgpack()), timeout=30)
+
+
+def _copy(part, **changes):
+    fields = {k: getattr(part, k) for k in ("step", "batch", "mode", "num_ranks", "num_servers", "cost",
+                                           "participant", "rank", "server", "doc_lens", "client_tasks",
+                                           "server_tasks", "plan_id")}
+    fields.update(changes)
+    return PlanPart(**fields)
+
+
+def _longer(rows):
+    def make(part, parts):
+        st = part.server_tasks.copy()
+        st[0, 4] = st[0, 6] = st[0, 4] + rows if rows < 1000 else rows
+        return _copy(part, server_tasks=st)
+    return make
+
+
+def _merged(part, parts):
+    st = part.server_tasks  # server 1 runs rank 1's documents of 50 and 7 tokens whole
+    assert st[2:4, 1:5].tolist() == [[1, 0, 0, 50], [1, 1, 0, 7]], st
+    merged = np.concatenate([st[:2], [[1, 1, 0, 0, 57, 0, 57]], st[4:]]).astype(np.int64)
+    return _copy(part, server_tasks=merged)
+
+
+def _other_server(part, parts):
+    return parts[3]
+
+
+@pytest.mark.parametrize("server, make, cause", [
+    (0, _longer(10), "participant 2 (server 0) expects"), (0, _longer(1 << 20), "participant 2 (server 0) expects"),
+    (1, _merged, "CA-tasks between participant 3 (server 1) and participant 1 (rank 1) differ"),
+    (0, _other_server, "world rank 2 holds the part of participant 3 (server 1)")],
+    ids=["ten-rows-too-long", "2^20-rows", "merged-documents", "another-servers-part"])
+def test_parts_that_lie_are_refused_before_any_byte_moves(job, server, make, cause):
+    """Defect 8: a well-formed server part that disagrees with the clients' plan. Nothing aborts
+    (before: SIGABRT inside gloo), nothing is silently wrong (before: relative error 0.98):
+    every participant fails within the timeout + 1 s, naming the server's finding."""
+    step = status(NAME)["next_step"]
+    _forge(job, step, server, make)
+    t0 = time.time()
+    job["step"][0] += 1
+    results = _run(job, [("step", (LENS[r], job["step"][0]), {"layers": 1}) for r in range(2)])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+        assert cause in r["message"], r["message"]
+    assert _server_failures_since(job, t0)[server], "the server recorded the failure"
+    _exact_next_step(job)
+
+
+def test_report_bounds_and_device_type_are_checked_at_the_scheduler(job):
+    """Defect 9: a report above the job's bound (64 documents here) is a ValueError naming the
+    limit for every client, at once; an unknown device type is refused."""
+    job["step"][0] += 1
+    results = _run(job, [("step", ([1] * 65, job["step"][0]), {"layers": 1}),
+                         ("step", (LENS[1], job["step"][0]), {"layers": 1})])
+    for r in results:
+        assert not r["ok"] and r["type"] == "ValueError" and r["seconds"] < 1.5, r
+        assert "reported 65 documents; one report holds at most 64 (max_report_docs)" in r["message"]
+    _exact_next_step(job)
+    # an unknown device type, from a job of two registered ranks that report by hand
+    scratch = launch(name="inputs", mode="inplace", timeout_s=T, detached=False)
+    try:
+        sched = scratch["scheduler"]
+        for r in range(2):
+            ray.get(sched.register_client.remote(r, 2, {"incarnation": f"x{r}"}))
+        shape = {"cost": COST.to_wire(), "device_type": "tpu"}
+        answers = ray.get([sched.report.remote(0, 0, r, [5], shape) for r in range(2)], timeout=30)
+        assert answers[0] == answers[1] and answers[0]["error"] == "ValueError"
+        assert "device_type must be one of ('cpu', 'cuda'), got 'tpu'" in answers[0]["message"]
+    finally:
+        shutdown("inputs")
+
+
+def test_a_paused_server_rejoins_after_one_slow_ping(job):
+    """Defect 5: server 1 paused 4 s (ping timeout 2 s). The step meanwhile runs on server 0;
+    once server 1 answers again it rejoins at the next step, and later steps keep one epoch."""
+    pid = ray.get(job["servers"][1].stats.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        _exact_next_step(job, servers=(0,))
+        assert status(NAME)["last"]["server_flops"].keys() == {0}
+        time.sleep(max(0.0, paused + 4.0 - time.monotonic()))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _exact_next_step(job)
+    st = status(NAME)
+    assert st["last"]["server_flops"].keys() == {0, 1}, st
+    _exact_next_step(job)
+    assert status(NAME)["epoch"] == st["epoch"]  # no new epoch every step
+
+
+def test_a_killed_server_is_named_then_restarts_and_rejoins(job):
+    """A server killed mid-step (Ray restarts it): both clients fail within the timeout + 1 s
+    naming it; the restarted server registers again and serves the next steps."""
+    job["step"][0] += 1
+    s = job["step"][0]
+    assert all(r["ok"] for r in _run(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
+    ray.kill(job["servers"][1], no_restart=False)
+    results = _run(job, [("finish", (LENS[r], s), {}) for r in range(2)])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+        assert "attention server 1" in r["message"], r["message"]
+    _exact_next_step(job, servers=(0,))  # while server 1 restarts
+    _wait_answers(job["servers"][1])  # restarted: it registered again
+    _exact_next_step(job)
+    assert status(NAME)["last"]["server_flops"].keys() == {0, 1}, status(NAME)
+
+
+def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
+    """Defect 2: the scheduler dies mid-step; Ray restarts it. Every client fails the step in
+    flight within the timeout + 1 s; the participants re-register and the next step is exact."""
+    job["step"][0] += 1
+    s = job["step"][0]
+    before = status(NAME)
+    assert all(r["ok"] for r in _run(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
+    ray.kill(job["scheduler"], no_restart=False)
+    deadline = time.monotonic() + 30  # every member notices through its long-poll (Ray: ~1.7 s)
+    while not all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    results = _run(job, [("finish", (LENS[r], s), {}) for r in range(2)])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+        assert "scheduler" in r["message"], r["message"]
+    _wait_answers(job["scheduler"])
+    _exact_next_step(job)
+    after = status(NAME)
+    assert after["epoch"] > before["epoch"] and after["next_step"] > before["next_step"]
+    assert sorted(s["server"] for s in after["servers"]) == [0, 1] and after["clients"] == [0, 1]
+
+
+def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
+    """Defect 2, the operator's side: with the scheduler gone for good, ``status`` finds the
+    servers by name, ``down`` stops them all; ``status`` of a missing job prints one line;
+    ``launch`` is all or nothing and works again after ``down``."""
+    ray.kill(job["scheduler"], no_restart=True)
+    deadline = time.monotonic() + 30
+    while scheduler_actor_name(NAME) in job_actor_names(NAME):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    st = status(NAME)
+    assert st["scheduler"] == "missing" and [s["server"] for s in st["servers"]] == [0, 1]
+    assert "scheduler missing" in format_status(st).splitlines()[0]
+    assert shutdown(NAME) == 2 and job_actor_names(NAME) == []
+    assert cli_main(["status", "--name", NAME]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"distca status: no distca job named {NAME!r} on this Ray cluster"]
+
+    with pytest.raises(DistCAError, match="did not start within 3 s"):
+        launch(name="atomic", servers=2, timeout_s=T, detached=False, start_timeout_s=3,
+               server_options={"num_cpus": 0, "resources": {"no-such-resource": 1}})
+    deadline = time.monotonic() + 30
+    while job_actor_names("atomic"):  # nothing is left behind
+        assert time.monotonic() < deadline, job_actor_names("atomic")
+        time.sleep(0.1)
+    again = launch(name="atomic", servers=1, timeout_s=T, detached=False, server_options={"num_cpus": 0})
+    with pytest.raises(ValueError, match="already running"):
+        launch(name="atomic", servers=1, timeout_s=T, detached=False)
+    assert len(again["servers"]) == 1 and shutdown("atomic") == 2 and job_actor_names("atomic") == []

@@ -1,0 +1,92 @@
+"""Which batch an ``attend`` call belongs to (``StepState``, no Ray): identical ping-pong
+nano-batches are two batches, each layer goes back to its own, by the program's order of calls
+and claims, never by timing (issue 11, defect 4)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from distca_client import DistCAClient
+from distca_server.refs import varlen_attention_ref
+from distca_server.runtime.base import StepState
+from scheduler.cost import RoundKind
+
+
+class _Batch:
+    def __init__(self, step, index):
+        self.step, self.batch = step, index
+
+
+def _bind(state, key):
+    found = state.lookup(key)
+    if found is None:
+        found = _Batch(state.step, state.next_batch_index())
+        state.add(key, found)
+    return found
+
+
+def _forward(state, batch):
+    state.count_round(batch, RoundKind.FORWARD)
+    inner = Future()
+    inner.set_result("out")
+    return state.claimable(batch, inner)
+
+
+def test_same_key_while_a_forward_is_unclaimed_is_a_new_batch():
+    state = StepState()
+    a1 = _bind(state, "k")
+    fa = _forward(state, a1)
+    b1 = _bind(state, "k")  # rank 0's second nano-batch, same documents: A's result not claimed yet
+    fb = _forward(state, b1)
+    assert (a1.batch, b1.batch) == (0, 1)
+    assert fa.result() == "out" and fb.result() == "out"  # both claimed (wait(), in program order)
+    a2 = _bind(state, "k")  # layer 2 of A: the least recently used free batch
+    fa = _forward(state, a2)
+    b2 = _bind(state, "k")  # layer 2 of B: A's batch is busy again
+    assert (a2, b2) == (a1, b1)
+    fa.result()
+    assert fa.done()
+    c = _bind(state, "other")
+    assert c.batch == 2 and _bind(state, "other") is c  # a distinct key, then found again
+
+
+def test_a_claim_is_counted_once_and_advance_forgets_everything():
+    state = StepState(5)
+    a = _bind(state, "k")
+    f = _forward(state, a)
+    assert _bind(state, "k") is not a
+    f.result()
+    f.result()  # a second result() does not claim twice
+    state.advance()
+    assert state.step == 6 and state.lookup("k") is None and state.next_batch_index() == 0
+
+
+def test_failed_rounds_can_still_be_claimed():
+    state = StepState()
+    a = _bind(state, "k")
+    state.count_round(a, RoundKind.FORWARD)
+    inner = Future()
+    claimed = state.claimable(a, inner)
+    inner.set_exception(RuntimeError("lost"))
+    assert isinstance(claimed.exception(), RuntimeError)
+    try:
+        claimed.result()
+    except RuntimeError:
+        pass
+    assert state.lookup("k") is a
+
+
+def test_local_ping_pong_with_identical_nano_batches_is_exact():
+    lens = [100, 28]
+    g = torch.Generator().manual_seed(0)
+    runs = [[torch.randn(128, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2)] for _ in range(2)]
+    with DistCAClient.local(2, min_shard=8, backend="reference") as client, torch.no_grad():
+        for _ in range(2):  # two layers, each nano-batch back on its own batch
+            handles = [client.attend_async(q, k, v, lens) for q, k, v in runs]
+            batches = [h._pending.step for h in handles]
+            assert [b.batch for b in batches] == [0, 1]
+            for (q, k, v), h in zip(runs, handles):
+                want = varlen_attention_ref(q, k, v, lens, 16 ** -0.5)
+                assert (h.wait() - want).abs().max().item() < 1e-10
