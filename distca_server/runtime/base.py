@@ -139,7 +139,18 @@ class PlannedBatch(ABC):
 
 
 class Runtime(ABC):
-    """Plans batches, binds them to participants and runs their rounds in call order."""
+    """Plans batches, binds them to participants and runs their rounds in call order.
+
+    Subclasses keep their step bookkeeping in ``self._state`` (a :class:`StepState`), guarded by
+    ``self._lock``."""
+
+    _state: "StepState"
+    _lock: threading.RLock
+
+    @property
+    def step(self) -> int:
+        """The current step."""
+        return self._state.step
 
     @abstractmethod
     def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> PlannedBatch:
@@ -153,9 +164,11 @@ class Runtime(ABC):
             DistCAError: the runtime is closed, or a participant or the scheduler failed.
         """
 
-    @abstractmethod
     def new_step(self) -> None:
         """End the current step now (forward-only loops: nothing counts toward the step)."""
+        with self._lock:
+            if self._state.batches:
+                self._state.advance()
 
     def fail_step(self, error: ValueError) -> None:
         """This process's own input failed a check (``error``, which the caller raises) in the

@@ -141,16 +141,6 @@ class LocalRuntime(Runtime):
         # Rounds run one at a time, in call order, like a distributed client's rounds.
         self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
 
-    @property
-    def step(self) -> int:
-        """The current step."""
-        return self._state.step
-
-    def new_step(self) -> None:
-        with self._lock:
-            if self._state.batches:
-                self._state.advance()
-
     def _plan(self, key, doc_lens: list[int], fmt: RowFormat) -> Plan:
         plan = self._plans.get(key)
         if plan is None:

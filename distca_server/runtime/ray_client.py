@@ -153,17 +153,6 @@ class RayClientRuntime(Runtime):
                 raise DistCAError(f"rank {self.rank}: step {step} failed: the job's scheduler restarted and "
                                   f"goes on at step {cfg['next_step']}")
 
-    @property
-    def step(self) -> int:
-        """The current step."""
-        return self._state.step
-
-    # ---- steps and batches -----------------------------------------------------------------------
-    def new_step(self) -> None:
-        with self._lock:
-            if self._state.batches:
-                self._state.advance()
-
     def _resume_after(self, failure: GroupFailure) -> DistCAError:
         """Go on at the step the scheduler's verdict names (every client does the same); returns
         the verdict as the plain :class:`DistCAError` users see."""
