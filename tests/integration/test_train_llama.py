@@ -4,7 +4,6 @@ training step for step, checkpoint and resume."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
