@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scheduler.coordinator import Coordinator  # noqa: E402
+from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart  # noqa: E402
 from distca_sim.workloads import TRACE_NAMES, sample_batch  # noqa: E402
 from bench.planner import COST, MIN_SHARD, render_small  # noqa: E402
@@ -133,33 +135,46 @@ def bench_in_process(trace: str, num_clients: int, steps: int) -> dict:
 
 
 # ---- through Ray ----------------------------------------------------------------------------------
-async def _gather_ms(calls) -> tuple[float, list]:
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (Linux ``/proc``; clock
+    ticks, usually 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
+
+
+async def _gather_ms(calls, actor_pid: int) -> tuple[float, float, list]:
     """Start every call (a ``.remote()`` ref factory) from its own asyncio task; ms until the last
-    answer, and the answers."""
+    answer, CPU ms the driver and the actor used meanwhile, and the answers."""
     async def one(call):
         return await call()
+    cpu0 = time.process_time() + process_cpu_s(actor_pid)
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(call) for call in calls))
-    return (time.perf_counter() - t0) * 1e3, answers
+    wall = (time.perf_counter() - t0) * 1e3
+    return wall, (time.process_time() + process_cpu_s(actor_pid) - cpu0) * 1e3, answers
 
 
-async def _ray_rounds(scheduler, batches, num_clients: int) -> dict:
-    runs = {"step": [], "pings": []}
+async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int) -> dict:
+    runs = {"step": [], "pings": [], "ratio": [], "step_cpu": [], "pings_cpu": []}
     part_bytes = 0
     for step, batch in enumerate(batches):
-        reports = [lambda r=r: scheduler.report.remote(step, 0, r, list(batch[r]), SHAPE)
+        reports = [lambda r=r: scheduler.report.remote(encode_report(step, 0, r, batch[r], SHAPE))
                    for r in range(num_clients)]
         pings = [scheduler.ping.remote for _ in range(num_clients)]
         if step % 2:  # alternate which goes first: both see the same machine load
-            ping_ms, _ = await _gather_ms(pings)
-            step_ms, answers = await _gather_ms(reports)
+            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_pid)
+            step_ms, step_cpu, answers = await _gather_ms(reports, actor_pid)
         else:
-            step_ms, answers = await _gather_ms(reports)
-            ping_ms, _ = await _gather_ms(pings)
-        part_bytes = check_answers(answers, step, num_clients)
+            step_ms, step_cpu, answers = await _gather_ms(reports, actor_pid)
+            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_pid)
+        part_bytes = check_answers([decode_answer(a) for a in answers], step, num_clients)
         if step > 0:  # step 0 warms up
-            runs["step"].append(step_ms)
-            runs["pings"].append(ping_ms)
+            for key, value in (("step", step_ms), ("pings", ping_ms), ("ratio", step_ms / ping_ms),
+                               ("step_cpu", step_cpu), ("pings_cpu", ping_cpu)):
+                runs[key].append(value)
     return {"runs": runs, "part_bytes": part_bytes}
 
 
@@ -174,17 +189,23 @@ def bench_ray(trace: str, num_clients: int, steps: int) -> dict:
     try:
         ray.get([scheduler.register_client.remote(r, num_clients, {"incarnation": f"bench-{r}"})
                  for r in range(num_clients)])
+        pid = ray.get(scheduler.status.remote())["pid"]
         batches = [sample_batch(trace, num_clients, TOKENS, seed=0, step=s) for s in range(steps + 1)]
-        out = asyncio.run(_ray_rounds(scheduler, batches, num_clients))
+        out = asyncio.run(_ray_rounds(scheduler, pid, batches, num_clients))
         last = ray.get(scheduler.status.remote())["last"]
     finally:
         shutdown(JOB)
     row = {"path": "ray", "trace": trace, "clients": num_clients, "tokens_per_rank": TOKENS,
            "num_docs": sum(len(x) for x in batches[-1]), "steps": steps, "part_bytes": out["part_bytes"],
            "actor_plan_ms": last["plan_ms"], "actor_cut_ms": last["cut_ms"]}
-    for key, values in out["runs"].items():
-        _summary(row, key, values)
-    row["ratio"] = row["step_ms"] / row["pings_ms"]
+    runs = out["runs"]
+    for key in ("step", "pings"):
+        _summary(row, key, runs[key])
+    row["ratio"] = statistics.median(runs["ratio"])  # of each step over the pings beside it
+    row["ratio_runs"] = runs["ratio"]
+    row["cpu_ratio"] = sum(runs["step_cpu"]) / sum(runs["pings_cpu"])
+    row["step_cpu_ms"], row["pings_cpu_ms"] = (statistics.fmean(runs["step_cpu"]),
+                                               statistics.fmean(runs["pings_cpu"]))
     row["target_ratio"] = RAY_TARGET_RATIO
     row["meets"] = row["ratio"] <= RAY_TARGET_RATIO
     return row
@@ -215,6 +236,7 @@ IN_PROCESS_COLUMNS = [("clients", "clients", "{}"), ("docs", "num_docs", "{:,}")
 RAY_COLUMNS = [("clients", "clients", "{}"), ("step ms", "step_ms", "{:.2f}"),
                ("best", "step_best_ms", "{:.2f}"), ("pings ms", "pings_ms", "{:.2f}"),
                ("best", "pings_best_ms", "{:.2f}"), ("step/pings", "ratio", "{:.2f}"),
+               ("cpu step/pings", "cpu_ratio", "{:.2f}"),
                ("actor plan", "actor_plan_ms", "{:.2f}"), ("actor cut+enc", "actor_cut_ms", "{:.2f}"),
                ("target", "target", "{}")]
 
