@@ -102,26 +102,29 @@ def bench_in_process(trace: str, num_clients: int, steps: int) -> dict:
     for rank in range(num_clients):
         coord.register_client(rank, num_clients, {"incarnation": f"bench-{rank}"})
     batches = [sample_batch(trace, num_clients, TOKENS, seed=0, step=s) for s in range(steps + 1)]
-    runs = {k: [] for k in ("step", "cpu", "intake", "plan", "cut", "other")}
+    runs = {k: [] for k in ("step", "cpu", "intake", "plan", "cut", "other", "after_last", "work")}
     part_bytes = 0
     for step, batch in enumerate(batches):
         w0, c0 = time.perf_counter(), time.process_time()
         planned = False
         for rank in range(num_clients):
+            last = time.perf_counter()
             planned = coord.report(step, 0, rank, batch[rank], SHAPE).plan or planned
         intake = time.perf_counter()
         work = coord.plan_work(step, 0)
         cut = work() if work is not None else None
         coord.plan(step, 0, cut=cut)
         answers = [coord.answer(step, 0, rank) for rank in range(num_clients)]
-        wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+        end = time.perf_counter()
+        wall, cpu = (end - w0) * 1e3, (time.process_time() - c0) * 1e3
         assert planned and cut is not None and cut.error is None
         part_bytes = check_answers(answers, step, num_clients)
         if step == 0:  # warm-up
             continue
         intake_ms = (intake - w0) * 1e3
         for key, value in (("step", wall), ("cpu", cpu), ("intake", intake_ms), ("plan", cut.plan_ms),
-                           ("cut", cut.cut_ms), ("other", wall - intake_ms - cut.plan_ms - cut.cut_ms)):
+                           ("cut", cut.cut_ms), ("other", wall - intake_ms - cut.plan_ms - cut.cut_ms),
+                           ("after_last", (end - last) * 1e3), ("work", cut.plan_ms + cut.cut_ms)):
             runs[key].append(value)
     row = {"path": "in-process", "trace": trace, "clients": num_clients, "tokens_per_rank": TOKENS,
            "num_docs": sum(len(x) for x in batches[-1]), "steps": steps, "part_bytes": part_bytes,
@@ -131,6 +134,7 @@ def bench_in_process(trace: str, num_clients: int, steps: int) -> dict:
     if num_clients == TARGET_CLIENTS:
         row["target_ms"] = TARGET_MS
         row["meets"] = row["step_ms"] <= TARGET_MS
+        row["work_meets"] = row["work_ms"] <= TARGET_MS
     return row
 
 
@@ -231,8 +235,8 @@ IN_PROCESS_COLUMNS = [("clients", "clients", "{}"), ("docs", "num_docs", "{:,}")
                       ("step ms", "step_ms", "{:.2f}"), ("best", "step_best_ms", "{:.2f}"),
                       ("cpu ms", "cpu_ms", "{:.2f}"), ("intake", "intake_ms", "{:.2f}"),
                       ("plan", "plan_ms", "{:.2f}"), ("cut+enc", "cut_ms", "{:.2f}"),
-                      ("other", "other_ms", "{:.2f}"), ("part KiB", "part_kib", "{:,.0f}"),
-                      ("target", "target", "{}")]
+                      ("other", "other_ms", "{:.2f}"), ("after last", "after_last_ms", "{:.2f}"),
+                      ("part KiB", "part_kib", "{:,.0f}"), ("target", "target", "{}")]
 RAY_COLUMNS = [("clients", "clients", "{}"), ("step ms", "step_ms", "{:.2f}"),
                ("best", "step_best_ms", "{:.2f}"), ("pings ms", "pings_ms", "{:.2f}"),
                ("best", "pings_best_ms", "{:.2f}"), ("step/pings", "ratio", "{:.2f}"),
@@ -244,7 +248,8 @@ RAY_COLUMNS = [("clients", "clients", "{}"), ("step ms", "step_ms", "{:.2f}"),
 def _cells(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        target = (f"<= {r['target_ms']:g} ms: {_verdict(r)}" if "target_ms" in r else
+        target = (f"<= {r['target_ms']:g} ms: step {_verdict(r)}, plan+cut+enc "
+                  f"{'meets' if r['work_meets'] else 'MISSES'}" if "target_ms" in r else
                   f"<= {r['target_ratio']:g}x: {_verdict(r)}" if "target_ratio" in r else "-")
         out.append(dict(r, part_kib=r["part_bytes"] / 1024, target=target))
     return out
@@ -256,12 +261,15 @@ def headline(in_process: list[dict], ray_rows: list[dict]) -> list[str]:
         if "target_ms" in r:
             lines.append(f"in-process step at {r['clients']} clients x {r['tokens_per_rank'] // 1024}K "
                          f"tokens ({r['trace']}): {r['step_ms']:.1f} ms median (best {r['step_best_ms']:.1f}, "
-                         f"cpu {r['cpu_ms']:.1f}; plan {r['plan_ms']:.1f} + cut+enc {r['cut_ms']:.1f}); "
+                         f"cpu {r['cpu_ms']:.1f}; {r['after_last_ms']:.1f} after the last report); "
                          f"{_verdict(r)} the {r['target_ms']:g} ms target")
+            lines.append(f"scheduler's work (plan + cut + encode) at {r['clients']} clients: {r['work_ms']:.1f} ms "
+                         f"median (plan {r['plan_ms']:.1f} + cut+enc {r['cut_ms']:.1f}); "
+                         f"{'meets' if r['work_meets'] else 'MISSES'} the {r['target_ms']:g} ms target")
     for r in ray_rows:
-        lines.append(f"ray step at {r['clients']} clients: {r['step_ms']:.1f} ms = {r['ratio']:.2f} x "
-                     f"{r['clients']} pings ({r['pings_ms']:.1f} ms); {_verdict(r)} the "
-                     f"{r['target_ratio']:g}x target")
+        lines.append(f"ray step at {r['clients']} clients: {r['step_ms']:.1f} ms, {r['ratio']:.2f} x the "
+                     f"{r['clients']} pings beside it (median of per-step ratios; pings {r['pings_ms']:.1f} ms; "
+                     f"cpu {r['cpu_ratio']:.2f} x); {_verdict(r)} the {r['target_ratio']:g}x target")
     lines.append("parts: msgpack bytes, each decoded to its client's part of one plan: yes")
     return lines
 
