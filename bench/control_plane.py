@@ -10,22 +10,30 @@ last part returned; every measured step is a new batch, after one warm-up step.
 
 1. ``in-process`` (N = 8 ... 1024): the pure :class:`~scheduler.coordinator.Coordinator` driven
    the way ``SchedulerActor.report`` drives it: N ``report`` calls, ``plan_work()`` (the actor runs
-   it on a worker thread; here it runs inline), ``plan(cut=...)``, N ``answer`` calls. Columns:
-   ``step ms`` (median; ``best``; ``cpu ms``, ``time.process_time``, which other processes on a
-   busy machine do not inflate), and its parts: ``intake`` (the N reports, the shape check of
-   the last), ``plan`` and ``cut+enc`` (the coordinator's own ``plan_ms`` / ``cut_ms``), ``other``
-   (the rest: the epoch, the record of the plan, the answers). Target (issue 9): at most 60 ms
-   per step at 1024 clients.
+   it on a worker thread; here it runs inline), ``plan(cut=...)``, N ``answer`` calls. Columns
+   (ms, median over steps): ``step`` (``best``; ``cpu ms``, ``time.process_time``, which other
+   processes on a busy machine do not inflate) and its parts: ``intake`` (the N reports, the shape
+   check of the last), ``plan`` and ``cut+enc`` (the coordinator's own ``plan_ms`` / ``cut_ms``:
+   the scheduler's work as issue 9 counts it), ``other`` (the rest: the group epoch, the record
+   of the plan, the answers); ``after last``: from the last report to the last part (what a step
+   waits for once every client reported; through Ray, reports arrive one RPC at a time and the
+   intake overlaps them). Target (issue 9): at most 60 ms at 1024 clients, verdicts for the whole
+   step and for plan + cut + encode.
 2. ``ray`` (N = 8 ... 64): a job started with :func:`distca_server.launch` (in-place, not
-   detached) on a local Ray instance; the driver registers N clients, then per step calls
-   ``scheduler.report.remote(step, 0, rank, doc_lens, shape)`` (the call
-   ``RayClientRuntime.step_for`` makes) from N asyncio tasks and awaits all answers. Beside each
-   step, in the same run and alternating which goes first, N plain ``scheduler.ping.remote()``
-   calls from N asyncio tasks. Columns: ``step ms`` and ``pings ms`` (medians), their ratio
-   (target: at most 1.5x), and the actor's own ``plan`` and ``cut+enc`` ms of the last step.
+   detached) on a local Ray instance (2 CPUs unless one is running); the driver registers N
+   clients, then per step makes the call ``RayClientRuntime.step_for`` makes,
+   ``scheduler.report.remote(encode_report(step, 0, rank, doc_lens, shape))``, from N asyncio
+   tasks and awaits every answer. Beside each step, in the same run and alternating which goes
+   first, N plain ``scheduler.ping.remote()`` calls from N asyncio tasks. Columns: ``step ms`` and
+   ``pings ms`` (medians, and bests), ``step/pings`` (the median over steps of each step's time over
+   its pings' time: the target, at most 1.5x), ``cpu step/pings`` (CPU seconds of the driver and
+   the scheduler actor's process, ``/proc``, over all steps against over all ping rounds: what a
+   loaded machine's scheduling does not change), and the actor's own ``plan`` and ``cut+enc`` ms
+   of the last step.
 
-Parts travel as msgpack bytes: the benchmark checks that every answer's ``part`` is ``bytes``
-that :meth:`PlanPart.from_msgpack` decodes to that client's part of one plan (same plan id).
+Parts travel as msgpack bytes: the benchmark checks that every answer (through Ray, the answer
+message itself, :mod:`scheduler.messages`) is ``bytes`` and that each part decodes with
+:meth:`PlanPart.from_msgpack` to that client's part of one plan (same plan id).
 
 Usage::
 
@@ -174,6 +182,7 @@ async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int) -> d
         else:
             step_ms, step_cpu, answers = await _gather_ms(reports, actor_pid)
             ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_pid)
+        assert all(type(a) is bytes for a in answers), "the answer message must be msgpack bytes"
         part_bytes = check_answers([decode_answer(a) for a in answers], step, num_clients)
         if step > 0:  # step 0 warms up
             for key, value in (("step", step_ms), ("pings", ping_ms), ("ratio", step_ms / ping_ms),
