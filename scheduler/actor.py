@@ -14,8 +14,8 @@ and every participant re-registers with its last step and epoch (they notice its
 their long-polls or their next call), which is all the coordinator needs to go on.
 
 Every step each client reports ``(step, batch, rank, doc_lens, shape)`` once and gets its own
-msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch; every layer and the
-backward pass reuse the plan.
+msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch, one msgpack message
+each way (:mod:`scheduler.messages`); every layer and the backward pass reuse the plan.
 
 Only this module of ``scheduler`` imports ray.
 """
@@ -30,7 +30,8 @@ import time
 import ray
 from ray.util import metrics
 
-from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome
+from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome, error_answer
+from .messages import decode_report, encode_answer
 
 NAMESPACE = "distca"
 log = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class SchedulerActor:
         self.name, self.mode, self.timeout_s = name, mode, timeout_s
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restarted scheduler is another one
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
-        self._batch_done: dict[tuple[int, int], asyncio.Event] = {}
+        self._batch_done: dict[tuple[int, int], asyncio.Event] = {}  # set when the batch resolves
+        self._deadlines: dict[tuple[int, int], asyncio.TimerHandle] = {}  # of batches not resolved
         self._store_set: dict[int, asyncio.Event] = {}
         self._verdict_set: dict[int, asyncio.Event] = {}
         self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
@@ -175,31 +177,41 @@ class SchedulerActor:
     def _wake_resolved(self) -> None:
         """Wake the waiters of every batch the coordinator resolved since the last call."""
         for key in self.coord.drain_resolved():
-            self._batch_event(key).set()
+            deadline = self._deadlines.pop(key, None)
+            if deadline is not None:
+                deadline.cancel()
+            event = self._batch_done.get(key)
+            if event is not None:
+                event.set()
 
     # ---- planning ------------------------------------------------------------------------------
-    async def report(self, step: int, batch: int, rank: int, doc_lens: list[int], shape: dict) -> dict:
-        """Client ``rank``'s documents for ``(step, batch)``; returns its part once all have reported.
+    async def report(self, request: bytes) -> bytes:
+        """A client's documents for ``(step, batch)``; answers with its part once all have reported.
 
-        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. The answer
-        is ``{"part": bytes, "group": {"epoch", "world_rank", "world_size", "device_type"}}`` or
-        ``{"error": kind, "message": str}`` where kind is ``"ValueError"`` (bad input, sent to
-        every client of the batch) or ``"DistCAError"`` (a client never reported, no live server).
+        ``request`` is a :func:`scheduler.messages.encode_report` message (step, batch, rank,
+        documents, ``shape = {"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``). The
+        answer (:func:`scheduler.messages.decode_answer`) is ``{"part": bytes, "group": {"epoch",
+        "world_rank", "world_size", "device_type"}}`` or ``{"error": kind, "message": str}`` where
+        kind is ``"ValueError"`` (bad input, sent to every client of the batch; a malformed
+        request, to its sender alone) or ``"DistCAError"`` (a client never reported, no live
+        server). One bytes argument and a bytes answer: see :mod:`scheduler.messages` for why.
         """
+        try:
+            step, batch, rank, doc_lens, shape = decode_report(request)
+        except ValueError as exc:
+            return encode_answer(error_answer("ValueError", str(exc)))
+        return encode_answer(await self._report(step, batch, rank, doc_lens, shape))
+
+    async def _report(self, step, batch, rank, doc_lens, shape) -> dict:
         out = self.coord.report(step, batch, rank, doc_lens, shape)
         self._wake_resolved()
-        key = (step, batch)
         if out.answer is not None:
             return out.answer
-        done = self._batch_event(key)
+        key = (step, batch)
+        done = self._batch_event(key, rank)
         if out.plan:
             await self._plan(key, done)
-        try:
-            await asyncio.wait_for(done.wait(), timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            answer = self.coord.abort(step, batch, rank)
-            self._wake_resolved()  # the others of this batch (and of its step) get the error now
-            return answer
+        await done.wait()  # set when the batch resolves: planned, failed, or its deadline passed
         return self.coord.answer(step, batch, rank)
 
     def fail_step(self, step: int, rank: int, message: str) -> dict:
@@ -209,11 +221,26 @@ class SchedulerActor:
         self._wake_resolved()
         return answer
 
-    def _batch_event(self, key) -> asyncio.Event:
+    def _batch_event(self, key, rank: int) -> asyncio.Event:
+        """The event set when batch ``key`` resolves. Made at the batch's first waiting report,
+        with the batch's deadline ``timeout_s`` later: one timer per batch rather than one per
+        waiting client (the first reporter's wait is the one that would time out first anyway)."""
         event = self._batch_done.get(key)
         if event is None:
             event = self._batch_done[key] = asyncio.Event()
+            self._deadlines[key] = asyncio.get_running_loop().call_later(
+                self.timeout_s, self._expire, key, rank, event)
         return event
+
+    def _expire(self, key, rank: int, event: asyncio.Event) -> None:
+        """Batch ``key`` did not resolve by its deadline: every client gets an error (naming the
+        ranks that never reported), and so does every later report of its step. ``event`` is
+        set here too: the coordinator may have forgotten the batch unresolved (a later step
+        resolved), and its event with it."""
+        self._deadlines.pop(key, None)
+        self.coord.abort(key[0], key[1], rank)
+        self._wake_resolved()
+        event.set()
 
     async def _plan(self, key, done: asyncio.Event) -> None:
         step, batch = key

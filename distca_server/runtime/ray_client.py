@@ -25,6 +25,7 @@ import torch
 
 from scheduler.actor import NAMESPACE, scheduler_actor_name
 from scheduler.cost import RoundKind
+from scheduler.messages import decode_answer, encode_report
 from scheduler.parts import PlanPart
 from scheduler.tasks import Plan
 
@@ -198,8 +199,8 @@ class RayClientRuntime(Runtime):
                 self._reregister()
                 step, batch = self._state.step, self._state.next_batch_index()
                 try:
-                    answer = ask(self.scheduler.report.remote(step, batch, self.rank, list(doc_lens), shape),
-                                 self.timeout_s + 10)
+                    request = encode_report(step, batch, self.rank, doc_lens, shape)
+                    answer = decode_answer(ask(self.scheduler.report.remote(request), self.timeout_s + 10))
                 except SchedulerLost as exc:
                     self._needs_register = True
                     self._state.advance()
