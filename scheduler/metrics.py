@@ -6,8 +6,9 @@ from :data:`METRICS` (this module imports no ray). Ray's metrics agent serves th
 ``_bucket`` / ``_sum`` / ``_count`` (:func:`prometheus_series`), which is what dashboards query.
 
 Gauges hold the last plan's value: a Prometheus scrape every 15 s sees one step in many. Every
-per-step value is therefore also observed into a histogram (``distca_step_*``), whose ``_sum``
-and ``_count`` give exact means and rates over any window, and whose buckets give quantiles.
+per-step value is therefore also observed into a histogram (``distca_step_*``): its ``_count``
+and buckets count every step exactly (rates, quantiles); its ``_sum`` is Ray's approximation
+(each observation counted at its bucket's midpoint), so the buckets are fine where values fall.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ __all__ = ["METRICS", "Metric", "PROMETHEUS_PREFIX", "prometheus_series", "metri
 
 PROMETHEUS_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric with this
 
-# Bucket bounds (Ray wants them strictly positive and ascending).
-_IMBALANCE = [1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0]  # max/mean, >= 1
-_MILLISECONDS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500]
-_BYTES = [float(2 ** e) for e in range(10, 41, 2)]  # 1 KiB .. 1 TiB, by 4x
+# Bucket bounds (Ray wants them strictly positive and ascending). An imbalance is >= 1 and most
+# often 1 exactly: (0.999, 1.001] holds it with midpoint 1 (Ray's _sum counts the midpoint).
+_IMBALANCE = [0.999, 1.001, 1.005, 1.01, 1.02, 1.03, 1.05, 1.075, 1.1, 1.15, 1.2, 1.3, 1.5, 1.75, 2.0,
+              2.5, 3.0, 4.0, 5.0, 10.0]
+_MILLISECONDS = [0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+_BYTES = [float(2 ** e) for e in range(10, 41)]  # 1 KiB .. 1 TiB, by 2x
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,16 @@ class Trainer:
             self.held = None
 
 
+def distca_log_lines() -> list[str]:
+    """The distca lines of this Ray session's worker logs (the files the Ray dashboard's log view
+    and ``ray logs`` show)."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # no public call without a dashboard
+    lines = []
+    for f in sorted(logs.glob("worker-*.err")):
+        lines += [line for line in f.read_text(errors="replace").splitlines() if " distca-" in line]
+    return lines
+
+
 def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=10).read().decode()
 
@@ -246,7 +256,8 @@ def run(args) -> dict:
         (out / "metrics.prom").write_text(text)
         result = {"steps": args.steps, "kill_at": args.kill_at, "failed": failed, "status": st,
                   "metrics_port": port, "listening": listening_addresses(port),
-                  "node_ip": ray.util.get_node_ip_address(), "seconds": time.time() - start}
+                  "node_ip": ray.util.get_node_ip_address(), "seconds": time.time() - start,
+                  "logs": distca_log_lines()}
         if prom is not None:
             time.sleep(3)  # the last scrapes
             end = time.time()
