@@ -105,3 +105,12 @@ def test_every_actor_logs_timestamped_levelled_lines(demo):
     assert re.search(rf"WARNING distca-scheduler-{JOB} scheduler.actor: job {JOB}: group epoch \d+ failed .*"
                      r"lost: attention server 1", text)
     assert re.search(rf"WARNING distca-client-{JOB}-0 distca_server.runtime.ray_client: rank 0: .*step {KILL_AT}", text)
+
+
+def test_every_dashboard_query_names_a_metric_seen(demo):
+    _, samples = demo
+    board = json.loads((ROOT / "deploy" / "grafana" / "distca.json").read_text())
+    seen = {s.name for s in samples}
+    for panel in board["panels"]:
+        names = {n for t in panel["targets"] for n in re.findall(r"\bray_distca_\w+", t["expr"])}
+        assert names and names <= seen, (panel["title"], sorted(names - seen))
