@@ -25,7 +25,7 @@ def render(st: dict, note: str = ""):
                   title_justify="left", caption=note or None, expand=False)
     for s in st["servers"]:
         state = s["state"]
-        style = "red" if state in ("dead", "unreachable", "suspect", "unregistered") else None
+        style = "red" if state in ("dead", "unreachable", "suspect", "unregistered", "gone") else None
         table.add_row(*(cell(s) for _, _, cell in COLUMNS), style=style)
     return table
 

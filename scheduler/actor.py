@@ -34,7 +34,7 @@ from ray.util import metrics
 
 from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome
 from .logs import configure_logging
-from .metrics import metrics_of
+from .metrics import JOB_LABEL, metrics_of
 
 NAMESPACE = "distca"
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def ray_metrics(source: str) -> dict:
     return out
 
 
-def _total_bytes(traffic: dict) -> int:
+def total_bytes(traffic: dict) -> int:
     """All bytes of a ``{round_kind: {tensor: bytes}}`` traffic dict."""
     return sum(sum(per.values()) for per in traffic.values())
 
@@ -122,7 +122,7 @@ class SchedulerActor:
         self._verdict_set: dict[int, asyncio.Event] = {}
         self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
         self._discovering = None  # the search for servers by name after a restart, while it runs
-        self._tags = {"job": name}
+        self._tags = {JOB_LABEL: name}
         self.m = ray_metrics("scheduler")
         self._lost_counted: set[int] = set()  # epochs whose lost participants are counted
         configure_logging(scheduler_actor_name(name))
@@ -288,12 +288,12 @@ class SchedulerActor:
             m[f"distca_{key}"].set(rec[key], tags=tags)
             m[f"distca_step_{key}"].observe(rec[key], tags=tags)
         for kind, total in rec["bytes"].items():
-            round_tags = {"job": self.name, "round": kind}
+            round_tags = {JOB_LABEL: self.name, "round": kind}
             m["distca_bytes_per_round"].set(total, tags=round_tags)
             if total > 0:  # an in-place plan that moves nothing has no bytes to put in a bucket
                 m["distca_step_bytes_per_round"].observe(total, tags=round_tags)
         for sid, load in rec["server_flops"].items():
-            server_tags = {"job": self.name, "server": str(sid)}
+            server_tags = {JOB_LABEL: self.name, "server": str(sid)}
             m["distca_server_flops"].set(load, tags=server_tags)
             m["distca_server_tasks"].set(rec["server_tasks"][sid], tags=server_tags)
         m["distca_steps_planned"].inc(tags=tags)
@@ -312,7 +312,7 @@ class SchedulerActor:
         members = self.coord.groups.get(epoch, {})
         for r in verdict["lost_ranks"]:
             role = "client" if r not in members or members[r].client else "server"
-            self.m["distca_lost_participants"].inc(tags={"job": self.name, "role": role})
+            self.m["distca_lost_participants"].inc(tags={JOB_LABEL: self.name, "role": role})
         log.warning("job %s: group epoch %d failed (%s); lost: %s; next step %d", self.name, epoch,
                     verdict["cause"][:300], ", ".join(verdict["lost"]) or "none", verdict["next_step"])
 
@@ -393,7 +393,7 @@ class SchedulerActor:
         ``clients`` lists the registered clients whose process is alive (``clients_gone`` the
         others); a server that does not answer shows no load (its last plan is stale)."""
         st = dict(self.coord.status(), pid=os.getpid())
-        live = _live_workers()
+        live = await asyncio.to_thread(_live_workers)  # a read of Ray's control store
         if live is not None:
             workers, dead_jobs = live
             gone = [r for r, c in self.coord.clients.items()
@@ -401,13 +401,17 @@ class SchedulerActor:
                     and (not c.get("driver") or c.get("job_id") in dead_jobs)]
             st["clients"] = [r for r in st["clients"] if r not in gone]
             st["clients_gone"] = sorted(gone)
+            if self.mode == "inplace":  # the rows are the clients: a gone one serves nothing
+                for row in st["servers"]:
+                    if row["server"] in gone:
+                        row.update(state="gone", last_flops=None, last_tasks=None)
         for row in st["servers"]:
             if row["state"] == "dead" or row["server"] not in self.handles:
                 continue
             try:
                 stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)
                 row.update(rounds_served=stats["rounds_served"], state=stats["state"],
-                           last_error=stats["last_error"], bytes_sent=_total_bytes(stats["traffic"]))
+                           last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]))
             except Exception:  # a dead actor answers with some Ray error
                 row.update(state="unreachable", last_flops=None, last_tasks=None)
         return st

@@ -4,6 +4,8 @@ The scheduler actor and the dedicated attention servers build their ``ray.util.m
 from :data:`METRICS` (this module imports no ray). Ray's metrics agent serves them on each node's
 ``--metrics-export-port`` with the prefix ``ray_``; counters get ``_total`` and histograms
 ``_bucket`` / ``_sum`` / ``_count`` (:func:`prometheus_series`), which is what dashboards query.
+Every series has the label ``distca_job`` (:data:`JOB_LABEL`, the job's name), plus ``round``
+(``forward``/``backward``), ``server`` (its id) or ``role`` (``client``/``server``) where they apply.
 
 Gauges hold the last plan's value: a Prometheus scrape every 15 s sees one step in many. Every
 per-step value is therefore also observed into a histogram (``distca_step_*``): its ``_count``
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["METRICS", "Metric", "PROMETHEUS_PREFIX", "prometheus_series", "metrics_of"]
+__all__ = ["JOB_LABEL", "METRICS", "Metric", "PROMETHEUS_PREFIX", "prometheus_series", "metrics_of"]
 
 PROMETHEUS_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric with this
+# The distca job's name on every series. Not "job": Prometheus sets `job` to the scrape job's name
+# (Ray's setup: "ray") and renames a scraped `job` label to `exported_job`.
+JOB_LABEL = "distca_job"
 
 # Bucket bounds (Ray wants them strictly positive and ascending). An imbalance is >= 1 and most
 # often 1 exactly: (0.999, 1.001] holds it with midpoint 1 (Ray's _sum counts the midpoint).
@@ -45,38 +50,38 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     # the last plan (gauges)
     Metric("distca_imbalance_before", "gauge", "max/mean attention FLOPs over ranks with no balancing, last plan",
-           ("job",), "scheduler", "ratio"),
+           (JOB_LABEL,), "scheduler", "ratio"),
     Metric("distca_imbalance_after", "gauge", "max/mean attention FLOPs over servers under the last plan",
-           ("job",), "scheduler", "ratio"),
+           (JOB_LABEL,), "scheduler", "ratio"),
     Metric("distca_plan_ms", "gauge", "milliseconds to plan the last batch (planning only)",
-           ("job",), "scheduler", "ms"),
+           (JOB_LABEL,), "scheduler", "ms"),
     Metric("distca_cut_ms", "gauge", "milliseconds to cut and encode the last batch's per-participant parts",
-           ("job",), "scheduler", "ms"),
+           (JOB_LABEL,), "scheduler", "ms"),
     Metric("distca_bytes_per_round", "gauge", "bytes moved off-rank by one round of one layer, last plan",
-           ("job", "round"), "scheduler", "bytes"),
+           (JOB_LABEL, "round"), "scheduler", "bytes"),
     Metric("distca_server_flops", "gauge", "forward attention FLOPs per layer on a server, last plan",
-           ("job", "server"), "scheduler", "FLOPs"),
+           (JOB_LABEL, "server"), "scheduler", "FLOPs"),
     Metric("distca_server_tasks", "gauge", "CA-tasks on a server, last plan",
-           ("job", "server"), "scheduler", "tasks"),
+           (JOB_LABEL, "server"), "scheduler", "tasks"),
     # every plan (histograms: a scrape misses no step)
     Metric("distca_step_imbalance_before", "histogram", "max/mean attention FLOPs with no balancing, every plan",
-           ("job",), "scheduler", "ratio", tuple(_IMBALANCE)),
+           (JOB_LABEL,), "scheduler", "ratio", tuple(_IMBALANCE)),
     Metric("distca_step_imbalance_after", "histogram", "max/mean attention FLOPs under the plan, every plan",
-           ("job",), "scheduler", "ratio", tuple(_IMBALANCE)),
+           (JOB_LABEL,), "scheduler", "ratio", tuple(_IMBALANCE)),
     Metric("distca_step_plan_ms", "histogram", "milliseconds to plan a batch, every plan",
-           ("job",), "scheduler", "ms", tuple(_MILLISECONDS)),
+           (JOB_LABEL,), "scheduler", "ms", tuple(_MILLISECONDS)),
     Metric("distca_step_cut_ms", "histogram", "milliseconds to cut a batch's parts, every plan",
-           ("job",), "scheduler", "ms", tuple(_MILLISECONDS)),
+           (JOB_LABEL,), "scheduler", "ms", tuple(_MILLISECONDS)),
     Metric("distca_step_bytes_per_round", "histogram", "bytes moved off-rank by one round of one layer, every plan",
-           ("job", "round"), "scheduler", "bytes", tuple(_BYTES)),
+           (JOB_LABEL, "round"), "scheduler", "bytes", tuple(_BYTES)),
     # counters
-    Metric("distca_steps_planned", "counter", "batches planned", ("job",), "scheduler", "batches"),
+    Metric("distca_steps_planned", "counter", "batches planned", (JOB_LABEL,), "scheduler", "batches"),
     Metric("distca_lost_participants", "counter", "participants a failure verdict named lost (role: client or server)",
-           ("job", "role"), "scheduler", "participants"),
+           (JOB_LABEL, "role"), "scheduler", "participants"),
     Metric("distca_rounds_served", "counter", "rounds a dedicated attention server has served",
-           ("job", "server", "round"), "server", "rounds"),
+           (JOB_LABEL, "server", "round"), "server", "rounds"),
     Metric("distca_server_bytes_sent", "counter", "bytes a dedicated attention server sent to other participants",
-           ("job", "server", "round"), "server", "bytes"),
+           (JOB_LABEL, "server", "round"), "server", "bytes"),
 )
 
 

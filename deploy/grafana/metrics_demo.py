@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 import ray  # noqa: E402
 
-from scheduler.metrics import METRICS, prometheus_series  # noqa: E402
+from scheduler.metrics import JOB_LABEL, METRICS, prometheus_series  # noqa: E402
 
 NAME = "metrics-demo"
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
@@ -129,7 +129,7 @@ def wait_for_metrics(port: int, steps_planned: int, timeout_s: float = 30.0) -> 
         text = scrape(port)
         seen = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line.startswith("ray_distca_")}
         planned = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("ray_distca_steps_planned_total{") and f'job="{NAME}"' in line]
+                   if line.startswith("ray_distca_steps_planned_total{") and f'{JOB_LABEL}="{NAME}"' in line]
         if want <= seen and planned and planned[0] >= steps_planned or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
@@ -161,11 +161,12 @@ def start_prometheus(ray_port: int, workdir: Path) -> tuple[subprocess.Popen, in
 
 
 # The series drawn: panel title -> [(legend, PromQL)]. Per-step values come from the histograms'
-# _sum/_count (exact means over the window), so no step between two scrapes is missed.
+# _sum/_count over 15 s windows (every step counts; _sum is at bucket resolution), as the Grafana
+# dashboard draws them.
 def _mean(name: str, by: str = "") -> str:
     group = f" by ({by})" if by else ""
-    return (f"sum{group}(rate(ray_{name}_sum{{job=\"{NAME}\"}}[5s])) / "
-            f"sum{group}(rate(ray_{name}_count{{job=\"{NAME}\"}}[5s]))")
+    return (f"sum{group}(rate(ray_{name}_sum{{{JOB_LABEL}=\"{NAME}\"}}[15s])) / "
+            f"sum{group}(rate(ray_{name}_count{{{JOB_LABEL}=\"{NAME}\"}}[15s]))")
 
 
 PANELS = {
@@ -177,11 +178,11 @@ PANELS = {
     "bytes per round of one layer (KiB)": [
         ("{round}", f"({_mean('distca_step_bytes_per_round', 'round')}) / 1024")],
     "forward GFLOP per layer per server (last plan)": [
-        ("server {server}", f'ray_distca_server_flops{{job="{NAME}"}} / 1e9')],
+        ("server {server}", f'ray_distca_server_flops{{{JOB_LABEL}="{NAME}"}} / 1e9')],
     "rounds served per second": [
-        ("server {server}", f'sum by (server) (rate(ray_distca_rounds_served_total{{job="{NAME}"}}[5s]))')],
+        ("server {server}", f'sum by (server) (rate(ray_distca_rounds_served_total{{{JOB_LABEL}="{NAME}"}}[15s]))')],
     "lost participants (total)": [
-        ("{role}", f'sum by (role) (ray_distca_lost_participants_total{{job="{NAME}"}})')],
+        ("{role}", f'sum by (role) (ray_distca_lost_participants_total{{{JOB_LABEL}="{NAME}"}})')],
 }
 
 
@@ -193,7 +194,7 @@ def query_range(port: int, query: str, start: float, end: float, step: float = 1
     return reply["data"]["result"]
 
 
-def draw(series: dict, start: float, kill_time: float | None, png: Path) -> None:
+def draw(series: dict, start: float, end: float, kill_time: float | None, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -207,6 +208,7 @@ def draw(series: dict, start: float, kill_time: float | None, png: Path) -> None
                 ax.plot(t, y, label=label, lw=1.6)
         if kill_time is not None:
             ax.axvline(kill_time - start, color="grey", ls="--", lw=1)
+        ax.set_xlim(0, end - start)
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("seconds into the run")
         ax.grid(alpha=0.3)
@@ -265,7 +267,7 @@ def run(args) -> dict:
                       for title, lines in PANELS.items()}
             (out / "series.json").write_text(json.dumps({"start": start, "end": end, "kill_time": kill_time,
                                                          "series": series}))
-            draw(series, start, kill_time, Path(args.png))
+            draw(series, start, end, kill_time, Path(args.png))
             result["png"] = args.png
         (out / "run.json").write_text(json.dumps(result, indent=1, default=str))
         shutdown(NAME)

@@ -30,6 +30,7 @@ import torch
 
 from scheduler.actor import NAMESPACE, ray_metrics, scheduler_actor_name
 from scheduler.logs import configure_logging
+from scheduler.metrics import JOB_LABEL
 from scheduler.parts import PlanPart
 
 from ..errors import DistCAError
@@ -229,7 +230,7 @@ class AttentionServer:
             self.rounds_served += 1
             sent = self._count(participants)
             kind = self._round_kind.value
-            tags = {"job": self.name, "server": str(self.index), "round": kind}
+            tags = {JOB_LABEL: self.name, "server": str(self.index), "round": kind}
             self._metrics["distca_rounds_served"].inc(tags=tags)
             if sent.get(kind, 0) > 0:
                 self._metrics["distca_server_bytes_sent"].inc(sent[kind], tags=tags)

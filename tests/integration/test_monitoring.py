@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from scheduler.metrics import METRICS, prometheus_series
+from scheduler.metrics import JOB_LABEL, METRICS, prometheus_series
 from scripts import ROOT
 
 parser = pytest.importorskip("prometheus_client.parser", reason="needs the monitoring extra (ray[default])")
@@ -33,7 +33,7 @@ def demo(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads((out / "run.json").read_text())
     samples = [s for fam in parser.text_string_to_metric_families((out / "metrics.prom").read_text())
-               for s in fam.samples if s.labels.get("job") == JOB]
+               for s in fam.samples if s.labels.get(JOB_LABEL) == JOB]
     return run, samples
 
 

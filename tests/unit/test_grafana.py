@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.metrics import METRICS, PROMETHEUS_PREFIX, metrics_of, prometheus_series
+from scheduler.metrics import JOB_LABEL, METRICS, PROMETHEUS_PREFIX, metrics_of, prometheus_series
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "distca.json"
@@ -46,11 +46,11 @@ def test_dashboard_shape():
     assert len(ids) == len(set(ids))
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["query"] == "prometheus"
-    assert "ray_distca_steps_planned_total" in variables["job"]["definition"]
+    assert variables["job"]["definition"] == f"label_values(ray_distca_steps_planned_total, {JOB_LABEL})"
     for p in board["panels"]:
         assert p["datasource"]["uid"] == "${datasource}"
         for t in p["targets"]:
-            assert 'job=~"$job"' in t["expr"], (p["title"], t["expr"])
+            assert f'{JOB_LABEL}=~"$job"' in t["expr"], (p["title"], t["expr"])
 
 
 def test_prometheus_names():
