@@ -292,10 +292,11 @@ class SchedulerActor:
             m["distca_bytes_per_round"].set(total, tags=round_tags)
             if total > 0:  # an in-place plan that moves nothing has no bytes to put in a bucket
                 m["distca_step_bytes_per_round"].observe(total, tags=round_tags)
-        for sid, load in rec["server_flops"].items():
+        # a known server left out of this plan (dead, suspect) carries no load now, not its last one
+        for sid in sorted(set(rec["server_flops"]) | set(self.coord.servers)):
             server_tags = {JOB_LABEL: self.name, "server": str(sid)}
-            m["distca_server_flops"].set(load, tags=server_tags)
-            m["distca_server_tasks"].set(rec["server_tasks"][sid], tags=server_tags)
+            m["distca_server_flops"].set(rec["server_flops"].get(sid, 0.0), tags=server_tags)
+            m["distca_server_tasks"].set(rec["server_tasks"].get(sid, 0), tags=server_tags)
         m["distca_steps_planned"].inc(tags=tags)
         log.debug("job %s: planned step %d batch %d: imbalance %.3f -> %.3f, %d CA-tasks, plan %.2f ms, "
                   "cut %.2f ms", self.name, rec["step"], rec["batch"], rec["imbalance_before"],

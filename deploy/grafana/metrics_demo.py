@@ -88,6 +88,9 @@ class Trainer:
         except (DistCAError, ValueError) as exc:
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
+    def ping(self) -> bool:
+        return True
+
     def backward(self) -> dict:
         from distca_client import DistCAError
         try:
@@ -209,6 +212,10 @@ def draw(series: dict, start: float, end: float, kill_time: float | None, png: P
         if kill_time is not None:
             ax.axvline(kill_time - start, color="grey", ls="--", lw=1)
         ax.set_xlim(0, end - start)
+        if title.startswith(("lost", "rounds")):
+            ax.set_ylim(bottom=0)
+        if title.startswith("lost"):
+            ax.set_ylim(top=max(2.0, ax.get_ylim()[1]))
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("seconds into the run")
         ax.grid(alpha=0.3)
@@ -229,7 +236,7 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, namespace="distca",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, namespace="distca",
              log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
@@ -241,6 +248,7 @@ def run(args) -> dict:
         job = launch(name=NAME, servers=2, mode="dedicated", timeout_s=args.timeout, failure_grace_s=1.0,
                detached=False, min_shard=16, max_restarts=1, server_options={"num_cpus": 0})
         trainers = [Trainer.remote(NAME, r, 2, args.timeout) for r in range(2)]
+        ray.get([t.ping.remote() for t in trainers], timeout=120)  # connected
         start = time.time()
         failed, kill_time = [], None
         for step in range(args.steps):

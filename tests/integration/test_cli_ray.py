@@ -96,7 +96,7 @@ def test_status_json_watch_live_clients_and_dead_servers(local_ray, capsys):
         assert main(["status", "--name", "cli"]) == 0
         table = capsys.readouterr().out.splitlines()
         assert "live [0], gone [1]" in table[0]
-        assert table[-1].split() == ["1", "?" if dead["node"] == "?" else dead["node"], dead["state"], "-", "-", "-", "-"]
+        assert table[-1].split() == ["1", dead["node"], dead["state"], "-", "-", "-", "-"]
     finally:
         main(["down", "--name", "cli"])
     assert "stopped 2 actors of job 'cli'" in capsys.readouterr().out  # the scheduler and server 0
@@ -177,7 +177,8 @@ def test_token_missing_or_wrong_is_one_line_within_seconds(token_head):
 def test_token_found_for_an_explicit_address(token_head):
     address, env = token_head  # RAY_AUTH_MODE unset: the CLI sends the token in ~/.ray/auth_token
     out, _ = _distca(env, "status", "--address", address)
-    assert out.returncode == 1 and out.stderr.strip() == "distca status: no distca job named 'default' on this Ray cluster"
+    assert out.returncode == 1
+    assert out.stderr.strip() == "distca status: no distca job named 'default' on this Ray cluster"
     out, _ = _distca(env, "up", "--address", address, "--name", "auth", "--mode", "inplace", "--timeout", "10")
     assert out.returncode == 0 and "distca job 'auth' up: inplace mode" in out.stdout, out.stderr
     out, _ = _distca(dict(env, RAY_ADDRESS=address), "status", "--name", "auth", "--json")

@@ -118,7 +118,8 @@ def test_watch_redraws_until_count_and_keeps_the_last_table_on_errors():
             raise a
         return a
     buf = io.StringIO()
-    assert watch(fetch, interval_s=0.01, count=3, console=Console(file=buf, width=200, force_terminal=True, color_system=None)) == 0
+    console = Console(file=buf, width=200, force_terminal=True, color_system=None)  # every frame written
+    assert watch(fetch, interval_s=0.01, count=3, console=console) == 0
     assert len(fetched) == 3
     out = buf.getvalue()
     assert "no distca job named 'j'" in out and "unreachable" in out and "MiB sent" in out
