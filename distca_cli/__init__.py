@@ -37,6 +37,16 @@ def _up(args) -> int:
                        f"rank serves its share of attention (the job has as many servers as clients); "
                        f"drop --servers, or use --mode dedicated")
     servers = 1 if args.servers is None else args.servers
+    from scheduler.checks import finite_nonnegative
+    from scheduler.coordinator import Coordinator
+    try:  # the scheduler's own checks, here before any Ray call (in its actor they would kill it)
+        Coordinator(args.name, args.mode, epsilon=args.epsilon, min_shard=args.min_shard,
+                    timeout_s=args.timeout, failure_grace_s=args.failure_grace)
+        for flag in ("timeout", "failure_grace", "start_timeout"):
+            if finite_nonnegative(f"--{flag.replace('_', '-')}", getattr(args, flag)) == 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got 0")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     connect(args.address)
     try:
         launch(name=args.name, servers=servers, mode=args.mode, epsilon=args.epsilon,

@@ -228,12 +228,12 @@ class AttentionServer:
             except DistCAError:  # no group (left after a failure): wait for the next assignment
                 continue
             self.rounds_served += 1
-            sent = self._count(participants)
-            kind = self._round_kind.value
-            tags = {JOB_LABEL: self.name, "server": str(self.index), "round": kind}
-            self._metrics["distca_rounds_served"].inc(tags=tags)
-            if sent.get(kind, 0) > 0:
-                self._metrics["distca_server_bytes_sent"].inc(sent[kind], tags=tags)
+            sent = self._count(participants)  # this round's bytes (and a failed round's before it)
+            tags = {JOB_LABEL: self.name, "server": str(self.index)}
+            self._metrics["distca_rounds_served"].inc(tags=dict(tags, round=self._round_kind.value))
+            for kind, n in sent.items():
+                if n > 0:
+                    self._metrics["distca_server_bytes_sent"].inc(n, tags=dict(tags, round=kind))
 
     def _participant(self, header, device, participants: OrderedDict) -> Participant:
         """The participant of the header's batch, built from its part on first sight."""

@@ -54,6 +54,16 @@ def test_servers_in_inplace_mode_refused_in_one_line():
     assert "every client rank serves its share" in lines[0]
 
 
+def test_bad_settings_refused_before_ray():
+    for argv, words in ((["--min-shard", "0"], "min_shard must be a positive int, got 0"),
+                        (["--epsilon", "-1"], "epsilon must be a finite number >= 0, got -1.0"),
+                        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+                        (["--start-timeout", "nan"], "--start-timeout must be a finite number >= 0, got nan")):
+        out = _run_cli("up", *argv, "--address", "127.0.0.1:1")  # never reached
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines() == [f"distca up: {words}"]
+
+
 def test_no_cluster_at_the_address_is_one_line():
     with socket.socket() as s:  # a loopback port nobody listens at
         s.bind(("127.0.0.1", 0))
