@@ -650,11 +650,24 @@ class Coordinator:
     # ---- inspection --------------------------------------------------------------------------
     def status(self) -> dict:
         """Job state for ``distca status``: settings, clients, epoch, last plan, and one row per
-        server (``rounds_served`` is None here: the wrapper asks live servers for it)."""
-        servers = [{"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None,
-                    "last_flops": self.last.get("server_flops", {}).get(sid),
-                    "last_tasks": self.last.get("server_tasks", {}).get(sid)}
-                   for sid, s in sorted(self.servers.items())]
+        server: ``{"server", "node", "state", "rounds_served", "last_flops", "last_tasks",
+        "last_error", "bytes_sent"}`` (``rounds_served``, ``last_error`` and ``bytes_sent`` are
+        None here: the wrapper asks live servers). Only a server that is alive shows the last
+        plan's load: a dead or suspect one serves none of it now. In in-place mode the rows are
+        the client ranks that serve (state ``"in-place"``, or ``"unregistered"`` once gone)."""
+        servers = []
+        if self.mode == "inplace":
+            members = {sid: {"node": self.clients.get(sid, {}).get("node", "?"),
+                             "state": "in-place" if sid in self.clients else "unregistered"}
+                       for sid in range(self.world_size or 0)}
+        else:
+            members = self.servers
+        for sid, s in sorted(members.items()):
+            alive = s["state"] in ("alive", "in-place")
+            servers.append({"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None,
+                            "last_flops": self.last.get("server_flops", {}).get(sid) if alive else None,
+                            "last_tasks": self.last.get("server_tasks", {}).get(sid) if alive else None,
+                            "last_error": None, "bytes_sent": None})
         return {"name": self.name, "mode": self.mode, "world_size": self.world_size,
                 "clients": sorted(self.clients), "epoch": self.epoch,
                 "next_step": max(self.next_step, self.floor),

@@ -15,6 +15,7 @@ fails on every participant) and goes on; a report of a step the job has left beh
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ import torch
 
 from scheduler.actor import NAMESPACE, scheduler_actor_name
 from scheduler.cost import RoundKind
+from scheduler.logs import configure_logging
 from scheduler.messages import decode_answer, encode_report
 from scheduler.parts import PlanPart
 from scheduler.tasks import Plan
@@ -39,6 +41,7 @@ from .member import GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
 _REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
+log = logging.getLogger(__name__)
 
 
 def _ray_rank_and_size(rank, world_size):
@@ -115,6 +118,7 @@ class RayClientRuntime(Runtime):
             raise ValueError(f"no distca job named {name!r}; start one with `distca up --name {name}` "
                              f"or distca_server.launch(name={name!r})") from None
         self.name = name
+        configure_logging(f"distca-client-{name}-{self.rank}")
         self.node = ray.util.get_node_ip_address()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.timeout_s = float(timeout_s) if timeout_s is not None else 60.0
@@ -133,8 +137,13 @@ class RayClientRuntime(Runtime):
     def _register(self, step: int = 0) -> dict:
         """Register with the job's scheduler (again after it restarted), telling it the step this
         client goes on with and the last group epoch it was in."""
+        ctx = ray.get_runtime_context()
+        # worker, job_id, driver: the scheduler's status lists only clients whose process lives
         info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
-                "epoch": self.member.epoch if self.member is not None else None}
+                "epoch": self.member.epoch if self.member is not None else None,
+                "worker": ctx.get_worker_id(), "job_id": ctx.get_job_id(),
+                "driver": ctx.worker.mode == ray.SCRIPT_MODE}
+        log.info("rank %d of %d: registering with job %s at step %d", self.rank, self.world_size, self.name, step)
         return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
                    max(self.timeout_s, _REGISTER_TIMEOUT_S))
 
@@ -161,6 +170,7 @@ class RayClientRuntime(Runtime):
             self._state.advance(max(failure.next_step, self._state.step + 1))
             if self.member.scheduler_lost:
                 self._needs_register = True
+        log.warning("rank %d: %s; going on at step %d", self.rank, failure, self._state.step)
         return DistCAError(str(failure))
 
     def fail_step(self, error: ValueError) -> None:

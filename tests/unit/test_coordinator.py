@@ -532,9 +532,27 @@ def test_status_rows():
     assert st["world_size"] == 2 and st["clients"] == [0, 1] and st["epoch"] == 0
     assert st["servers"] == [
         {"server": 0, "node": "srv0", "state": "suspect", "rounds_served": None, "last_flops": None,
-         "last_tasks": None},
+         "last_tasks": None, "last_error": None, "bytes_sent": None},
         {"server": 1, "node": "srv1", "state": "alive", "rounds_served": None,
-         "last_flops": st["last"]["server_flops"][1], "last_tasks": st["last"]["server_tasks"][1]}]
+         "last_flops": st["last"]["server_flops"][1], "last_tasks": st["last"]["server_tasks"][1],
+         "last_error": None, "bytes_sent": None}]
+    assert st["servers"][1]["last_flops"] > 0
+    # server 1 dies after the plan: its row keeps no stale load (the plan record still has it)
+    c.servers_pinged({0: "alive", 1: "dead"})
+    st = c.status()
+    assert [(s["state"], s["last_flops"], s["last_tasks"]) for s in st["servers"]] == [
+        ("alive", None, None), ("dead", None, None)]
+    assert 1 in st["last"]["server_flops"]
+
+
+def test_status_rows_inplace():
+    c = make("inplace", servers=0)
+    run_step(c, 0)
+    c.unregister_client(1, "c1")
+    rows = c.status()["servers"]
+    assert [(s["server"], s["node"], s["state"]) for s in rows] == [(0, "node0", "in-place"),
+                                                                    (1, "?", "unregistered")]
+    assert rows[0]["last_flops"] == c.last["server_flops"][0] and rows[1]["last_flops"] is None
 
 
 def test_bad_mode_and_server_index():
