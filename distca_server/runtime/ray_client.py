@@ -133,7 +133,8 @@ class RayClientRuntime(Runtime):
         """Register with the job's scheduler (again after it restarted), telling it the step this
         client goes on with and the last group epoch it was in."""
         info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
-                "epoch": self.member.epoch if self.member is not None else None}
+                "epoch": self.member.epoch if self.member is not None else None,
+                "ray_job": ray.get_runtime_context().get_job_id()}  # the training run it belongs to
         return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
                    max(self.timeout_s, _REGISTER_TIMEOUT_S))
 
@@ -223,6 +224,16 @@ class RayClientRuntime(Runtime):
                     raise ValueError(answer["message"])
                 raise DistCAError(answer["message"])
             part = PlanPart.from_msgpack(answer["part"])
+            if (part.rank, part.step, part.batch, part.cost, part.doc_lens) != (
+                    self.rank, step, batch, fmt.cost, list(doc_lens)):
+                # A scheduler bug, or an actor squatting the job's scheduler name: refused before
+                # this client joins any group or moves a row.
+                self._state.advance()
+                raise ValueError(
+                    f"rank {self.rank}: the scheduler of job {self.name!r} answered step {step} batch {batch} "
+                    f"with the part of rank {part.rank} step {part.step} batch {part.batch}, "
+                    f"{len(part.doc_lens)} documents ({part.num_tokens} tokens), {part.cost}; this client "
+                    f"reported {len(doc_lens)} documents ({sum(doc_lens)} tokens), {fmt.cost}")
             group = answer["group"]
             try:
                 self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step)

@@ -81,7 +81,7 @@ def test_store_listens_on_the_node_address_and_the_group_works():
 
 def test_an_address_not_of_this_node_is_refused():
     with pytest.raises(OSError):
-        listen_on("192.0.2.1")  # TEST-NET-1: never a local address
+        listen_on("203.0.113.7")  # TEST-NET-3: documentation only, not a local address
     with pytest.raises(DistCAError, match="could not form group epoch 0 as rank 0 of 1"):
-        join_group(epoch=0, rank=0, world_size=1, host="192.0.2.1", timeout_s=5,
+        join_group(epoch=0, rank=0, world_size=1, host="203.0.113.7", timeout_s=5,
                    device=torch.device("cpu"), publish=lambda h, p: None, lookup=lambda: None)
