@@ -10,11 +10,12 @@ rsync calls go to :mod:`loopback_ssh` (the command runs here, files are copied h
 ``pip install`` setup line is replaced by an import check (the checkout is already installed),
 and the cluster has no worker hosts (the job's two workers run on the head).
 
-Isolation: everything runs in fresh Linux network and PID namespaces (``unshare``): the only
-network is a private loopback, so nothing can reach beyond 127.0.0.1, Ray's ports cannot clash
-with other Ray instances on the machine, and ``ray stop`` (which ``ray up``/``ray down`` run)
-only sees this cluster's processes; leaving the namespace ends every process in it. ``HOME`` and
-``RAY_TMPDIR`` are a temporary directory, so the auth token and session files are the test's own.
+Isolation: everything runs in fresh Linux network, PID and mount namespaces (``unshare``): the
+only network is a private loopback, so nothing can reach beyond 127.0.0.1, Ray's ports cannot
+clash with other Ray instances on the machine, ``ray stop`` (which ``ray up``/``ray down`` run)
+only sees this cluster's processes, and ``/tmp`` is a private tmpfs (Ray's SSH control paths and
+config cache); leaving the namespace ends every process in it. ``HOME`` and ``RAY_TMPDIR`` are a
+temporary directory, so the auth token and session files are the test's own.
 
 Run directly (``python tests/integration/test_deploy_cluster.py``) it prints each phase's time.
 """
@@ -42,8 +43,8 @@ JOB_LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]]]
 def _namespaces_available() -> bool:
     if not (shutil.which("unshare") and shutil.which("ip")):
         return False
-    probe = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount-proc", "ip", "link", "set", "lo", "up"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(["unshare", "--net", "--pid", "--mount", "--fork", "--mount-proc", "sh", "-c",
+                            "ip link set lo up && mount -t tmpfs tmpfs /tmp"], capture_output=True, timeout=30)
     return probe.returncode == 0
 
 
@@ -147,11 +148,12 @@ def two_worker_job() -> dict:
 
 
 def run_cluster() -> dict:
-    work = Path(tempfile.mkdtemp(prefix="dca"))  # short: Ray's socket paths live under it
+    # Short (Ray's socket paths live under it), and not under /tmp, which the namespace replaces.
+    work = Path(tempfile.mkdtemp(prefix="dca", dir="/var/tmp"))
     try:
         prepare(work)
-        cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-               f'ip link set lo up && exec "{sys.executable}" "{__file__}" cluster "{work}"']
+        cmd = ["unshare", "--net", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+               f'ip link set lo up && mount -t tmpfs tmpfs /tmp && exec "{sys.executable}" "{__file__}" cluster "{work}"']
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(work))
         if proc.returncode != 0:
@@ -165,7 +167,7 @@ def run_cluster() -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.mark.skipif(not _namespaces_available(), reason="needs unshare (network and PID namespaces) and ip")
+@pytest.mark.skipif(not _namespaces_available(), reason="needs unshare (network, PID, mount namespaces) and ip")
 def test_ray_up_distca_up_job_status_down():
     out = run_cluster()
     job = json.loads(out["job"].strip().splitlines()[-1])
