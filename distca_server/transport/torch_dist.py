@@ -3,7 +3,8 @@
 Each membership of clients and dedicated servers is one *group epoch*: a standalone process group
 (not the process-global default group, so a group can be dropped and re-formed after a failure
 without restarting anyone). World rank 0 hosts the rendezvous ``TCPStore``; the scheduler actor
-relays its address and hands out the ranks.
+relays its address and hands out the ranks. The store and gloo's pairs listen on the node's
+address only (docs/security.md).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
                lookup: Callable[[], tuple[str, int]]) -> TorchDistTransport:
     """Form (or join) group epoch ``epoch``.
 
-    World rank 0 starts a ``TCPStore`` listening on ``host`` only and ``publish(host, port)``-es it; the others
-    ``lookup()`` the address. Gloo is used for CPU devices, NCCL for CUDA.
+    World rank 0 starts a ``TCPStore`` listening on ``host`` only (:func:`listen_on`) and
+    ``publish(host, port)``-es it; the others ``lookup()`` the address. Gloo is used for CPU
+    devices, NCCL for CUDA.
 
     Raises:
         DistCAError: the store or the group could not be formed within ``timeout_s``.

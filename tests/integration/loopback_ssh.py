@@ -2,7 +2,9 @@
 on a node over SSH run here instead (the test cluster's nodes are this machine), and files Ray
 would copy to a node are copied locally. Only loopback destinations are accepted. Each node has
 its own home directory, ``$LOOPBACK_SSH_HOMES/<host>``: what ``ray up`` copies to ``~`` on a node
-(the checkout, the auth token, the bootstrap config) really travels there.
+(the checkout, the auth token, the bootstrap config) really travels there. Each node also has
+its own PID and mount namespaces (made on first contact, entered with ``nsenter``), so the
+``ray stop`` that Ray runs on one node stops that node's processes only, as on separate hosts.
 
 Installed as ``<bin>/ssh`` and ``<bin>/rsync`` by tests/integration/test_deploy_cluster.py, which
 puts ``<bin>`` first on ``PATH`` of ``ray up``/``ray down``. Usage is that of the real tools as
@@ -12,11 +14,13 @@ Ray's ``SSHCommandRunner`` calls them (``ssh [opts] user@host command...``,
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 _SSH_VALUE_FLAGS = set("BbcDEeFIiJLlmOopQRSWw")  # ssh options that take a value
@@ -27,6 +31,26 @@ def _host(destination: str) -> str:
     if not host.startswith("127."):
         sys.exit(f"loopback_ssh: refusing non-loopback destination {destination!r}")
     return host
+
+
+def _node(host: str) -> int:
+    """The pid of the init process of ``host``'s PID and mount namespaces, made on first use."""
+    pidfile = os.path.join(os.environ["LOOPBACK_SSH_HOMES"], f"{host}.pid")
+    with open(pidfile + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the head's autoscaler and ray up may race
+        if os.path.exists(pidfile):
+            return int(Path(pidfile).read_text())
+        unshare = subprocess.Popen(["unshare", "--pid", "--mount", "--fork", "--mount-proc", "sleep", "infinity"],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+        children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+        for _ in range(500):  # unshare forks the namespace's init (sleep) right away
+            pids = children.read_text().split()
+            if pids:
+                break
+            time.sleep(0.01)
+        Path(pidfile).write_text(pids[0])
+        return int(pids[0])
 
 
 def _home(host: str) -> str:
@@ -40,12 +64,14 @@ def ssh(args: list[str]) -> None:
     while i < len(args) and args[i].startswith("-"):
         flag = args[i]
         i += 2 if len(flag) == 2 and flag[1] in _SSH_VALUE_FLAGS else 1
-    home = _home(_host(args[i]))
+    host = _host(args[i])
+    home = _home(host)
     command = " ".join(args[i + 1:]) or "true"
     # Like ssh, return when the command exits: daemons it started (ray start) keep the pipe of
     # its output open, and Ray reads our output until EOF.
-    proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            cwd=home, env=dict(os.environ, HOME=home))
+    node = ["nsenter", "-t", str(_node(host)), "-p", "-m", "--wd=" + home, "--"]
+    proc = subprocess.Popen(node + ["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, HOME=home))
     relay = threading.Thread(target=_relay, args=(proc.stdout,), daemon=True)
     relay.start()
     code = proc.wait()

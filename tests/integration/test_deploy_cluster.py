@@ -1,17 +1,20 @@
 """``ray up deploy/local.yaml`` on this machine: a real Ray cluster launch through Ray's local
-(on-premise) provider, then ``distca up`` (the YAML's own head start command), a two-worker job,
-``distca status`` and ``ray down``, each through ``ray exec``/``ray up`` as a user would.
+(on-premise) provider, a head at 127.0.0.1 and a worker host at 127.0.0.2 that the head's
+autoscaler sets up, then ``distca up`` (the YAML's own head start command), a two-worker job with
+one training worker per node, ``distca status`` and ``ray down``, each through
+``ray up``/``ray exec`` as a user would.
 
 Ray's fake multi-node provider cannot be used with ``ray up`` without Docker (its head only exists
 inside ``ray start --autoscaling-config`` with ``RAY_FAKE_CLUSTER=1``, and ``ray up`` tries to
-terminate and relaunch it); the closest Ray offers on one machine is the local provider with
-this machine as the head at 127.0.0.1. What differs from a real on-premise cluster: Ray's SSH and
-rsync calls go to :mod:`loopback_ssh` (the command runs here, files are copied here), the
-``pip install`` setup line is replaced by an import check (the checkout is already installed),
-and the cluster has no worker hosts (the job's two workers run on the head).
+terminate and relaunch it); the closest Ray offers on one machine is the local provider with this
+machine's loopback addresses as its hosts. What differs from a real on-premise cluster: Ray's SSH
+and rsync calls go to :mod:`loopback_ssh` (the command runs here, in the host's own PID and mount
+namespaces and home directory; files are copied here), the ``pip install`` setup line is replaced
+by an import check of the synced checkout (on ``PYTHONPATH``, with the ``distca`` console script
+as a two-line shim), and the worker host's Ray gets its own address and ports.
 
 Isolation: everything runs in fresh Linux network, PID and mount namespaces (``unshare``): the
-only network is a private loopback, so nothing can reach beyond 127.0.0.1, Ray's ports cannot
+only network is a private loopback, so nothing can reach beyond 127.0.0.0/8, Ray's ports cannot
 clash with other Ray instances on the machine, ``ray stop`` (which ``ray up``/``ray down`` run)
 only sees this cluster's processes, and ``/tmp`` is a private tmpfs (Ray's SSH control paths and
 config cache); leaving the namespace ends every process in it. ``HOME`` and ``RAY_TMPDIR`` are a
@@ -38,6 +41,7 @@ yaml = pytest.importorskip("yaml") if __name__ != "__main__" else __import__("ya
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 JOB_LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]]]
+HEAD, WORKERS = "127.0.0.1", ["127.0.0.2"]  # the worker host is this machine's second loopback address
 
 
 def _namespaces_available() -> bool:
@@ -49,10 +53,19 @@ def _namespaces_available() -> bool:
 
 
 def cluster_config(work: Path) -> dict:
-    """deploy/local.yaml for a one-host cluster at 127.0.0.1 in the test's namespaces."""
+    """deploy/local.yaml for the hosts :data:`HEAD` and :data:`WORKERS` in the test's namespaces."""
     config = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
     config["cluster_name"] = f"distca-test-{os.getpid()}"
-    config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
+    config["provider"].update(head_ip=HEAD, worker_ips=WORKERS)
+    # Two nodes share this machine: the worker's Ray runs on its own loopback address (a real host
+    # has its own address, which Ray finds by itself), and on ports of its own (Ray binds the
+    # object manager, metrics and dashboard agent of a non-loopback node on all interfaces).
+    start = config["worker_start_ray_commands"]
+    for port, other in (("--object-manager-port=8076", "--object-manager-port=8077"),
+                        ("--metrics-export-port=8080", "--metrics-export-port=8081")):
+        assert port in start[-1], start
+        start[-1] = start[-1].replace(port, other)
+    start[-1] += f" --dashboard-agent-listen-port=52366 --node-ip-address={WORKERS[0]}"
     config["auth"] = {"ssh_user": os.environ.get("USER", "root"), "ssh_private_key": str(work / "id_test")}
     # The one line that needs a package index: the checkout synced to ~/distca is already
     # importable (PYTHONPATH in ~/.bashrc); check that it is the synced copy that imports.
@@ -84,10 +97,11 @@ def prepare(work: Path) -> Path:
     (work / "bin" / "distca").chmod(0o755)
     (work / "id_test").write_text("not a key: loopback_ssh does not use it\n")
     (work / "home").mkdir()  # the user's: where `ray get-auth-token --generate` writes the token
-    home = work / "nodes" / "127.0.0.1"  # the head's
-    home.mkdir(parents=True)
-    (home / ".bashrc").write_text(f"export PATH={work / 'bin'}:{Path(sys.executable).parent}:$PATH\n"
-                                  f"export PYTHONPATH=$HOME/distca\n")
+    for host in [HEAD] + WORKERS:  # each node's home
+        home = work / "nodes" / host
+        home.mkdir(parents=True)
+        (home / ".bashrc").write_text(f"export PATH={work / 'bin'}:{Path(sys.executable).parent}:$PATH\n"
+                                      f"export PYTHONPATH=$HOME/distca\n")
     (work / "ray").mkdir()
     subprocess.run(["ray", "get-auth-token", "--generate"], env=_env(work), check=True,
                    capture_output=True, timeout=120)
@@ -139,12 +153,19 @@ def two_worker_job() -> dict:
     ray.init(address="auto", namespace="distca", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), here])}})
     from ray_workers import TrainWorker
-    workers = [TrainWorker.remote("default", r, 2, 30.0) for r in range(2)]
+    deadline = time.monotonic() + 240  # the autoscaler adds the worker host after the head is up
+    while len([n for n in ray.nodes() if n["Alive"]]) < 1 + len(WORKERS):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes alive: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}")
+        time.sleep(1)
+    workers = [TrainWorker.options(scheduling_strategy="SPREAD").remote("default", r, 2, 30.0) for r in range(2)]
+    nodes = sorted(ray.get([w.node_id.remote() for w in workers], timeout=120))
     results = []
     for step, lens in enumerate(JOB_LENS):
         results += ray.get([w.step.remote(lens[r], step) for r, w in enumerate(workers)], timeout=240)
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return {"ok": all(r["ok"] for r in results), "error": max(r.get("error", 1.0) for r in results),
-            "results": results}
+            "nodes": [addresses[n] for n in nodes], "results": results}
 
 
 def run_cluster() -> dict:
@@ -173,6 +194,7 @@ def test_ray_up_distca_up_job_status_down():
     # The job prints one JSON line; Ray's own log lines come around it.
     job = json.loads(next(line for line in out["job"].splitlines()[::-1] if line.startswith('{"ok"')))
     assert job["ok"] and job["error"] <= 1e-5, job
+    assert sorted(job["nodes"]) == sorted([HEAD] + WORKERS), job["nodes"]  # one training worker per node
     assert "job default: inplace mode, clients 2" in out["status"], out["status"]
     # The dashboard answers on loopback only; the metrics port is the pinned one.
     listening = out["listening"]
