@@ -140,14 +140,31 @@ class SchedulerActor:
         settings, the step it must start at, and this scheduler's incarnation.
 
         Raises:
-            ValueError: rank out of range or a world size other than the job's.
+            ValueError: rank out of range or a world size other than the job's, or the job's
+                clients belong to another Ray job that is still running (``info["job_id"]``).
         """
+        self._check_ray_job(rank, info.get("job_id"))
         out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
         log.info("job %s: client rank %d of %d registered (node %s, pid %s, step %s)", self.name, rank,
                  world_size, info.get("node", "?"), info.get("pid", "?"), info.get("step", "?"))
         self._wake_resolved()
         self._discovery()  # after a restart, clients register first: find the servers meanwhile
         return dict(out, scheduler=self.incarnation)
+
+    def _check_ray_job(self, rank: int, ray_job: str | None) -> None:
+        """A job serves the clients of one Ray job (one training run's driver) at a time: a client
+        of another Ray job, e.g. a second run that picked the same ``name``, would otherwise take
+        over a rank of the running one (registering again is how a restarted client rejoins) and
+        the two runs would mix their rounds. It may join once the other Ray job has ended."""
+        held = {c.get("job_id") for c in self.coord.clients.values()} - {None, ray_job}
+        if ray_job is None or not held:
+            return
+        # ray.state's job table is the GCS's (Ray has no public call for one job's liveness).
+        alive = sorted(j["JobID"] for j in ray._private.state.jobs() if j["JobID"] in held and not j["IsDead"])
+        if alive:
+            raise ValueError(f"distca job {self.name!r} serves the clients of Ray job(s) {alive}; a client "
+                             f"of Ray job {ray_job} cannot join it as rank {rank}: use another job name "
+                             f"(`distca up --name ...`), or end that run first")
 
     def unregister_client(self, rank: int, incarnation: str) -> None:
         self.coord.unregister_client(rank, incarnation)

@@ -138,7 +138,8 @@ class RayClientRuntime(Runtime):
         """Register with the job's scheduler (again after it restarted), telling it the step this
         client goes on with and the last group epoch it was in."""
         ctx = ray.get_runtime_context()
-        # worker, job_id, driver: the scheduler's status lists only clients whose process lives
+        # worker, job_id, driver: the scheduler's status lists only clients whose process lives, and
+        # refuses a client whose Ray job (the training run) differs from a running one's
         info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
                 "epoch": self.member.epoch if self.member is not None else None,
                 "worker": ctx.get_worker_id(), "job_id": ctx.get_job_id(),
@@ -234,6 +235,16 @@ class RayClientRuntime(Runtime):
                     raise ValueError(answer["message"])
                 raise DistCAError(answer["message"])
             part = PlanPart.from_msgpack(answer["part"])
+            if (part.rank, part.step, part.batch, part.cost, part.doc_lens) != (
+                    self.rank, step, batch, fmt.cost, list(doc_lens)):
+                # A scheduler bug, or an actor squatting the job's scheduler name: refused before
+                # this client joins any group or moves a row.
+                self._state.advance()
+                raise ValueError(
+                    f"rank {self.rank}: the scheduler of job {self.name!r} answered step {step} batch {batch} "
+                    f"with the part of rank {part.rank} step {part.step} batch {part.batch}, "
+                    f"{len(part.doc_lens)} documents ({part.num_tokens} tokens), {part.cost}; this client "
+                    f"reported {len(doc_lens)} documents ({sum(doc_lens)} tokens), {fmt.cost}")
             group = answer["group"]
             try:
                 self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step)
