@@ -101,14 +101,15 @@ def latest_checkpoint(cfg: TrainConfig) -> Path:
 def _fit(trainer, progress, cfg: TrainConfig, show: bool):
     """Run ``trainer.fit()`` on a thread while the progress bar follows rank 0's step records
     (``progress``: the ``ray.util.queue.Queue`` rank 0 feeds); returns fit's Result."""
-    bar = None
-    with ThreadPoolExecutor(1) as pool:
-        fitting = pool.submit(trainer.fit)
+    bar, pool = None, ThreadPoolExecutor(1)
+    fitting = pool.submit(trainer.fit)
+    try:
         while True:
+            done = fitting.done()  # before the get: then every record was put before it
             try:
                 record = progress.get(timeout=0.5)
             except queue.Empty:
-                if fitting.done():  # nothing more will come (a failure is raised below)
+                if done:  # nothing more will come (a failure is raised below)
                     break
                 continue
             if "start" in record:
@@ -120,9 +121,12 @@ def _fit(trainer, progress, cfg: TrainConfig, show: bool):
                             tok_s=f"{cfg.workers * cfg.context / record['step_time_s']:,.0f}")
             if show and (record["step"] % cfg.log_every == 0 or record["step"] == cfg.steps - 1):
                 tqdm.write(format_step(record))
+    finally:
         if bar is not None:
             bar.close()
-        return fitting.result()
+        # No waiting for fit on Ctrl-C: stopping Ray (the caller's finally) ends it.
+        pool.shutdown(wait=False)
+    return fitting.result()
 
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
