@@ -1,7 +1,7 @@
 """The Ray Train side of the training demo: what every ``TorchTrainer`` worker runs.
 
 :func:`train_loop` is one data-parallel rank of a random-init transformers ``LlamaForCausalLM``
-(bytes as tokens). It reads like any transformers + Ray Train script; distca adds three lines::
+(bytes as tokens). It reads like any transformers + Ray Train script; distca adds these lines::
 
     from distca_client import DistCAClient
     from distca_client.integrations import hf
@@ -12,7 +12,7 @@ after which every layer's core attention goes to the job's attention servers and
 stays in the worker. Gradients are averaged by DDP (``ray.train.torch.prepare_model``) over the
 gloo group Ray Train sets up; checkpoints are Ray Train checkpoints (``model.pt`` and
 ``state.json``), reported with ``ray.train.report`` and found again with
-``ray.train.get_checkpoint()``.
+``ray.train.get_checkpoint()`` when Ray Train restores the run.
 """
 
 from __future__ import annotations

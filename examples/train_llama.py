@@ -101,6 +101,8 @@ def latest_checkpoint(cfg: TrainConfig) -> Path:
 def _fit(trainer, progress, cfg: TrainConfig, show: bool):
     """Run ``trainer.fit()`` on a thread while the progress bar follows rank 0's step records
     (``progress``: the ``ray.util.queue.Queue`` rank 0 feeds); returns fit's Result."""
+    if show:  # workers import torch and transformers first: say why nothing moves yet
+        tqdm.write(f"{cfg.name} ({cfg.attention}): starting {cfg.workers} Ray Train workers ...")
     bar, pool = None, ThreadPoolExecutor(1)
     fitting = pool.submit(trainer.fit)
     try:
@@ -168,6 +170,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             launched = launch(name=job, servers=cfg.servers, mode=cfg.mode, epsilon=cfg.epsilon,
                               min_shard=cfg.min_shard, detached=False, server_options={"num_cpus": 0})
         steps = Queue(actor_options={"num_cpus": 0})
+        # Ray Train gives its workers 60 s to start (import torch and transformers, join the gloo
+        # group); a busy 2-core machine can take longer. The controller reads it from here.
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
         cpus = ray.cluster_resources().get("CPU", 1.0)
         trainer = TorchTrainer(
             llama_worker.train_loop,
