@@ -105,7 +105,7 @@ def plot_loss(path: Path, runs: list[dict]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
     ax.set_title(f"LlamaForCausalLM on bytes, {m['model']['parameters'] / 1e6:.2f} M parameters, "
-                 f"{m['workers']} ranks x {m['config']['context']} tokens\n"
+                 f"{m['workers']} Ray Train workers x {m['config']['context']} tokens\n"
                  f"{m['data']['documents']} documents from {m['data']['source']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
