@@ -100,7 +100,7 @@ class Participant:
             if self.own_rank is not None:  # own rank's rows first: they are gathered, not received
                 tasks = tasks[np.argsort(tasks[:, 1] != self.own_rank, kind="stable")]
             self.server_lay = lay_s = server_layout_from(tasks, R, self.server)
-            self.executor = ServerExecutor(lay_s, backend, self.device)
+            self.executor = ServerExecutor(lay_s, backend, self.device, window=part.window)
             own = self.own_rank
             self.head_q_rows = lay_s.q_rows[own] if own is not None else 0
             self.head_kv_rows = lay_s.kv_rows[own] if own is not None else 0
