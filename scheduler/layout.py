@@ -66,6 +66,9 @@ class ServerLayout:
         max_seqlen_q, max_seqlen_k: longest task query and key lengths (0 with no tasks).
         kv_gather: int64 [cu_seqlens_k[-1]] indices into the received (deduplicated) KV rows that
             build each task's key range, or None when that is the identity (no two tasks share KV).
+        diagonals: int64 [num_tasks] each task's ``q_start - kv_start`` (the kernels' per-sequence
+            diagonal) when some task's keys do not end where its queries end (partial-KV tasks),
+            else None (every task bottom-right aligned).
     """
 
     server: int
@@ -76,6 +79,7 @@ class ServerLayout:
     max_seqlen_q: int
     max_seqlen_k: int
     kv_gather: np.ndarray | None
+    diagonals: np.ndarray | None = None
 
     @property
     def num_tasks(self) -> int:
@@ -136,4 +140,4 @@ def server_layout_from(t: np.ndarray, num_ranks: int, server: int) -> ServerLayo
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=int(q_len.max()) if len(t) else 0,
         max_seqlen_k=int(kv_len.max()) if len(t) else 0,
-        kv_gather=kv_gather)
+        kv_gather=kv_gather, diagonals=t[:, 3] - t[:, 5] if (t[:, 6] != t[:, 4]).any() else None)

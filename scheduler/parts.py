@@ -16,6 +16,7 @@ import numpy as np
 from . import descriptor
 from .checks import INT64_MAX, bad_lengths, int_in_range
 from .cost import CostModel, window_arg, window_kv_start
+from .cover import cover_problems
 from .tasks import (MODES, Plan, participant_count, participant_roles,
                     server_participant_index)
 
@@ -50,8 +51,9 @@ class PlanPart:
         window: the plan's sliding window (None: full causal); the servers' kernels mask by it.
 
     Raises:
-        ValueError: any field out of range, tasks not sorted or not full-window shards, or client
-            tasks that do not tile each of the rank's documents exactly once.
+        ValueError: any field out of range, tasks not sorted or outside their documents, or client
+            tasks that do not cover each of the rank's documents' masks exactly once
+            (:mod:`scheduler.cover`).
     """
 
     step: int
@@ -118,13 +120,15 @@ class PlanPart:
         arr = arr.astype(np.int64, copy=False)
         srv, rank, doc, qs, qe, ks, ke = arr.T
         bad = ((srv < 0) | (srv >= self.num_servers) | (rank < 0) | (rank >= self.num_ranks) | (doc < 0)
-               | (qs < 0) | (qe <= qs) | (ks != window_kv_start(qs, self.window)) | (ke != qe))
+               | (qs < 0) | (qe <= qs) | (ks < 0) | (ke <= ks) | (ke > qe)
+               | (ks < window_kv_start(qs, self.window)))
         if bad.any():
-            raise ValueError(f"{name} row {arr[np.argmax(bad)].tolist()} is not a full-window CA-task "
-                             f"(window={self.window}) of a known server and rank")
-        order = np.lexsort((qs, doc, rank, srv))
+            raise ValueError(f"{name} row {arr[np.argmax(bad)].tolist()} is not a CA-task of a known "
+                             f"server and rank (0 <= q_start < q_end, max(0, q_start - window + 1) <= "
+                             f"kv_start < kv_end <= q_end, window={self.window})")
+        order = np.lexsort((ks, qs, doc, rank, srv))
         if (order != np.arange(len(arr))).any():
-            raise ValueError(f"{name} must be sorted by (server, src_rank, doc_index, q_start)")
+            raise ValueError(f"{name} must be sorted by (server, src_rank, doc_index, q_start, kv_start)")
         return arr
 
     def _check_coverage(self) -> None:
@@ -136,17 +140,11 @@ class PlanPart:
             if len(ct):
                 raise ValueError("client tasks for a rank without documents")
             return
-        order = np.lexsort((ct[:, 3], ct[:, 2]))
-        doc, qs, qe = ct[order, 2], ct[order, 3], ct[order, 4]
-        # Each document's shards, by start, must run 0 -> len with no gap or overlap.
-        first = np.ones(len(doc), dtype=bool)
-        first[1:] = doc[1:] != doc[:-1]
-        ok = (len(doc) > 0 and np.array_equal(np.unique(doc), np.arange(len(lens)))
-              and (qs[first] == 0).all() and (qs[~first] == qe[np.flatnonzero(~first) - 1]).all())
-        last = np.ones(len(doc), dtype=bool)
-        last[:-1] = first[1:]
-        if not ok or (qe[last] != np.asarray(lens, dtype=np.int64)[doc[last]]).any():
-            raise ValueError(f"client tasks do not cover each of rank {self.rank}'s documents exactly once")
+        problems, _ = cover_problems(ct[:, 2], ct[:, 3], ct[:, 4], ct[:, 5], ct[:, 6],
+                                     np.asarray(lens, dtype=np.int64), self.window)
+        if problems:
+            raise ValueError(f"client tasks do not cover each of rank {self.rank}'s documents exactly "
+                             f"once: " + "; ".join(f"{what} (docs {gids[:5].tolist()})" for what, gids in problems))
 
     # ---- what the runtime asks -----------------------------------------------------------------
     @property

@@ -15,7 +15,8 @@ import numpy as np
 from . import descriptor
 from .bound import LoadBound, load_bound
 from .checks import INT64_MAX, bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, doc_pairs, window_arg, window_kv_start
+from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, window_arg
+from .cover import cover_problems
 from .kv import kv_intervals
 
 MODES = ("inplace", "dedicated")
@@ -25,10 +26,12 @@ class CATask(NamedTuple):
     """One CA-task: query rows ``[q_start, q_end)`` of one document attending to keys
     ``[kv_start, kv_end)`` of the same document, causal with bottom-right alignment.
 
-    Offsets are token indices inside the document ``doc_index`` of client rank ``src_rank``.
-    distca plans use full-window shards, ``kv_start == max(0, q_start - window + 1)`` (0 with no
-    window) and ``kv_end == q_end``, which cover exactly the (windowed) causal pairs of their query
-    rows; a document's shards partition its tokens.
+    Offsets are token indices inside the document ``doc_index`` of client rank ``src_rank``; query
+    ``i`` sees key ``j`` iff ``j <= i`` (and ``j > i - window``), absolute positions. A document's
+    query shards partition its tokens; a shard is one *full-window* task (``kv_start =
+    max(0, q_start - window + 1)``, 0 with no window, ``kv_end == q_end``) or is split on the key
+    axis into *partial-KV* tasks whose key ranges tile those keys (:mod:`scheduler.cover`); their
+    partial outputs merge exactly by their LSEs.
     (A NamedTuple rather than a dataclass: plans hold thousands and are built in milliseconds.)
     """
 
@@ -163,9 +166,9 @@ def _tasks_array(server_tasks) -> np.ndarray:
 
 
 def _canonical(arr: np.ndarray) -> np.ndarray:
-    """Tasks in the wire layout's order (server, src_rank, doc_index, q_start)."""
+    """Tasks in the wire layout's order (server, src_rank, doc_index, q_start, kv_start)."""
     if len(arr) > 1:
-        order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
+        order = np.lexsort((arr[:, 5], arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
         if (order != np.arange(len(arr))).any():
             return arr[order]
     return arr
@@ -204,16 +207,18 @@ class Plan:
         mode: ``"inplace"`` or ``"dedicated"``.
         cost: shapes that turn tokens into FLOPs and bytes.
         server_tasks: ``server_tasks[s]`` is the list of :class:`CATask` server ``s`` runs; each
-            list is kept sorted by ``(src_rank, doc_index, q_start)``, the order of the wire layout.
+            list is kept sorted by ``(src_rank, doc_index, q_start, kv_start)``, the order of the
+            wire layout.
         epsilon: the imbalance tolerance the plan was made for (information only).
         min_shard: the shortest shard a split document may have (tokens); 1 allows any.
         window: sliding-window attention (query ``i`` sees keys ``i - window + 1 .. i``), or None
             for full causal attention.
 
     Raises:
-        ValueError: any field of the wrong type or range, a task that is not a full-window shard
-            inside its document, documents whose shards do not partition their tokens (some causal
-            pair uncovered or covered twice), or a split document with a shard under ``min_shard``.
+        ValueError: any field of the wrong type or range, a task outside its document, tasks that
+            do not cover each document's mask exactly once (:mod:`scheduler.cover`: shards that do
+            not partition the tokens, or a shard's key ranges that do not tile its keys), or a
+            split document with a shard or key piece under ``min_shard``.
     """
 
     __hash__ = None  # mutable-looking data: equality by value, like the dataclass it replaces
@@ -292,38 +297,16 @@ class Plan:
                 raise ValueError(f"task {self._task_at(i)} names a document rank {rank[i]} does not have")
         gid = starts[rank] + doc if arr.size else np.zeros(0, dtype=np.int64)
         dl = lens[gid] if arr.size else gid
-        bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks != window_kv_start(qs, self.window)) | (ke != qe)
+        bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks < 0) | (ke <= ks) | (ke > qe)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"task {self._task_at(i)} on server {srv[i]} is not a full-window shard "
-                f"(0 <= q_start < q_end <= doc_len={dl[i]}, kv_start == max(0, q_start - window + 1) "
-                f"with window={self.window} (0 with none), kv_end == q_end)")
-        # Shards of each document must tile [0, doc_len): then each causal pair is covered once.
-        order = np.lexsort((qs, gid))
-        g, s_, e_ = gid[order], qs[order], qe[order]
-        first = np.ones(len(g), dtype=bool)
-        first[1:] = g[1:] != g[:-1]
-        last = np.ones(len(g), dtype=bool)
-        last[:-1] = g[1:] != g[:-1]
-        covered = np.zeros(len(lens), dtype=bool)
-        covered[g] = True
-        problems = []
-        if not covered.all():
-            problems.append(f"documents with no task: {self._doc_names(np.flatnonzero(~covered))}")
-        if (s_[first] != 0).any():
-            problems.append(f"documents whose first shard does not start at 0: {self._doc_names(g[first][s_[first] != 0])}")
-        gap = ~first & (s_ != np.roll(e_, 1))
-        if gap.any():
-            problems.append(f"documents with overlapping or missing rows between shards: {self._doc_names(g[gap])}")
-        if (e_[last] != lens[g[last]]).any():
-            problems.append(f"documents whose shards stop before the end: {self._doc_names(g[last][e_[last] != lens[g[last]]])}")
+                f"task {self._task_at(i)} on server {srv[i]} is not a CA-task inside its document "
+                f"(0 <= q_start < q_end <= doc_len={dl[i]}, 0 <= kv_start < kv_end <= q_end)")
+        problems, _ = cover_problems(gid, qs, qe, ks, ke, lens, self.window, self.min_shard)
         if problems:
-            raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(problems))
-        short = ~(first & last) & (e_ - s_ < self.min_shard)
-        if short.any():
-            raise ValueError(f"documents split into shards shorter than min_shard={self.min_shard}: "
-                             f"{self._doc_names(g[short])}")
+            raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(
+                f"{what}: {self._doc_names(gids)}" for what, gids in problems))
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]

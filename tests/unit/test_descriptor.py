@@ -588,10 +588,22 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(2, 0, 0, 3, 0, 3)]]), "src_rank"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(-1, 0, 0, 3, 0, 3)]]), "src_rank"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 1, 0, 3, 0, 3)]]), "does not have"),
-    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 1, 3)]]), "full-window"),
-    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 0, 2)]]), "full-window"),
-    (dict(server_tasks=[[T(0, 0, 0, 5, 0, 5)], [T(1, 0, 0, 3, 0, 3)]]), "full-window"),
-    (dict(server_tasks=[[T(0, 0, 2, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "full-window"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 1, 3)]]), "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 0, 2)]]), "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 5, 0, 5)], [T(1, 0, 0, 3, 0, 3)]]), "not a CA-task inside"),
+    (dict(server_tasks=[[T(0, 0, 2, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "not a CA-task inside"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 3)], [T(1, 0, 0, 3, 0, 4)]]), "not a CA-task inside"),
+    # partial-KV: keys of one shard split with a gap, with an overlap, or past the diagonal
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 1)], [T(0, 0, 0, 4, 2, 4), T(1, 0, 0, 3, 0, 3)]]),
+     "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 2)], [T(0, 0, 0, 4, 1, 4), T(1, 0, 0, 3, 0, 3)]]),
+     "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 2, 4, 0, 2), T(0, 0, 0, 2, 0, 2)], [T(0, 0, 2, 4, 2, 4), T(1, 0, 0, 3, 0, 3)]],
+          min_shard=2), None),
+    (dict(server_tasks=[[T(0, 0, 2, 4, 0, 1), T(0, 0, 0, 2, 0, 2)], [T(0, 0, 2, 4, 1, 4), T(1, 0, 0, 3, 0, 3)]],
+          min_shard=2), "key pieces shorter than min_shard=2"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(0, 0, 0, 2, 0, 2), T(1, 0, 0, 3, 0, 3)]]),
+     "query ranges overlap without being equal"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], []]), "no task"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 1, 3, 0, 3)]]), "does not start at 0"),
     (dict(server_tasks=[[T(0, 0, 0, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "stop before the end"),
@@ -600,7 +612,7 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(server_tasks=[[T(0, 0, 0, 3, 0, 3)], [T(0, 0, 2, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]]),
      "overlapping or missing"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(0, 0, 0, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]]),
-     "overlapping or missing"),
+     "tile its keys"),
     (dict(server_tasks=[[T(0, 0, 0, 1, 0, 1)], [T(0, 0, 1, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]], min_shard=2),
      r"shorter than min_shard=2: \(rank 0, doc 0\)"),
     (dict(min_shard=0), "min_shard"),
@@ -610,12 +622,16 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(window=True), "window must be a positive int"),
     # window 2: the shard [2, 3) needs keys [1, 3), not the prefix [0, 3)
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 2, 0, 2), T(1, 0, 2, 3, 0, 3)]], window=2),
-     "full-window"),
+     "tile its keys"),
     (dict(doc_lens_per_rank=[[2**62, 2**62], [3]]), r"rank 0: documents of 9223372036854775808 tokens"),
 ])
 def test_plan_rejects(change, match):
     """Every bad argument, task set or window is a ValueError naming it."""
     Plan(**GOOD)  # the unchanged arguments are valid
+    if match is None:  # a valid variation (a shard split on the key axis)
+        plan = Plan(**{**GOOD, **change})
+        assert Plan.from_msgpack(plan.to_msgpack()) == plan
+        return
     with pytest.raises(ValueError, match=match):
         Plan(**{**GOOD, **change})
 
@@ -770,5 +786,5 @@ def test_windowed_plan_round_trip_and_window_in_the_descriptor():
     assert back == plan and back.window == 2
     # the same tasks without the window: plans differ, and the descriptor refuses the pair
     obj["window"] = None
-    with pytest.raises(ValueError, match="full-window"):
+    with pytest.raises(ValueError, match="tile its keys"):
         Plan.from_msgpack(pack(obj))

@@ -60,7 +60,7 @@ def _mutations(part: PlanPart):
     yield "distca.part v2", with_(version=True)
     yield "window", with_(window=0)
     yield "window", with_(window="7")
-    yield "full-window CA-task", with_(window=1)  # tasks cut with no window
+    yield "not a CA-task", with_(window=1)  # tasks cut with no window
     yield "mode", with_(mode="sideways")
     yield "participant", with_(participant=99)
     yield "rank", with_(rank=None)
