@@ -191,7 +191,7 @@ class _BandedKernel:
             return self._banded_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         scale, *calls[0][0])
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
         for lr, (qi, ki, cq, ck, mq, mk) in calls:
             o, l = self._banded_forward(q[qi], k[ki], v[ki], cq, ck, mq, mk, scale, *lr)
             out[qi], lse[qi] = o, l

@@ -85,11 +85,109 @@ def test_cpu_mask_pieces_cover_each_visible_pair_once(lq, lk, window):
         assert torch.equal(count, want.long())
 
 
-def test_gpu_kernels_window_argument():
-    """FlashAttention's (left, right) for a causal window W: W - 1 keys before the diagonal."""
-    assert kernels._window_size(None) == [-1, 0]
-    assert kernels._window_size(1) == [0, 0]
-    assert kernels._window_size(4096) == [4095, 0]
+def _diagonal_oracle(x, window, diagonals):
+    """float64 (out, lse, dq, dk, dv) with sequence b's row r seeing key c iff
+    r + d_b - W < c <= r + d_b, straight from the definition (autograd for the gradients)."""
+    q, k, v = (x[n].detach().double().requires_grad_() for n in "qkv")
+    cq, ck = x["cu_seqlens_q"].tolist(), x["cu_seqlens_k"].tolist()
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for b, (qa, qb, ka, kb) in enumerate(zip(cq, cq[1:], ck, ck[1:])):
+        r = torch.arange(qb - qa)[:, None] + diagonals[b]
+        c = torch.arange(kb - ka)[None, :]
+        seen = (c <= r) & ((c > r - window) if window is not None else True)
+        s = (q[qa:qb].transpose(0, 1) @ k[ka:kb].repeat_interleave(group, 1).transpose(0, 1).transpose(1, 2))
+        s = (s * x["softmax_scale"]).masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0, lse)[..., None])
+        outs.append((p @ v[ka:kb].repeat_interleave(group, 1).transpose(0, 1)).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(x["dout"].double())
+    return out.detach(), torch.cat(lses).detach(), q.grad, k.grad, v.grad
+
+
+# Partial-KV tasks as sequences: (Lq, Lk, diagonal = q_start - kv_start): keys ending before the
+# queries (past blocks, every row sees all or some), the diagonal block, rows that see nothing.
+PARTIAL = ([30, 30, 30, 7, 1, 12], [10, 25, 30, 40, 5, 12], [40, 5, 0, 3, 9, 20], 4, 2, 16)
+# The shapes a valid plan makes (keys never past the queries): FlashAttention-expressible.
+EXPRESSIBLE = ([30, 30, 30, 1, 12], [10, 25, 30, 5, 12], [40, 5, 0, 9, 20], 4, 2, 16)
+
+
+@pytest.mark.parametrize("window", [None, 3, 16, 100])
+@pytest.mark.parametrize("case", ["partial", "expressible"])
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu", "banded"])
+def test_per_sequence_diagonals_match_the_definition(backend, window, case):
+    q_lens, k_lens, diagonals, hq, hkv, d = PARTIAL if case == "partial" else EXPRESSIBLE
+    x = make_inputs((q_lens, k_lens, hq, hkv, d), torch.float64, seed=9)
+    expected = _diagonal_oracle(x, window, diagonals)
+    b = FakeBanded() if backend == "banded" else BACKENDS[backend]
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    if backend == "banded":
+        # A (left, right) window cannot hide keys on both sides of what a row sees beyond its
+        # band: keys after the last row's diagonal, or (windowed) keys before the first row's.
+        inexpressible = [(lq, lk, dd) for lq, lk, dd in zip(q_lens, k_lens, diagonals)
+                         if (dd - (lk - lq) < 0 and lk - 1 > dd)
+                         or (window is not None and dd - (lk - lq) > window - 1 and window < lq + dd)]
+        if inexpressible:
+            with pytest.raises(ValueError, match="window_size cannot express"):
+                b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+            return
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
+    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
+        assert max_error(a, e) <= 1e-10, name
+
+
+class FakeBanded(kernels._BandedKernel, kernels.ReferenceBackend):
+    """A FlashAttention-style backend on the CPU: one (left, right) window per call, computed by
+    the reference math one sequence at a time; records its calls."""
+
+    name = "fake_banded"
+
+    def __init__(self):
+        self.calls = []
+
+    def _banded(self, cu_q, cu_k, left, right):
+        """(window, diagonals) of the reference that equal FlashAttention's (left, right)."""
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        diags, windows = [], set()
+        for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+            base = (kb - ka) - (qb - qa)
+            dd = base + right if right >= 0 else (kb - ka) - 1 + 0
+            diags.append(dd)
+            windows.add(None if left < 0 else dd - base + left + 1)
+        assert len(windows) <= 1 or right >= 0
+        return (windows.pop() if len(windows) == 1 else None), diags
+
+    def _banded_forward(self, q, k, v, cu_q, cu_k, mq, mk, scale, left, right):
+        self.calls.append((left, right))
+        window, diags = self._banded(cu_q, cu_k, left, right)
+        return kernels.ReferenceBackend._forward(self, q, k, v, cu_q, cu_k, mq, mk, scale,
+                                                 kernels._Mask(window, diags))
+
+    def _banded_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, scale, left, right):
+        window, diags = self._banded(cu_q, cu_k, left, right)
+        return kernels.ReferenceBackend._backward(self, dout, q, k, v, out, lse, cu_q, cu_k, mq, mk,
+                                                  scale, kernels._Mask(window, diags))
+
+
+def test_banded_backends_make_one_call_per_mask_class():
+    """A partial-KV server without a window: diagonal blocks (-1, 0) and fully visible past
+    blocks (-1, -1), two kernel calls; bottom-right everywhere: one."""
+    classes = kernels.mask_classes([4, 4, 4, 1], [4, 8, 3, 2], [0, 4, 7, 5], None)
+    assert classes == [((-1, 0), [0, 1]), ((-1, -1), [2, 3])]
+    assert kernels.mask_classes([4], [8], [4], 5) == [((4, 0), [0])]  # W - 1 keys before the diagonal
+    b = FakeBanded()
+    x = make_inputs(([4, 4, 4, 1], [4, 8, 3, 2], 2, 1, 8), torch.float64)
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    b.forward(x["q"], x["k"], x["v"], *args, diagonals=[0, 4, 7, 5])
+    assert b.calls == [(-1, 0), (-1, -1)]
+    b.calls.clear()
+    b.forward(x["q"], x["k"], x["v"], *args)
+    assert b.calls == [(-1, 0)]
+    with pytest.raises(ValueError, match="diagonals must be 4 ints"):
+        b.forward(x["q"], x["k"], x["v"], *args, diagonals=[0, 1])
 
 
 @pytest.mark.parametrize("window", [0, -1, 1.5, True, "3"])
