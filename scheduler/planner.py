@@ -72,6 +72,7 @@ import numpy as np
 from .bound import load_bound
 from .checks import positive_int
 from .cost import CostModel, doc_pairs, window_arg, window_kv_start
+from .partial import split_past_blocks
 from .tasks import Plan, check_batch
 
 # Split bands of a source re-examined per move (newest first); older ones only when nothing else moves.
@@ -637,7 +638,8 @@ class _Balance:
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
                epsilon: float = 0.05, mode: str = "inplace", min_shard: int = 128,
-               window: int | None = None) -> Plan:
+               window: int | None = None, partial_kv: bool = False,
+               max_kv_rows_per_server: int | None = None) -> Plan:
     """Plan one step: split the batch's documents into CA-tasks balanced over the servers.
 
     Args:
@@ -656,6 +658,13 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             document (None: full causal). Loads are windowed pairs, and a shard's tasks take only
             the keys its window needs (``kv_start = max(0, q_start - window + 1)``), so windowed
             plans move fewer KV rows.
+        partial_kv: also split query shards on the key axis (:mod:`scheduler.partial`): a server
+            still above ``(1 + ε) · mean`` after the greedy gives exact key blocks of its shards to
+            the least-loaded servers (finer than ``min_shard`` positions of a band, so it can beat
+            the band lower bound), and ``max_kv_rows_per_server`` is enforced. Full causal only
+            (with a window, shards are not split on the key axis). False gives full-window tasks.
+        max_kv_rows_per_server: with ``partial_kv``, the most KV rows a server should receive
+            (None: no limit); key blocks move off servers above it while some server has room.
 
     Returns:
         A :class:`Plan` (built by construction from valid parts, not re-validated).
@@ -666,6 +675,10 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     """
     counts, lens = _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
     window = window_arg(window)
+    if not isinstance(partial_kv, bool):
+        raise ValueError(f"partial_kv must be True or False, got {partial_kv!r}")
+    if max_kv_rows_per_server is not None:
+        positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
     batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard), window)
     bound = load_bound(batch.lens_arr, batch.S, batch.min_shard, window)
     target = (1.0 + epsilon) * bound.level
@@ -678,6 +691,10 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             best = again
     if best.max_load() > target:
         best.settle(target)
+    tasks = best.task_array()
+    if partial_kv and (window is None or window >= int(lens.max(initial=0))):
+        tasks = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
+                                  max_kv_rows_per_server)
     return Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
-                         cost=cost, task_array=best.task_array(), epsilon=float(epsilon),
+                         cost=cost, task_array=tasks, epsilon=float(epsilon),
                          min_shard=batch.min_shard, window=window)
