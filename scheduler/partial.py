@@ -137,9 +137,12 @@ def split_past_blocks(arr: np.ndarray, num_servers: int, target: float, min_shar
                 shard = (r[1], r[2], r[3])
                 others = [s for s in range(num_servers) if s != src and s not in holders[shard]]
                 dst = min(others, key=lambda s: (kv[s], loads[s], s)) if others else None
-                # As much as src is over, within what the roomiest receiver can take.
-                p = min(past(i), max(kv[src] - max_kv_rows, min_shard), r[6] - r[5] - min_shard,
-                        max_kv_rows - kv[dst] if dst is not None else 0)
+                # Keys src's other tasks of the document still need free nothing when moved: cut
+                # past them, as much as src is over, within what the roomiest receiver can take.
+                kept = max([rows[j][6] for j in by_server[src] if j != i and rows[j][1:3] == r[1:3]
+                            and rows[j][5] <= r[5]], default=r[5])
+                p = min(past(i), max(kept, r[5]) - r[5] + max(kv[src] - max_kv_rows, min_shard),
+                        r[6] - r[5] - min_shard, max_kv_rows - kv[dst] if dst is not None else 0)
                 if p < min_shard:
                     tried.add(i)
                     continue
