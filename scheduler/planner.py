@@ -284,9 +284,20 @@ class _Balance:
         ms = self.min_shard
         if w < 2 * ms:  # too narrow to leave two shards of min_shard tokens
             return w if whole <= room else 0
-        if windowed:
-            fits = self._inner_k(l, b, w, floor(room), False)
+        if windowed and l >= 2 * self.window - 1:
+            # Positions f >= W - 1 hold 2 W pairs each (W at an odd document's centre): the
+            # closed forms below with l + 1 -> 2 W are exact while the inner k stay there.
+            uniform = 2 * self.window
+            fits = (2 * floor(room) // uniform + centre) // 2
+            k_need = (-(-2 * ceil(need) // uniform) + centre + 1) // 2
+            # exact when every position counted (and, for fits, the next one) lies past W - 1
+            if b - min(fits + 1, w) < self.window - 1 or b - min(k_need, w) < self.window - 1:
+                fits = k_need = None
         else:
+            fits = k_need = None
+        if windowed and fits is None:
+            fits = self._inner_k(l, b, w, floor(room), False)
+        elif not windowed:
             fits = (2 * floor(room) // half + centre) // 2  # most positions that fit
         if fits > w:
             fits = w
@@ -294,9 +305,9 @@ class _Balance:
             return 0
         # Fewest positions that bring the source within the limit (w + 1: not even all of them):
         # the least k with (2k - centre) >= ceil(2 need / (l + 1)).
-        if windowed:
+        if windowed and k_need is None:
             k_need = self._inner_k(l, b, w, ceil(need), True)
-        else:
+        elif not windowed:
             k_need = (-(-2 * ceil(need) // half) + centre + 1) // 2
         if need <= room and k_need <= fits:  # finish the source with the smallest piece that does it
             k = k_need if k_need > ms else ms
