@@ -8,6 +8,13 @@ causal work is exactly ``l + 1`` (query, key) pairs per folded position (half of
 of an odd document; DistCA §4.2's head–tail trick), so a band of any width is an exact,
 proportional slice of the document's FLOPs.
 
+Windows (``window = W``): query ``t`` sees ``min(t + 1, W)`` keys, so a folded position holds
+``min(f + 1, W) + min(l - f, W)`` pairs (non-decreasing towards the centre, ``2 W`` from ``f = W - 1``
+on) instead of ``l + 1``; a band's pairs are differences of the cumulative count ``_cum``, cuts
+use the closed forms with ``l + 1 -> 2 W`` where the inner positions are uniform and a binary
+search near the document's start, and a shard's KV is its window (``_kv_rows``), not its prefix.
+Documents with ``l <= W`` are planned exactly as without a window.
+
 Algorithm (loads in causal pairs; FLOPs are a constant multiple):
 
 1. Initial placement. ``inplace``: every document on its rank's own server. ``dedicated``:
