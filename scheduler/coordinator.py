@@ -44,7 +44,7 @@ from typing import Callable
 
 from .arbitration import Arbitration, Member
 from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import CostModel
+from .cost import CostModel, window_arg
 from .parts import plan_identity, plan_parts
 from .planner import plan_batch
 from .tasks import MODES, Plan
@@ -138,11 +138,11 @@ class PlanCut:
 
 
 def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer) -> PlanCut:
+                  timer, window=None) -> PlanCut:
     try:
         start = timer()
         plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
-                          min_shard=min_shard)
+                          min_shard=min_shard, window=window)
         planned = timer()
         whole = plan.to_msgpack()
         parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]
@@ -175,7 +175,7 @@ class _Batch:
 
     def __init__(self):
         self.reports: dict[int, tuple] = {}  # rank -> (doc_lens, shape)
-        self.shape: tuple[CostModel, str] | None = None  # agreed once all reported
+        self.shape: tuple[CostModel, str, int | None] | None = None  # agreed once all reported
         self.answers: dict[int, dict] | None = None  # set once resolved
 
 
@@ -346,7 +346,8 @@ class Coordinator:
     def report(self, step: int, batch: int, rank: int, doc_lens, shape) -> ReportOutcome:
         """Client ``rank``'s documents and attention shape for ``(step, batch)``.
 
-        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. When the
+        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``, plus
+        ``"window"`` (an int, or None) for sliding-window attention (absent: None). When the
         last client of the batch reports, every shape is checked and compared: a bad or
         disagreeing one resolves the batch with a ``ValueError`` answer for every client. A
         report of more than ``max_report_docs`` documents or ``max_report_tokens`` tokens does
@@ -405,7 +406,7 @@ class Coordinator:
         W = self.world_size
         return partial(_plan_and_cut, [state.reports[r][0] for r in range(W)],
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
-                       self.min_shard, step, batch, self.timer)
+                       self.min_shard, step, batch, self.timer, state.shape[2])
 
     def _oversized(self, rank: int, doc_lens) -> str | None:
         """The message refusing a report above the bounds, or None (bad lengths are the
@@ -443,7 +444,7 @@ class Coordinator:
         state = self.batches.get(key)
         if state is None or state.answers is not None or state.shape is None:
             return PlanOutcome()
-        cost, device_type = state.shape
+        cost, device_type, _ = state.shape
         servers = list(live_servers or ()) if self.mode == "dedicated" else []
         if self.mode == "dedicated" and not servers:
             self._resolve(key, state, error_answer("DistCAError", f"job {self.name!r} has no live attention server"))
@@ -682,33 +683,37 @@ def _same(a, b) -> bool:
         return False
 
 
-def _checked_shape(rank: int, shape) -> tuple[CostModel, str]:
-    """Rank ``rank``'s shape as ``(CostModel, device_type)``.
+def _checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
+    """Rank ``rank``'s shape as ``(CostModel, device_type, window)``.
 
     Raises:
-        ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` (naming the rank).
+        ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` with an optional
+            ``"window"`` (a positive int or None), naming the rank.
     """
-    if not isinstance(shape, dict) or set(shape) != {"cost", "device_type"}:
-        raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost' and "
-                         f"'device_type', got {shape!r}")
+    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= {
+            "cost", "device_type", "window"}:
+        raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost', "
+                         f"'device_type' and optionally 'window', got {shape!r}")
     try:
         cost = CostModel.from_wire(shape["cost"])
+        window = window_arg(shape.get("window"))
     except ValueError as exc:
         raise ValueError(f"rank {rank}: {exc}") from None
     if shape["device_type"] not in DEVICE_TYPES:
         raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
-    return cost, shape["device_type"]
+    return cost, shape["device_type"], window
 
 
-def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str]:
-    """The one ``(CostModel, device_type)`` all reports carry.
+def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]:
+    """The one ``(CostModel, device_type, window)`` all reports carry.
 
     Raises:
         ValueError: a shape that is not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}``
-            (naming the rank), or clients that disagree (naming which ranks sent what).
+            with an optional ``"window"`` (a positive int or None), naming the rank, or clients
+            that disagree (naming which ranks sent what).
     """
     by_shape: dict[tuple, list[int]] = {}
-    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type)
+    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type, window)
     for rank in sorted(reports):
         shape = reports[rank][1]
         # Clients send the same shape: check each distinct one once (at 1024 clients, building a
@@ -719,8 +724,8 @@ def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str]:
             seen[repr(shape)] = known
         by_shape.setdefault(known, []).append(rank)
     if len(by_shape) != 1:
-        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}}}"
-                         for (c, d), ranks in by_shape.items())
+        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}}}"
+                         for (c, d, w), ranks in by_shape.items())
         raise ValueError(f"clients disagree on the attention shape: {sent}")
     (shape, _), = by_shape.items()
     return shape

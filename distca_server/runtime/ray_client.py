@@ -195,17 +195,18 @@ class RayClientRuntime(Runtime):
             self._worker.submit(self.member.fail, step, f"step {step}", f"rank {self.rank}: {message}",
                                 detected=True).result()
 
-    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> RayBatch:
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
+                 window: int | None = None) -> RayBatch:
         """The batch for ``doc_lens`` in the current step (see :meth:`StepState.lookup`), asking
         the scheduler for a new one when none is free."""
         if self.closed:
             raise DistCAError("this DistCAClient is closed")
         with self._lock:
-            key = (tuple(doc_lens), fmt, str(device))
+            key = (tuple(doc_lens), fmt, str(device), window)
             found = self._state.lookup(key)
             if found is not None:
                 return found
-            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type}
+            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type, "window": window}
             for _ in range(_REPORT_TRIES):
                 self._reregister()
                 step, batch = self._state.step, self._state.next_batch_index()

@@ -243,6 +243,19 @@ def test_client_reporting_twice():
     assert repeat.answer is c.answer(0, 0, 0) and "part" in repeat.answer
 
 
+def test_windowed_shapes_plan_with_the_window():
+    """Clients of a sliding-window layer report its window: the batch is planned with it and every
+    part carries it (a layer without one is a batch of its own)."""
+    c = make()
+    shape = dict(SHAPE, window=64)
+    assert c.report(0, 0, 0, LENS[0], shape).answer is None
+    assert c.report(0, 0, 1, LENS[1], shape).plan
+    c.plan(0, 0, c.servers_pinged({0: "alive", 1: "alive"}))
+    part = PlanPart.from_msgpack(c.answer(0, 0, 0)["part"])
+    assert part.window == 64
+    assert all(t[5] == max(0, t[3] - 63) for t in part.client_tasks.tolist())
+
+
 # ---- bad input: the same ValueError for every client --------------------------------------------------
 @pytest.mark.parametrize("shape1, match", [
     ({"cost": [4, 2, 32, 2], "device_type": "cpu"}, r"disagree on the attention shape: ranks \[0\] sent .*16.*; ranks \[1\] sent .*32"),
@@ -251,8 +264,11 @@ def test_client_reporting_twice():
     ({"cost": [4, 2, 16], "device_type": "cpu"}, r"rank 1: an attention shape must be four ints"),
     ({"cost": COST.to_wire(), "device_type": "tpu"}, r"rank 1: device_type must be one of .*'tpu'"),
     ({"num_heads_q": 4, "num_heads_kv": 2, "head_dim": 16, "dtype_bytes": 2, "device_type": "cpu"},
-     r"rank 1: the attention shape must be a dict with keys 'cost' and 'device_type'"),
+     r"rank 1: the attention shape must be a dict with keys 'cost', 'device_type' and optionally 'window'"),
     ("llama", "rank 1: the attention shape must be a dict"),
+    ({"cost": COST.to_wire(), "device_type": "cpu", "window": 64},
+     r"disagree on the attention shape: .*'window': None.*'window': 64"),
+    ({"cost": COST.to_wire(), "device_type": "cpu", "window": 0}, r"rank 1: window must be a positive int"),
 ])
 def test_bad_or_mismatched_shapes_are_a_value_error_for_all(shape1, match):
     c = make()
