@@ -80,12 +80,13 @@ class StubBackend:
     def is_available(self) -> bool:
         return True
 
-    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                window=None, diagonals=None):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return torch.empty_like(q), torch.empty(q.shape[:2], dtype=lse_dtype, device=q.device)
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, softmax_scale):
+                 max_seqlen_k, softmax_scale, window=None, diagonals=None):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
