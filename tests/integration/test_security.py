@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from distca_server import launch, shutdown  # noqa: E402
 from scheduler.actor import NAMESPACE, scheduler_actor_name  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
+from scheduler.messages import decode_report, encode_answer  # noqa: E402
 from scheduler.parts import plan_identity, plan_parts  # noqa: E402
 from scheduler.planner import plan_batch  # noqa: E402
 from scripts import ROOT, RUNTIME_ENV  # noqa: E402
@@ -43,9 +44,10 @@ class SquattingScheduler:
         return {"name": "squatted", "mode": "inplace", "timeout_s": TIMEOUT, "backend": "auto",
                 "next_step": 0, "scheduler": "squatter"}
 
-    def report(self, step, batch, rank, doc_lens, shape):
-        return {"part": self.payload, "group": {"epoch": 0, "world_rank": rank, "world_size": 1,
-                                                "device_type": "cpu"}}
+    def report(self, request: bytes) -> bytes:  # the real wire: scheduler.messages
+        _, _, rank, _, _ = decode_report(request)
+        return encode_answer({"part": self.payload, "group": {"epoch": 0, "world_rank": rank,
+                                                              "world_size": 1, "device_type": "cpu"}})
 
     def publish_store(self, epoch, host, port):  # a client that joined a group would call this
         self.published.append((epoch, host, port))
