@@ -168,13 +168,24 @@ def two_worker_job() -> dict:
             "nodes": [addresses[n] for n in nodes], "results": results}
 
 
+def _private_tmp(work: Path) -> str:
+    """Shell commands giving the namespace a private ``/tmp`` in which the checkout and the Python
+    environment running this test stay visible (a clone under ``/tmp`` would vanish otherwise):
+    the host's ``/tmp`` is bound aside first, and those paths are bound back into the new one."""
+    keep = sorted({p for p in (ROOT, Path(sys.prefix)) if Path("/tmp") in p.parents})
+    cmds = [f'mkdir -p "{work}/hosttmp"', f'mount --bind /tmp "{work}/hosttmp"', "mount -t tmpfs tmpfs /tmp"]
+    for path in keep:
+        cmds += [f'mkdir -p "{path}"', f'mount --bind "{work}/hosttmp/{path.relative_to("/tmp")}" "{path}"']
+    return " && ".join(cmds)
+
+
 def run_cluster() -> dict:
     # Short (Ray's socket paths live under it), and not under /tmp, which the namespace replaces.
     work = Path(tempfile.mkdtemp(prefix="dca", dir="/var/tmp"))
     try:
         prepare(work)
         cmd = ["unshare", "--net", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-               f'ip link set lo up && mount -t tmpfs tmpfs /tmp && exec "{sys.executable}" "{__file__}" cluster "{work}"']
+               f'ip link set lo up && {_private_tmp(work)} && exec "{sys.executable}" "{__file__}" cluster "{work}"']
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(work))
         if proc.returncode != 0:
