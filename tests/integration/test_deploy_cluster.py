@@ -158,7 +158,11 @@ def two_worker_job() -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"nodes alive: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}")
         time.sleep(1)
-    workers = [TrainWorker.options(scheduling_strategy="SPREAD").remote("default", r, 2, 30.0) for r in range(2)]
+    # One worker pinned to each host (SPREAD is best effort and put both on one host at times).
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    hosts = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])[:2]
+    workers = [TrainWorker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+               .remote("default", r, 2, 30.0) for r, (_, node_id) in enumerate(hosts)]
     nodes = sorted(ray.get([w.node_id.remote() for w in workers], timeout=120))
     results = []
     for step, lens in enumerate(JOB_LENS):
