@@ -194,6 +194,18 @@ class _Batch:
         self.init_server_arr = np.asarray(server, dtype=np.int64).reshape(-1)
 
 
+def _skip_dead(dead: dict[int, int], i: int) -> int:
+    """The first live position reached from ``i`` by following ``dead`` links, compressing the
+    path on the way (union-find), so repeated look-ups stay near constant time."""
+    path = []
+    while i in dead:
+        path.append(i)
+        i = dead[i]
+    for p in path:
+        dead[p] = i
+    return i
+
+
 class _Balance:
     """One run of the greedy from the initial placement, at limit ``limit``.
 
@@ -221,22 +233,12 @@ class _Balance:
     # ---- the index of whole documents ------------------------------------------------------------
     def _left(self, i: int, lo: int) -> int:
         """Largest whole position in [lo, i], or -1."""
-        dead, path = self.dead_left, []
-        while i in dead:
-            path.append(i)
-            i = dead[i]
-        for p in path:
-            dead[p] = i
+        i = _skip_dead(self.dead_left, i)
         return i if i >= lo else -1
 
     def _right(self, i: int, hi: int) -> int:
         """Smallest whole position in [i, hi), or hi."""
-        dead, path = self.dead_right, []
-        while i in dead:
-            path.append(i)
-            i = dead[i]
-        for p in path:
-            dead[p] = i
+        i = _skip_dead(self.dead_right, i)
         return i if i < hi else hi
 
     # ---- what a band holds ------------------------------------------------------------------------
