@@ -341,6 +341,7 @@ class SchedulerActor:
             try:
                 stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)
                 row["rounds_served"] = stats["rounds_served"]
+                row["peak_held_bytes"] = stats["peak_held_bytes"]  # kept activations, most ever held
                 row["state"] = stats["state"]
             except Exception:  # a dead actor answers with some Ray error
                 row["state"] = "unreachable"

@@ -20,9 +20,9 @@ from .tasks import (MODES, Plan, participant_count, participant_roles,
                     server_participant_index)
 
 FORMAT = "distca.part"
-VERSION = 1
+VERSION = 2
 _KEYS = frozenset({"step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant", "rank",
-                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id"})
+                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id", "keep_activations"})
 _MAX = (1 << 40) - 1
 PLAN_ID_MAX = (1 << 64) - 1
 _NO_TASKS = np.zeros((0, 7), dtype=np.int64)
@@ -47,6 +47,8 @@ class PlanPart:
         plan_id: the identity of the plan this part was cut from (:func:`plan_identity`, an unsigned
             64-bit int; 0 when none was given). Every participant of a round checks that all
             agree before any byte moves.
+        keep_activations: the plan's :attr:`~scheduler.tasks.Plan.keep_activations`: a server keeps
+            each forward round's rows and results until that layer's backward round (dO only).
 
     Raises:
         ValueError: any field out of range, tasks not sorted or not full-prefix shards, or client
@@ -66,8 +68,11 @@ class PlanPart:
     client_tasks: np.ndarray
     server_tasks: np.ndarray
     plan_id: int = 0
+    keep_activations: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.keep_activations) is not bool:
+            raise ValueError(f"keep_activations must be a bool, got {self.keep_activations!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.cost, CostModel):
@@ -168,7 +173,8 @@ class PlanPart:
             "participant": self.participant, "rank": self.rank, "server": self.server,
             "doc_lens": descriptor.int_bin(self.doc_lens),
             "client_tasks": descriptor.int_bin(self.client_tasks),
-            "server_tasks": descriptor.int_bin(self.server_tasks), "plan_id": self.plan_id})
+            "server_tasks": descriptor.int_bin(self.server_tasks), "plan_id": self.plan_id,
+            "keep_activations": self.keep_activations})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "PlanPart":
@@ -181,6 +187,7 @@ class PlanPart:
         fields = {key: descriptor.int_field(obj, key, 0, _MAX)
                   for key in ("step", "batch", "num_ranks", "num_servers", "participant")}
         fields["plan_id"] = descriptor.int_field(obj, "plan_id", 0, PLAN_ID_MAX)
+        fields["keep_activations"] = descriptor.bool_field(obj, "keep_activations")
         for key in ("rank", "server"):
             fields[key] = descriptor.int_field(obj, key, 0, _MAX, optional=True)
         try:
@@ -205,7 +212,8 @@ class PlanPart:
             step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
             num_servers=plan.num_servers, cost=plan.cost, participant=participant, rank=rank,
             server=server, doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
-            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id)
+            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id,
+            keep_activations=plan.keep_activations)
         return part
 
 
