@@ -80,6 +80,8 @@ _RECENT_BANDS = 8
 # most a source may have to be looked at one by one instead.
 _NEIGHBOURS = 2
 _SCAN = 6
+# Under a held-bytes cap, servers tried per source after the roomiest one refuses its pieces.
+_CAP_TRIES = 32
 
 
 def _band_shards(l: int, a: int, b: int) -> list[tuple[int, int]]:
@@ -455,6 +457,7 @@ class _Balance:
         heap = [(-(limit - loads[s]), s) for s in range(self.b.S) if s not in source_set]
         heapq.heapify(heap)
         for src in sources:
+            full = []  # servers with FLOP room whose held-bytes cap refused this source's pieces
             while loads[src] > limit and heap:
                 neg_room, top = heap[0]
                 if -neg_room != limit - loads[top]:  # stale entry
@@ -462,12 +465,17 @@ class _Balance:
                     continue
                 best = self._best_move(src, top)
                 if best is None:
+                    if self.held is not None and limit > loads[top] and len(full) < _CAP_TRIES:
+                        full.append(heapq.heappop(heap)[1])  # try the next roomiest server
+                        continue
                     break  # not even the roomiest server takes a piece of this source
                 _, dst, gid, k, l, pos = best
                 self._apply(src, dst, gid, k, l, pos)
                 heapq.heapreplace(heap, (-(limit - loads[top]), top))
                 if dst != top:
                     heapq.heappush(heap, (-(limit - loads[dst]), dst))
+            for s in full:
+                heapq.heappush(heap, (-(limit - loads[s]), s))
 
     # ---- the last pass: smallest pieces to the least-loaded server ----------------------------------
     def _pieces(self, src: int) -> list[tuple]:
