@@ -18,7 +18,7 @@ from scheduler.baselines import no_balance, per_doc_cp, wlb_packing
 SCALE = float(os.environ.get("DISTCA_HYPOTHESIS_SCALE", "1"))
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 I64 = np.dtype("<i8")
-KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "cost",
+KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "keep_activations", "cost",
         "doc_counts", "doc_lens", "task_counts", "tasks")
 
 
@@ -149,7 +149,7 @@ def m_doc_len_longer(obj, rng):  # the shards stop before the end
 
 
 def m_version(obj, rng):
-    obj["version"] = [0, 1, -1, "2", None, 2.0, [2], 2**40, b"\x02", {"v": 2}, 3][rng.integers(11)]
+    obj["version"] = [0, 1, -1, "3", None, 3.0, [3], 2**40, b"\x03", {"v": 3}, 2][rng.integers(11)]
     return obj
 
 
@@ -521,7 +521,8 @@ def test_bit_flip_fuzz():
         try:
             again = Plan(doc_lens_per_rank=plan.doc_lens_per_rank, num_servers=plan.num_servers,
                          mode=plan.mode, cost=plan.cost, server_tasks=plan.server_tasks,
-                         epsilon=plan.epsilon, min_shard=plan.min_shard)
+                         epsilon=plan.epsilon, min_shard=plan.min_shard,
+                         keep_activations=plan.keep_activations)
             assert again == plan
             assert Plan.from_msgpack(plan.to_msgpack()) == plan
         except Exception as exc:  # noqa: BLE001
@@ -603,9 +604,10 @@ def test_plan_sorts_tasks_into_wire_order():
 
 
 # ---- type-strict version and overflow-proof counts ----------------------------------------------
-@pytest.mark.parametrize("version", [True, 1, 2.0])
-def test_version_must_be_the_int_2(version):
-    """Version 2 added ``min_shard``; a version-1 plan (or a float or bool 2) is refused."""
+@pytest.mark.parametrize("version", [True, 2, 3.0])
+def test_version_must_be_the_int_3(version):
+    """Version 2 added ``min_shard``, version 3 ``keep_activations``; a version-2 plan (or a float
+    or bool) is refused."""
     obj = decode_map(base_plans()[0])
     obj["version"] = version
     with pytest.raises(ValueError):
@@ -631,7 +633,7 @@ def test_plan_and_part_share_the_envelope():
     part = plan_part(plan, 0)
     for data, other in ((plan.to_msgpack(), PlanPart.from_msgpack), (part.to_msgpack(), Plan.from_msgpack)):
         obj = msgpack.unpackb(data, raw=False)
-        assert (obj["format"], obj["version"]) in (("distca.plan", 2), ("distca.part", 1))
+        assert (obj["format"], obj["version"]) in (("distca.plan", 3), ("distca.part", 2))
         with pytest.raises(ValueError, match="must be a map with keys"):
             other(data)  # one kind of descriptor is never read as the other
     for decode, what in ((Plan.from_msgpack, "plan"), (PlanPart.from_msgpack, "part")):

@@ -55,8 +55,9 @@ def _mutations(part: PlanPart):
     gap[0, 6] -= 1
     yield "not valid msgpack", b"\xc1\xff"
     yield "map with keys", msgpack.packb([1, 2, 3])
-    yield "distca.part v1", with_(version=2)
-    yield "distca.part v1", with_(version=True)
+    yield "distca.part v2", with_(version=1)
+    yield "distca.part v2", with_(version=True)
+    yield "keep_activations", with_(keep_activations=1)
     yield "mode", with_(mode="sideways")
     yield "participant", with_(participant=99)
     yield "rank", with_(rank=None)
@@ -97,7 +98,8 @@ def _validated(plan, p, step, batch):
                     num_servers=plan.num_servers, cost=plan.cost, participant=p, rank=rank, server=server,
                     doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
                     client_tasks=arr[arr[:, 1] == rank] if rank is not None else arr[:0],
-                    server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0])
+                    server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0],
+                    keep_activations=plan.keep_activations)
 
 
 @settings(max_examples=60, deadline=None)
