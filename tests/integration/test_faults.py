@@ -104,7 +104,7 @@ def test_late_client_costs_one_step_and_is_named(job):
     assert early["seconds"] <= T + SLACK, early
     assert "client rank 1" in early["message"] and "late" in early["message"], early["message"]
     assert "attention server" not in early["message"].split("Cause")[0]
-    assert "(forward, float32)" in early["message"]  # defect 6: the round is described with its dtype
+    assert "(forward, kept 0, float32)" in early["message"]  # defect 6: the round is described with its dtype
     assert not late["ok"] and late["type"] == "DistCAError" and late["seconds"] < 1.0, late
     assert "client rank 1" in late["message"]
     for failures in _server_failures_since(job, t0):  # the servers stopped waiting as quickly
