@@ -671,8 +671,9 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         held = plan.held_bytes()
         worst = int(np.argmax(held))
         if held[worst] > cap:
+            why = ("; in-place, a rank's own rows stay on its server unless balancing moves them"
+                   if mode == "inplace" else "")
             raise ValueError(f"max_held_bytes_per_server={cap}: the planner could not keep server {worst} "
-                             f"within it ({held[worst]} bytes held per layer; in-place, a rank's own "
-                             f"rows stay on its server unless balancing moves them); raise the cap or "
+                             f"within it ({held[worst]} bytes held per layer{why}); raise the cap or "
                              f"add servers")
     return plan
