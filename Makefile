@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU wheel of torch first, so the project's `torch>=` range is already met.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench,hf,train,megatron]'
+	$(PY) -m pip install --quiet -e '.[test,bench,hf,train,megatron,monitoring]'
 	touch $(STAMP)
 
 # Everything CI runs: the unit tier (no Ray, seconds) and the integration tier (Ray, examples,

@@ -2,12 +2,17 @@
 
 ``up | status | down`` drive a job through :mod:`distca_server`'s top-level API (``launch``,
 ``status``, ``shutdown``); ``simulate`` is :mod:`distca_sim.cli`. Importing this module imports
-neither torch nor ray: the job API loads them when a runtime command runs.
+neither torch nor ray: the job API loads them when a runtime command runs. Every failure a user
+can cause (no cluster, a refused token, no such job, bad flags) is one line on stderr and exit
+status 1, not a traceback.
 
 Examples::
 
     distca up --servers 4 --mode dedicated       # inside a Ray cluster (``ray start`` / ``ray up``)
-    distca status
+    distca up --mode inplace --min-shard 256 --timeout 120 --scheduler-restarts -1
+    distca status                                # the table once
+    distca status --watch                        # a live table (needs the ``monitoring`` extra)
+    distca status --json                         # for scripts
     distca down
     distca simulate --gpus 64 --tp 8 --context 128K
 """
@@ -15,93 +20,168 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from distca_server import launch, shutdown, status
+from distca_server import DistCAError, launch, shutdown, status
 from distca_sim import cli as simulate_cli
+
+from .connect import CLIError, connect
 
 __all__ = ["build_parser", "format_status", "main"]
 
 
-def _connect(address: str) -> None:
-    import ray  # only the runtime commands need it
-    if not ray.is_initialized():
-        ray.init(address=address, namespace="distca", log_to_driver=False)
-
-
 def _up(args) -> int:
-    _connect(args.address)
+    if args.mode == "inplace" and args.servers is not None:
+        raise CLIError(f"--servers {args.servers} is for dedicated mode: in in-place mode every client "
+                       f"rank serves its share of attention (the job has as many servers as clients); "
+                       f"drop --servers, or use --mode dedicated")
+    servers = 1 if args.servers is None else args.servers
+    from scheduler.checks import finite_nonnegative
+    from scheduler.coordinator import Coordinator
+    try:  # the scheduler's own checks, here before any Ray call (in its actor they would kill it)
+        Coordinator(args.name, args.mode, epsilon=args.epsilon, min_shard=args.min_shard,
+                    timeout_s=args.timeout, failure_grace_s=args.failure_grace)
+        for flag in ("timeout", "failure_grace", "start_timeout"):
+            if finite_nonnegative(f"--{flag.replace('_', '-')}", getattr(args, flag)) == 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got 0")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    connect(args.address)
     try:
-        launch(name=args.name, servers=args.servers, mode=args.mode,
-               epsilon=args.epsilon, timeout_s=args.timeout, detached=True)
-    except ValueError as exc:  # e.g. a job of that name is running: one line, no traceback
-        print(f"distca up: {exc}", file=sys.stderr)
-        return 1
+        launch(name=args.name, servers=servers, mode=args.mode, epsilon=args.epsilon,
+               min_shard=args.min_shard, timeout_s=args.timeout, failure_grace_s=args.failure_grace,
+               backend=args.backend, detached=True, max_restarts=args.server_restarts,
+               scheduler_restarts=args.scheduler_restarts, start_timeout_s=args.start_timeout)
+    except (ValueError, DistCAError) as exc:  # a job of that name is running, bad settings, no room
+        raise CLIError(str(exc)) from None
+    except Exception as exc:  # an actor that failed in its constructor: Ray's error, first line
+        raise CLIError(f"job {args.name!r} did not start: {_first_line(exc)}") from None
     print(f"distca job {args.name!r} up: {args.mode} mode"
-          + (f", {args.servers} attention servers" if args.mode == "dedicated" else ""))
+          + (f", {servers} attention servers" if args.mode == "dedicated" else ""))
     return 0
 
 
-def format_status(st: dict) -> str:
-    """The ``distca status`` table of a job's status dict (:func:`distca_server.status`)."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def status_header(st: dict) -> list[str]:
+    """The lines above the server table: the job, its clients, and the last plan."""
     last = st.get("last") or {}
     if st.get("scheduler", "running") != "running":
         lines = [f"job {st['name']}: scheduler {st['scheduler']}; {len(st['servers'])} attention "
                  f"servers found by name"]
     else:
+        gone = st.get("clients_gone") or []
         lines = [f"job {st['name']}: {st['mode']} mode, clients {st['world_size'] or 0} "
-                 f"(registered {st['clients']}), group epoch {st['epoch']}, next step {st['next_step']}"]
+                 f"(live {st['clients']}" + (f", gone {gone}" if gone else "") + f"), "
+                 f"group epoch {st['epoch']}, next step {st['next_step']}"]
     if last:
         lines.append(f"last plan: step {last['step']} batch {last['batch']}, imbalance "
                      f"{last['imbalance_before']:.3f} -> {last['imbalance_after']:.3f}, "
                      f"{last['num_tasks']} CA-tasks, forward {last['bytes']['forward'] / 2**20:.1f} MiB, "
                      f"backward {last['bytes']['backward'] / 2**20:.1f} MiB per round, plan {last['plan_ms']:.2f} ms, "
                      f"cut {last.get('cut_ms', 0.0):.2f} ms")
-    header = f"{'server':>6}  {'node':<15}  {'state':<18}  {'rounds':>7}  {'last GFLOP':>10}  {'tasks':>5}"
-    lines.append(header)
+    return lines
+
+
+# (title, width, cell of a server row): the one column list of the table and of the --watch view
+def _num(value, fmt="{}"):
+    return "-" if value is None else fmt.format(value)
+
+
+COLUMNS = (
+    ("server", 6, lambda s: str(s["server"])),
+    ("node", 15, lambda s: str(s["node"])),
+    ("state", 18, lambda s: str(s["state"])),
+    ("rounds", 7, lambda s: _num(s.get("rounds_served"))),
+    ("last GFLOP", 10, lambda s: _num(None if s.get("last_flops") is None else s["last_flops"] / 1e9, "{:.2f}")),
+    ("tasks", 5, lambda s: _num(s.get("last_tasks"))),
+    ("MiB sent", 9, lambda s: _num(None if s.get("bytes_sent") is None else s["bytes_sent"] / 2**20, "{:.1f}")),
+    ("last error", 0, lambda s: s.get("last_error") or ""),
+)
+
+
+def format_status(st: dict) -> str:
+    """The ``distca status`` table of a job's status dict (:func:`distca_server.status`)."""
+    lines = status_header(st)
+    def row(cells):
+        return "  ".join(c.ljust(w) if i in (1, 2) else (c.rjust(w) if w else c)
+                         for i, ((_, w, _), c) in enumerate(zip(COLUMNS, cells))).rstrip()
+    lines.append(row([title for title, _, _ in COLUMNS]))
     for s in st["servers"]:
-        flops = s.get("last_flops")
-        lines.append(f"{s['server']:>6}  {s['node']:<15}  {s['state']:<18}  "
-                     f"{'-' if s['rounds_served'] is None else s['rounds_served']:>7}  "
-                     f"{'-' if flops is None else f'{flops / 1e9:.2f}':>10}  "
-                     f"{'-' if s.get('last_tasks') is None else s['last_tasks']:>5}")
+        lines.append(row([cell(s) for _, _, cell in COLUMNS]))
     return "\n".join(lines)
 
 
-def _status(args) -> int:
-    _connect(args.address)
+def job_status(name: str) -> dict:
+    """:func:`distca_server.status` of job ``name``.
+
+    Raises:
+        CLIError: no such job (one line).
+    """
     try:
-        st = status(args.name)
-    except ValueError as exc:  # no such job: one line, no traceback
-        print(f"distca status: {exc}", file=sys.stderr)
-        return 1
-    print(format_status(st))
+        return status(name)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _status(args) -> int:
+    connect(args.address)
+    if args.watch:
+        from .watch import watch
+        return watch(lambda: job_status(args.name), interval_s=args.interval, count=args.count)
+    st = job_status(args.name)
+    print(json.dumps(st, indent=1, sort_keys=True, default=str) if args.json else format_status(st))
     return 0
 
 
 def _down(args) -> int:
-    _connect(args.address)
+    connect(args.address)
     n = shutdown(args.name)
+    if n == 0:
+        raise CLIError(f"no distca job named {args.name!r} on this Ray cluster")
     print(f"stopped {n} actors of job {args.name!r}")
     return 0
 
 
 def _register_runtime(subparsers) -> None:
+    address = dict(default="auto", help="Ray cluster address host:port (default: RAY_ADDRESS, else the "
+                                         "cluster started on this machine); Ray's token is sent if one is found")
     up = subparsers.add_parser("up", help="start a job's scheduler and attention servers on Ray")
     up.add_argument("--name", default="default")
-    up.add_argument("--servers", type=int, default=1)
     up.add_argument("--mode", choices=["dedicated", "inplace"], default="dedicated")
-    up.add_argument("--epsilon", type=float, default=0.05)
-    up.add_argument("--timeout", type=float, default=60.0, help="seconds before DistCAError")
-    up.add_argument("--address", default="auto", help="Ray cluster address")
+    up.add_argument("--servers", type=int, default=None,
+                    help="dedicated attention servers (dedicated mode only; default 1)")
+    up.add_argument("--epsilon", type=float, default=0.05, help="planner imbalance tolerance")
+    up.add_argument("--min-shard", type=int, default=128, help="smallest CA-task in tokens")
+    up.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds any wait of the job lasts before participants get DistCAError")
+    up.add_argument("--failure-grace", type=float, default=1.0,
+                    help="seconds the scheduler waits after a failure before naming silent members lost")
+    up.add_argument("--start-timeout", type=float, default=300.0,
+                    help="seconds the actors may take to start (e.g. waiting for GPUs)")
+    up.add_argument("--server-restarts", type=int, default=0,
+                    help="how often Ray restarts a dead attention server (-1: always)")
+    up.add_argument("--scheduler-restarts", type=int, default=-1,
+                    help="how often Ray restarts a dead scheduler (-1: always)")
+    up.add_argument("--backend", default="auto", help="attention kernel backend on the servers")
+    up.add_argument("--address", **address)
     up.set_defaults(func=_up)
-    st = subparsers.add_parser("status", help="print a job's servers, load and bytes")
+    st = subparsers.add_parser("status", help="print a job's servers, load, bytes and errors")
     st.add_argument("--name", default="default")
-    st.add_argument("--address", default="auto")
+    view = st.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true", help="the status as JSON, for scripts")
+    view.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval s")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between --watch refreshes")
+    st.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # --watch: stop after N
+    st.add_argument("--address", **address)
     st.set_defaults(func=_status)
     down = subparsers.add_parser("down", help="stop a job's actors")
     down.add_argument("--name", default="default")
-    down.add_argument("--address", default="auto")
+    down.add_argument("--address", **address)
     down.set_defaults(func=_down)
 
 
@@ -115,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``distca`` console script; returns the exit status."""
+    """Entry point of the ``distca`` console script; returns the exit status (1 after a one-line
+    error on stderr)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        print(f"distca {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -113,7 +113,7 @@ class DistCAClient:
         return cls(RayClientRuntime(name, rank, world_size, timeout_s, keep_activations))
 
     def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
-                     softmax_scale: float | None = None) -> "AttendHandle":
+                     softmax_scale: float | None = None, window: int | None = None) -> "AttendHandle":
         """Start :meth:`attend`'s forward round and return at once; ``handle.wait()`` gives ``out``.
 
         Meanwhile the training loop can run the other nano-batch's layers (DistCA §4.2 ping-pong).
@@ -123,20 +123,21 @@ class DistCAClient:
             ValueError: as :meth:`attend`, before anything is queued.
         """
         try:
-            lens, scale = check_attend_inputs(q, k, v, doc_lens, softmax_scale)
+            lens, scale, window = check_attend_inputs(q, k, v, doc_lens, softmax_scale, window)
         except ValueError as exc:  # peers must not wait for this rank's round until they time out
             self._runtime.fail_step(exc)
             raise
         fmt = RowFormat.of(q, k)
-        step = self._runtime.step_for(lens, fmt, q.device)
+        step = self._runtime.step_for(lens, fmt, q.device, window)
         self._remember(step)
         counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
         return AttendHandle(Pending(step, future), q, k, v, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
-               softmax_scale: float | None = None) -> torch.Tensor:
-        """Causal attention inside each document of a packed batch, computed by the servers.
+               softmax_scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """(Sliding-window) causal attention inside each document of a packed batch, computed by
+        the servers.
 
         Args:
             q: [total_tokens, num_heads_q, head_dim], float16/bfloat16/float32/float64.
@@ -145,18 +146,23 @@ class DistCAClient:
             doc_lens: document lengths (tokens) in packing order, a list of ints or a 1-D integer
                 tensor, ``sum(doc_lens) == total_tokens``.
             softmax_scale: multiplier of ``Q Kᵀ``; None means ``head_dim ** -0.5``.
+            window: sliding window ``W``: row ``t`` sees only keys ``t - W + 1 .. t`` of its
+                document (Mistral-style); None means full causal attention. Layers with
+                different windows in one step get one plan each (a windowed plan balances
+                windowed FLOPs and moves only the keys each shard's window needs).
 
         Returns:
             out: [total_tokens, num_heads_q, head_dim], q's dtype and device; differentiable
             with respect to q, k and v. Row ``t`` of document ``d`` is
-            ``softmax(scale · q_t K_dᵀ[:t+1]) V_d[:t+1]`` (causal, no attention across documents).
+            ``softmax(scale · q_t K_dᵀ[s:t+1]) V_d[s:t+1]``, ``s = 0`` or ``max(0, t - W + 1)``
+            (causal, no attention across documents).
 
         Raises:
-            ValueError: bad shapes, dtypes, devices, ``doc_lens`` or ``softmax_scale``, before any
-                byte moves.
+            ValueError: bad shapes, dtypes, devices, ``doc_lens``, ``softmax_scale`` or
+                ``window``, before any byte moves.
             DistCAError: a participant was lost or timed out.
         """
-        return self.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale).wait()
+        return self.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale, window=window).wait()
 
     def new_step(self) -> None:
         """Start a new training step at the next ``attend``. Steps also end by themselves once

@@ -10,23 +10,26 @@ import numpy as np
 import torch
 
 from scheduler.checks import bad_lengths, is_number
+from scheduler.cost import window_arg
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_attend_inputs(q, k, v, doc_lens, softmax_scale) -> tuple[list[int], float]:
+def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[list[int], float, int | None]:
     """Validate ``attend``'s arguments.
 
     Returns:
-        ``(doc_lens as a list of ints, softmax_scale as a float)``; ``None`` scale becomes
-        ``head_dim ** -0.5``.
+        ``(doc_lens as a list of ints, softmax_scale as a float, window as an int or None)``;
+        ``None`` scale becomes ``head_dim ** -0.5``.
 
     Raises:
         ValueError: non-tensors, wrong ranks or shapes, heads not divisible (GQA), mixed dtypes
             or devices, a non-float dtype, bad ``doc_lens`` (not an ordered sequence such as a set
             or dict, non-integers, zero or negative lengths, a sum other than ``total_tokens``),
-            or a ``softmax_scale`` that is not a finite int or float (bool and str refused).
+            a ``softmax_scale`` that is not a finite int or float (bool and str refused), or a
+            ``window`` that is neither None nor a positive int.
     """
+    window = window_arg(window)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -63,7 +66,7 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale) -> tuple[list[int], fl
         if not math.isfinite(scale):
             raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
                              f"got {softmax_scale!r}")
-    return lens, scale
+    return lens, scale, window
 
 
 def _doc_lens(doc_lens) -> list[int]:

@@ -23,11 +23,20 @@ class ServerExecutor:
         layout: the server's :class:`~scheduler.layout.ServerLayout`.
         backend: a kernel backend from :func:`distca_server.kernels.get_backend`.
         device: where the received rows live.
+        window: the plan's sliding window (None: full causal attention).
+
+    Each task's mask is absolute-position causal ∧ window ∧ its key range: a full-window task
+    (``kv_end == q_end``) is the kernels' bottom-right alignment; partial-KV tasks pass their
+    diagonals (``q_start - kv_start``, :attr:`ServerLayout.diagonals`), which the CPU backends
+    take in the same one call and FlashAttention-style ones in one call per mask class.
     """
 
-    def __init__(self, layout: ServerLayout, backend, device: torch.device):
+    def __init__(self, layout: ServerLayout, backend, device: torch.device, window: int | None = None):
         self.layout = layout
         self.backend = backend
+        self.window = window
+        self.diagonals = (None if layout.diagonals is None
+                          else torch.as_tensor(layout.diagonals, dtype=torch.int64))  # host: per task
         self.cu_seqlens_q = torch.as_tensor(layout.cu_seqlens_q, dtype=torch.int32, device=device)
         self.cu_seqlens_k = torch.as_tensor(layout.cu_seqlens_k, dtype=torch.int32, device=device)
         self.kv_gather = (None if layout.kv_gather is None
@@ -60,14 +69,16 @@ class ServerExecutor:
         if self.layout.num_tasks == 0:
             return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
         kt, vt = self._task_kv(k, v)
-        return self.backend.forward(q, kt, vt, *self._args(softmax_scale))
+        return self.backend.forward(q, kt, vt, *self._args(softmax_scale), window=self.window,
+                                    diagonals=self.diagonals)
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale: float):
         """Backward round: ``(dq, dk, dv)`` shaped like ``q`` and the deduplicated ``k``, ``v``."""
         if self.layout.num_tasks == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         kt, vt = self._task_kv(k, v)
-        dq, dkt, dvt = self.backend.backward(dout, q, kt, vt, out, lse, *self._args(softmax_scale))
+        dq, dkt, dvt = self.backend.backward(dout, q, kt, vt, out, lse, *self._args(softmax_scale),
+                                             window=self.window, diagonals=self.diagonals)
         if self.kv_gather is None:
             return dq, dkt, dvt
         return dq, self.kv_scatter([dkt], torch.empty_like(k)), self.kv_scatter([dvt], torch.empty_like(v))

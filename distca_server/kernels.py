@@ -2,9 +2,10 @@
 
 Every backend computes, for a packed batch of B sequences (CA-task shards)::
 
-    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale) -> (out, lse)
+    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            window=None, diagonals=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale) -> (dq, dk, dv)
+             softmax_scale, window=None, diagonals=None) -> (dq, dk, dv)
 
 Tensors (T_q = total query rows, T_k = total key rows, H_q % H_kv == 0):
     q, out, dout, dq: [T_q, H_q, D], dtype of q.        k, v, dk, dv: [T_k, H_kv, D], dtype of q.
@@ -17,6 +18,22 @@ row r sees key j iff j <= r + (Lk - Lq). With Lq = 2, Lk = 5 (1 = visible)::
 
     1 1 1 1 0
     1 1 1 1 1
+
+Sliding window ``window = W`` (None: no window): row r sees key j iff also
+``j >= r + (Lk - Lq) - W + 1``, the W keys ending at its diagonal (FlashAttention's
+``window_size = (W - 1, 0)``). With Lq = 2, Lk = 5, W = 2::
+
+    0 0 1 1 0
+    0 0 0 1 1
+
+Any diagonal (partial-KV CA-tasks, whose keys need not end where their queries end): with
+``diagonals[b] = d`` (a task's ``q_start - kv_start``) row r of sequence b sees key j iff
+``r + d - W < j <= r + d``; None means ``d = Lk - Lq``, the bottom-right alignment above. The
+reference and CPU backends take any per-sequence diagonal in one call. FlashAttention's kernels
+take one ``window_size = (left, right)`` per call (keys ``r + Lk - Lq - left .. r + Lk - Lq + right``,
+-1 unbounded), so a call whose sequences need different (left, right) runs as one kernel call per
+distinct pair (:func:`mask_classes`: for a partial-KV plan without a window, two: the diagonal
+blocks (-1, 0) and the blocks of keys every query sees (-1, -1)).
 
 A row that sees no key (only possible when Lq > Lk) gets out = 0, lse = -inf and zero gradients.
 
@@ -35,6 +52,8 @@ import inspect
 import math
 
 import torch
+
+from scheduler.cost import window_arg
 
 from .dtypes import accumulation_dtype
 
@@ -71,6 +90,127 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k) -> list[tuple[int, 
     return list(zip(cq, cq[1:], ck, ck[1:]))
 
 
+def _mask_pieces(lq: int, lk: int, window: int | None, chunk_elems: int = 1 << 22, d: int | None = None):
+    """How the CPU backend covers one sequence's mask with calls the aten ops can make.
+
+    Row ``r`` sees key ``j`` iff ``r + d - W < j <= r + d``, ``d = lk - lq`` (bottom-right) unless
+    given.
+    Returns ``(r0, r1, c0, c1, kind)`` pieces: rows ``[r0, r1)`` against keys ``[c0, c1)`` with
+    kind ``"full"`` (every pair visible), ``"causal"`` (a square, top-left causal: the ops'
+    ``is_causal``) or ``"mask"`` (an additive mask built per piece, in chunks of rows whose mask
+    holds at most ``chunk_elems`` entries). Pieces of one row add up to exactly its visible keys
+    and are merged through their LSEs; no piece has a row that sees no key there, so the ops'
+    LSE-0-for-empty-rows quirk never reaches the merge.
+    """
+    d = lk - lq if d is None else d
+    r_lo = max(0, -d)  # rows before see no key (j <= r + d < 0)
+    r_hi = lq if window is None else min(lq, lk + window - 1 - d)  # rows after: keys past the end
+    if r_lo >= r_hi or lk == 0:
+        return []
+    if window is None or window >= lq + d:  # the window never bites
+        # Rows [r_lo, r1) see keys [0, r + d]: a bottom-right block of r1 + d keys, cut into a full
+        # block and a square; rows [r1, lq) see every key.
+        r1 = min(max(lk - d, r_lo), lq)
+        pieces = []
+        if r1 > r_lo:
+            if d + r_lo > 0:
+                pieces.append((r_lo, r1, 0, d + r_lo, "full"))
+            pieces.append((r_lo, r1, d + r_lo, r1 + d, "causal"))
+        if r1 < lq:
+            pieces.append((r1, lq, 0, lk, "full"))
+        return pieces
+    rows = max(64, min(1024, window, chunk_elems // (window + 1024)))
+    return [(a, min(r_hi, a + rows), max(0, a + d - window + 1), min(lk, min(r_hi, a + rows) + d), "mask")
+            for a in range(r_lo, r_hi, rows)]
+
+
+def mask_classes(lq, lk, d, window: int | None) -> list[tuple[tuple[int, int], list[int]]]:
+    """Group sequences by the FlashAttention ``window_size = (left, right)`` their masks need.
+
+    Args:
+        lq, lk, d: per sequence, query rows, keys and diagonal (lists of ints).
+        window: the sliding window (None: none).
+
+    Returns:
+        ``[((left, right), [sequence indices]), ...]`` in order of first appearance; ``left`` /
+        ``right`` are -1 where the mask has no bound on that side (every key the rows could reach
+        there is visible). Empty sequences go with the first class.
+
+    Raises:
+        ValueError: a sequence with keys past its last query's diagonal that some row must not
+            see (``right`` would be negative), which no FlashAttention window expresses.
+    """
+    classes: dict[tuple[int, int], list[int]] = {}
+    for b, (nq, nk, dd) in enumerate(zip(lq, lk, d)):
+        e = dd - (nk - nq)  # the diagonal's offset from the bottom-right one: (., e) bounds it
+        # Bottom-right sequences keep (., 0); others whose keys every row sees up to the last
+        # share (., -1) whatever their offset.
+        right = 0 if e == 0 else -1 if nk - 1 <= dd else e
+        left = -1 if window is None else window - 1 - e
+        if left < 0 and window is not None and window >= nq + dd:
+            left = -1  # the window never bites in this sequence
+        if right < -1 or left < -1 or (window is not None and left == -1 and window < nq + dd):
+            raise ValueError(f"sequence {b} (Lq={nq}, Lk={nk}, diagonal {dd}, window {window}) has keys "
+                             f"no query may see; FlashAttention's window_size cannot express it")
+        classes.setdefault((left, right), []).append(b)
+    return list(classes.items())
+
+
+def _class_calls(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask):
+    """The kernel calls of a FlashAttention-style backend: ``[((left, right), rows)]`` where
+    ``rows`` is None for one call over everything, else ``(q_index, k_index, cu_q, cu_k, max_q,
+    max_k)``: the query and key rows of that class's sequences (gathered, then scattered back)."""
+    if mask.diagonals is None:  # bottom-right everywhere: one call
+        return [((-1 if mask.window is None else mask.window - 1, 0), None)]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    lk = [b - a for a, b in zip(ck, ck[1:])]
+    classes = mask_classes(lq, lk, mask.diagonals, mask.window)
+    if len(classes) == 1:
+        return [(classes[0][0], None)]
+    calls, dev = [], cu_seqlens_q.device
+
+    def rows(cu, lens, idx):
+        index = torch.cat([torch.arange(cu[i], cu[i] + lens[i]) for i in idx]) if idx else torch.zeros(0, dtype=torch.long)
+        offsets = torch.tensor([0] + [lens[i] for i in idx]).cumsum(0).to(torch.int32)
+        return index.to(dev), offsets.to(dev)
+    for lr, idx in classes:
+        qi, cuq = rows(cq, lq, idx)
+        ki, cuk = rows(ck, lk, idx)
+        calls.append((lr, (qi, ki, cuq, cuk, max(lq[i] for i in idx), max(lk[i] for i in idx))))
+    return calls
+
+
+class _BandedKernel:
+    """FlashAttention-style backends: one ``window_size = (left, right)`` per kernel call, so a
+    call with several mask classes runs one kernel call per class (:func:`_class_calls`)."""
+
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask):
+        calls = _class_calls(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask)
+        if calls[0][1] is None:
+            return self._banded_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        scale, *calls[0][0])
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
+        for lr, (qi, ki, cq, ck, mq, mk) in calls:
+            o, l = self._banded_forward(q[qi], k[ki], v[ki], cq, ck, mq, mk, scale, *lr)
+            out[qi], lse[qi] = o, l
+        return out, lse
+
+    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale, mask):
+        calls = _class_calls(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask)
+        if calls[0][1] is None:
+            return self._banded_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, scale, *calls[0][0])
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for lr, (qi, ki, cq, ck, mq, mk) in calls:
+            g = self._banded_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], cq, ck, mq, mk,
+                                      scale, *lr)
+            dq[qi], dk[ki], dv[ki] = g  # a class's rows and keys are its sequences' own
+        return dq, dk, dv
+
+
 def _positive_scale(q, scale: float) -> tuple[torch.Tensor, float, int]:
     """``(q', scale', sign)`` with ``scale' > 0`` and ``scale' * (q' . k) == scale * (q . k)`` exactly.
 
@@ -86,6 +226,29 @@ def _positive_scale(q, scale: float) -> tuple[torch.Tensor, float, int]:
     if scale < 0:
         return -q, -scale, -1
     return torch.zeros_like(q), 1.0, 0
+
+
+class _Mask:
+    """A call's mask: ``window`` (int or None) and ``diagonals`` (list of ints, or None)."""
+
+    __slots__ = ("window", "diagonals")
+
+    def __init__(self, window, diagonals):
+        self.window, self.diagonals = window, diagonals
+
+    @classmethod
+    def of(cls, window, diagonals, cu_seqlens_q) -> "_Mask":
+        window = window_arg(window)
+        if diagonals is not None:
+            diagonals = diagonals.tolist() if hasattr(diagonals, "tolist") else list(diagonals)
+            if len(diagonals) != cu_seqlens_q.numel() - 1 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in diagonals):
+                raise ValueError(f"diagonals must be {cu_seqlens_q.numel() - 1} ints (one per "
+                                 f"sequence), got {diagonals[:8]!r}")
+        return cls(window, diagonals)
+
+    def diagonal(self, b: int, lq: int, lk: int) -> int:
+        return lk - lq if self.diagonals is None else self.diagonals[b]
 
 
 class AttentionBackend:
@@ -115,21 +278,24 @@ class AttentionBackend:
                              f"(available there: {available_backends(q.device)})")
         return self if self._kernel_handles(q) else BACKENDS["reference"]
 
-    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                window=None, diagonals=None):
         """Causal varlen attention forward (FlashAttention-2, Algorithm 1).
 
         Args: q [T_q, H_q, D]; k, v [T_k, H_kv, D] (same dtype and device as q, any strides);
         cu_seqlens_q, cu_seqlens_k int32 [B + 1]; max_seqlen_q, max_seqlen_k: int; softmax_scale:
-        any finite float (ValueError otherwise).
+        any finite float; window: a positive int (sliding window, module doc) or None (ValueError
+        otherwise); diagonals: None (bottom-right) or B ints, each sequence's diagonal (module doc).
         Returns: out [T_q, H_q, D] in q's dtype; lse [T_q, H_q] float32 (float64 for float64 q),
         lse = logsumexp over visible keys of softmax_scale * q . k (-inf where no key is visible).
         """
         impl = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        mask = _Mask.of(window, diagonals, cu_seqlens_q)
         q, scale, _ = _positive_scale(q, float(softmax_scale))
-        return impl._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+        return impl._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask)
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, softmax_scale):
+                 max_seqlen_k, softmax_scale, window=None, diagonals=None):
         """Causal varlen attention backward (FlashAttention-2, Algorithm 2).
 
         Args: dout, out [T_q, H_q, D] and lse [T_q, H_q] as returned by `forward` (any backend);
@@ -137,12 +303,13 @@ class AttentionBackend:
         dk/dv summed over the query heads that share a kv head; zero for rows outside cu_seqlens.
         """
         impl = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        mask = _Mask.of(window, diagonals, cu_seqlens_q)
         if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
             raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be "
                              f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {tuple(q.shape[:2])}")
         q, scale, sign = _positive_scale(q, float(softmax_scale))
         dq, dk, dv = impl._backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, scale)
+                                    max_seqlen_k, scale, mask)
         # scale 0: the scores do not depend on q at all.
         return (dq if sign > 0 else -dq if sign < 0 else torch.zeros_like(dq)), dk, dv
 
@@ -164,13 +331,16 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     @classmethod
-    def _scores(cls, qs, ks, scale):
+    def _scores(cls, qs, ks, scale, window, d):
         # Query heads of one kv head are stacked along rows, so one batched matmul per kv head
         # serves the whole GQA group and dk/dv come out already summed over it.
         lq, hq, lk, hkv = qs.shape[0], qs.shape[1], ks.shape[0], ks.shape[1]
         qh, kh = cls._to_heads(qs, hkv), ks.transpose(0, 1)
-        rows = torch.arange(lq, device=qs.device)
-        visible = torch.arange(lk, device=qs.device)[None, :] <= rows[:, None] + (lk - lq)
+        diag = torch.arange(lq, device=qs.device)[:, None] + d
+        cols = torch.arange(lk, device=qs.device)[None, :]
+        visible = cols <= diag
+        if window is not None:
+            visible &= cols > diag - window
         s = (qh @ kh.transpose(1, 2)) * scale
         return qh, kh, s.masked_fill(~visible.repeat(hq // hkv, 1), _NEG_INF)
 
@@ -186,14 +356,15 @@ class ReferenceBackend(AttentionBackend):
         x = x.reshape(hkv, -1, lq, *x.shape[2:]).transpose(1, 2).transpose(0, 1)
         return x.reshape(lq, -1, *x.shape[3:])
 
-    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask):
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], _NEG_INF, dtype=acc, device=q.device)
-        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        for b, (qa, qb, ka, kb) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])):
             if qb == qa:
                 continue
-            _, _, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale)
+            _, _, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale, mask.window,
+                                   mask.diagonal(b, qb - qa, kb - ka))
             l = torch.logsumexp(s, dim=-1)
             # Rows with no visible key have l = -inf; subtracting 0 instead keeps exp(-inf) = 0
             # rather than exp(nan), which gives those rows out = 0.
@@ -203,14 +374,15 @@ class ReferenceBackend(AttentionBackend):
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, scale):
+                  max_seqlen_k, scale, mask):
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         hkv = k.shape[1]
-        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        for b, (qa, qb, ka, kb) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])):
             if qb == qa or kb == ka:
                 continue
-            qh, kh, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale)
+            qh, kh, s = self._scores(q[qa:qb].to(acc), k[ka:kb].to(acc), scale, mask.window,
+                                     mask.diagonal(b, qb - qa, kb - ka))
             l = self._to_heads(lse[qa:qb].to(acc), hkv)
             p = torch.exp(s - l.masked_fill(l == _NEG_INF, 0.0)[..., None])
             do = self._to_heads(dout[qa:qb].to(acc), hkv)
@@ -240,8 +412,11 @@ class TorchCPUBackend(AttentionBackend):
     float64 for float64 inputs and float32 otherwise. Their `is_causal` is top-left aligned, so a
     bottom-right sequence with Lk >= Lq is split into (a) all Lq rows x keys [0, Lk - Lq), no mask,
     and (b) the square Lq x Lq block of keys [Lk - Lq, Lk) where top-left equals bottom-right.
-    The two partial results merge through their LSEs (Milakov & Gimelshein 2018, "Online
-    normalizer calculation for softmax"; the same rescaling as FlashAttention-2 Algorithm 1).
+    A sliding window goes through the ops' additive ``attn_mask``, a chunk of rows at a time
+    against only the keys their windows reach (:func:`_mask_pieces`), so memory stays
+    O(rows x (rows + W)) per call. The partial results merge through their LSEs (Milakov &
+    Gimelshein 2018, "Online normalizer calculation for softmax"; the same rescaling as
+    FlashAttention-2 Algorithm 1).
     """
 
     name = "torch_cpu"
@@ -250,13 +425,6 @@ class TorchCPUBackend(AttentionBackend):
 
     def _kernel_handles(self, q):
         return q.dtype in self._OP_DTYPES  # other dtypes: the ops refuse them, reference math
-
-    @staticmethod
-    def _blocks(lq, lk):
-        # Rows [0, q0) see no key (only when Lq > Lk). Keys [0, k0) are fully visible to the live
-        # rows, keys [k0, lk) form the square causal block. No block has a row that sees no key,
-        # so the op's LSE-0-for-empty-rows quirk never reaches the merge.
-        return max(0, lq - lk), max(0, lk - lq)
 
     @staticmethod
     def _operands(*tensors):
@@ -272,62 +440,65 @@ class TorchCPUBackend(AttentionBackend):
             tensors = tuple(t.float() for t in tensors)
         return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
-    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask):
         dtype = q.dtype
         q, k, v = self._operands(q, k, v)
-        out, lse = self._forward_work(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+        out, lse = self._forward_work(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, mask)
         return out.to(dtype), lse
 
     def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, scale):
+                  max_seqlen_k, scale, mask):
         dtype = q.dtype
         dout, q, k, v, out = self._operands(dout.to(dtype), q, k, v, out.to(dtype))
-        grads = self._backward_work(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale)
+        grads = self._backward_work(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, mask)
         return tuple(g.to(dtype) for g in grads)
 
-    def _forward_work(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    @staticmethod
+    def _pieces(q, k, cu_seqlens_q, cu_seqlens_k, m):
+        """``(rows, keys, is_causal, attn_mask)`` of every op call, over all sequences."""
+        window = m.window
+        for b, (qa, qb, ka, kb) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])):
+            lq, lk = qb - qa, kb - ka
+            d = m.diagonal(b, lq, lk)
+            for r0, r1, c0, c1, kind in _mask_pieces(lq, lk, window, d=d):
+                mask = None
+                if kind == "mask":  # visible: r + d - W < c <= r + d
+                    diag = torch.arange(r0, r1, device=q.device)[:, None] + d
+                    cols = torch.arange(c0, c1, device=q.device)[None, :]
+                    mask = torch.zeros((r1 - r0, c1 - c0), dtype=q.dtype, device=q.device).masked_fill_(
+                        (cols > diag) | (cols <= diag - window), _NEG_INF)
+                yield slice(qa + r0, qa + r1), slice(ka + c0, ka + c1), kind == "causal", mask
+
+    def _forward_work(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, m):
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], _NEG_INF, dtype=accumulation_dtype(q.dtype), device=q.device)
-        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            q0, k0 = self._blocks(qb - qa, kb - ka)
-            if qb - qa - q0 <= 0:
-                continue
-            rows, diag = slice(qa + q0, qb), slice(ka + k0, kb)
-            o, l = op(_bhld(q[rows]), _bhld(k[diag]), _bhld(v[diag]), 0.0, True, scale=scale)
-            o, l = _lhd(o), _lhd(l).to(lse.dtype)
-            if k0 > 0:
-                full = slice(ka, ka + k0)
-                o2, l2 = op(_bhld(q[rows]), _bhld(k[full]), _bhld(v[full]), 0.0, False, scale=scale)
-                o2, l2 = _lhd(o2), _lhd(l2).to(lse.dtype)
-                l_all = torch.logaddexp(l, l2)
-                # Merge in the LSE dtype so low-precision inputs are rounded only once.
-                o = (torch.exp(l - l_all)[..., None] * o.to(lse.dtype)
-                     + torch.exp(l2 - l_all)[..., None] * o2.to(lse.dtype))
-                l = l_all
-            out[rows], lse[rows] = o.to(q.dtype), l
+        for rows, keys, causal, mask in self._pieces(q, k, cu_seqlens_q, cu_seqlens_k, m):
+            o, l = op(_bhld(q[rows]), _bhld(k[keys]), _bhld(v[keys]), 0.0, causal, attn_mask=mask,
+                      scale=scale)
+            o, l = _lhd(o).to(lse.dtype), _lhd(l).to(lse.dtype)
+            # Merge with what earlier pieces gave these rows (none yet: lse -inf, weight 0), in
+            # the LSE dtype so low-precision inputs are rounded only once.
+            l_old = lse[rows]
+            l_all = torch.logaddexp(l_old, l)
+            out[rows] = (torch.exp(l_old - l_all)[..., None] * out[rows].to(lse.dtype)
+                         + torch.exp(l - l_all)[..., None] * o).to(q.dtype)
+            lse[rows] = l_all
         return out, lse
 
-    def _backward_work(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
+    def _backward_work(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, m):
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse = lse.to(accumulation_dtype(q.dtype))
-        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            q0, k0 = self._blocks(qb - qa, kb - ka)
-            if qb - qa - q0 <= 0:
-                continue
-            rows = slice(qa + q0, qb)
-            # The op rebuilds P from the lse it is given and D from (out, dout). Feeding each block
-            # the GLOBAL out and lse therefore yields that block's exact share of the gradient:
-            # dq adds up over blocks, dk/dv belong to disjoint key ranges.
-            common = (_bhld(dout[rows]), _bhld(q[rows]))
-            saved = (_bhld(out[rows]), lse[rows].t().unsqueeze(0))
-            for keys, causal in ((slice(ka + k0, kb), True), (slice(ka, ka + k0), False)):
-                if keys.stop == keys.start:
-                    continue
-                g = op(*common, _bhld(k[keys]), _bhld(v[keys]), *saved, 0.0, causal, scale=scale)
-                dq[rows] += _lhd(g[0])
-                dk[keys], dv[keys] = _lhd(g[1]), _lhd(g[2])
+        for rows, keys, causal, mask in self._pieces(q, k, cu_seqlens_q, cu_seqlens_k, m):
+            # The op rebuilds P from the lse it is given and D from (out, dout). Feeding each piece
+            # the GLOBAL out and lse therefore yields that piece's exact share of the gradient:
+            # dq and dk/dv add up over the pieces that share rows or keys.
+            g = op(_bhld(dout[rows]), _bhld(q[rows]), _bhld(k[keys]), _bhld(v[keys]), _bhld(out[rows]),
+                   lse[rows].t().unsqueeze(0), 0.0, causal, attn_mask=mask, scale=scale)
+            dq[rows] += _lhd(g[0])
+            dk[keys] += _lhd(g[1])
+            dv[keys] += _lhd(g[2])
         return dq, dk, dv
 
 
@@ -373,9 +544,10 @@ def _token_positions(cu_seqlens_q):
     return seq, torch.arange(seq.numel(), device=cu.device) - cu[seq]
 
 
-class TorchVarlenBackend(AttentionBackend):
+class TorchVarlenBackend(_BandedKernel, AttentionBackend):
     """torch's built-in FlashAttention-2 varlen op (`torch.ops.torch_attn._varlen_attn`, torch >= 2.10,
-    CUDA). Causal via window (-1, 0), which the kernel aligns bottom-right; GQA native."""
+    CUDA). Causal via window (-1, 0), which the kernel aligns bottom-right; a sliding window W is
+    (W - 1, 0); GQA native."""
 
     name = "torch_varlen"
     device_types = ("cuda",)
@@ -394,22 +566,24 @@ class TorchVarlenBackend(AttentionBackend):
         import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
         return torch.ops.torch_attn
 
-    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    def _banded_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        left, right):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, _ = self._ops()._varlen_attn(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, scale, [-1, 0],
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, right == 0, scale, [left, right],
             q.shape[1] != k.shape[1], None, None, None)
         lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
         return out, lse
 
-    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, scale):
+    def _banded_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, scale, left, right):
         # Dropout is off, so the Philox seed/offset are unused, but the op wants a uint64[2] buffer.
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         return self._ops()._varlen_attn_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
             _lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, rng_state, scale, [-1, 0])
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, right == 0, rng_state, scale,
+            [left, right])
 
 
 @functools.lru_cache(maxsize=None)
@@ -429,9 +603,10 @@ def _call_by_name(fn, values: dict):
     return fn(**{n: values[n] for n, _ in names if n in values})
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(_BandedKernel, AttentionBackend):
     """The `flash-attn` package (Dao 2023), `flash_attn_varlen_func(..., causal=True)`: bottom-right
-    causal since flash-attn 2.1; GQA native; LSE from `return_attn_probs=True`."""
+    causal since flash-attn 2.1; a sliding window W is `window_size=(W - 1, 0)` (flash-attn >= 2.3);
+    GQA native; LSE from `return_attn_probs=True`."""
 
     name = "flash_attn"
     device_types = ("cuda",)
@@ -445,28 +620,30 @@ class FlashAttnBackend(AttentionBackend):
     def _kernel_handles(self, q):
         return _flash_kernel_handles(q)
 
-    def _forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    def _banded_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        left, right):
         from flash_attn import flash_attn_varlen_func
 
         out, lse, _ = flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-            softmax_scale=scale, causal=True, return_attn_probs=True)
+            softmax_scale=scale, causal=right == 0, window_size=(left, right), return_attn_probs=True)
         lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
         return out, lse
 
-    def _backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, scale):
+    def _banded_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, scale, left, right):
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        # Same arguments as flash-attn's own autograd backward: window (-1, -1) plus causal=True.
+        # Same arguments as flash-attn's own autograd backward: the window (its forward turns
+        # causal into right = 0; -1 is unbounded).
         _call_by_name(_flash_attn_varlen_backward, dict(
             dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
             softmax_lse=_lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
             dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
-            causal=True, window_size=(-1, -1), window_size_left=-1, window_size_right=-1,
+            causal=right == 0, window_size=(left, right), window_size_left=left, window_size_right=right,
             softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None))
         return dq, dk, dv
 

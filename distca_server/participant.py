@@ -42,7 +42,7 @@ from scheduler.layout import client_layout_from, server_layout_from
 from scheduler.parts import PlanPart
 
 from .executor import ServerExecutor
-from .rowsum import RowScatter
+from .rowsum import PartialMerge, RowScatter
 from .transport.base import aligned
 from .wire import RowFormat
 
@@ -109,6 +109,11 @@ class Participant:
             kv_pieces = ([lay.kv_index[own]] if own is not None else []) + [np.concatenate(
                 kv_send) if kv_send else np.zeros(0, np.int64)]
             self.kv_scatter = RowScatter(kv_pieces, self.num_tokens, self.device)
+            # A query shard split on the key axis comes back once per task: partials to merge.
+            q_pieces = ([lay.q_index[own]] if own is not None else []) + [np.concatenate(
+                q_send) if q_send else np.zeros(0, np.int64)]
+            self.q_merge = (PartialMerge(q_pieces, self.num_tokens, self.device)
+                            if sum(map(len, q_pieces)) != self.num_tokens else None)
             # All rows go to the own server, in order: its results are the outputs as they are.
             self.results_home = (own is not None and not any(self.client_q_rows)
                                  and _is_identity(lay.q_index[own], self.num_tokens)
@@ -118,7 +123,7 @@ class Participant:
             if self.own_rank is not None:  # own rank's rows first: they are gathered, not received
                 tasks = tasks[np.argsort(tasks[:, 1] != self.own_rank, kind="stable")]
             self.server_lay = lay_s = server_layout_from(tasks, R, self.server)
-            self.executor = ServerExecutor(lay_s, backend, self.device)
+            self.executor = ServerExecutor(lay_s, backend, self.device, window=part.window)
             own = self.own_rank
             self.head_q_rows = lay_s.q_rows[own] if own is not None else 0
             self.head_kv_rows = lay_s.kv_rows[own] if own is not None else 0
@@ -318,10 +323,14 @@ class Participant:
             out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
         if lse is None:
             lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
-        for name, dst in (("out", out), ("lse", lse)):
-            dst.index_copy_(0, self.q_send_idx, remote[name])
-            if own is not None:
-                dst.index_copy_(0, self.q_own_idx, own[name])
+        if self.q_merge is not None:
+            pick = (lambda name: ([own[name]] if own is not None else []) + [remote[name]])
+            self.q_merge.merge(pick("out"), pick("lse"), out, lse)
+        else:
+            for name, dst in (("out", out), ("lse", lse)):
+                dst.index_copy_(0, self.q_send_idx, remote[name])
+                if own is not None:
+                    dst.index_copy_(0, self.q_own_idx, own[name])
         self.timings["unpack"] += time.perf_counter() - t0
         return out, lse
 
@@ -380,9 +389,12 @@ class Participant:
             return self._place(own["dq"], dq), self._place(own["dk"], dk), self._place(own["dv"], dv)
         t0 = time.perf_counter()
         dq = torch.empty_like(local["q"] if like_q is None else like_q) if dq is None else dq
-        dq.index_copy_(0, self.q_send_idx, remote["dq"])
-        if own is not None:
-            dq.index_copy_(0, self.q_own_idx, own["dq"])
+        if self.q_merge is not None:  # dQ parts of a split shard sum in float32
+            self.q_merge(([own["dq"]] if own is not None else []) + [remote["dq"]], dq)
+        else:
+            dq.index_copy_(0, self.q_send_idx, remote["dq"])
+            if own is not None:
+                dq.index_copy_(0, self.q_own_idx, own["dq"])
         grads = []
         for name, given in (("dk", dk), ("dv", dv)):
             pieces = ([own[name]] if own is not None else []) + [remote[name]]

@@ -20,8 +20,16 @@ def cu_seqlens(lens: Sequence[int], device=None) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32, device=device)
 
 
+def _mask(lq: int, lk: int, window: int | None, device) -> torch.Tensor:
+    """bool [lq, lk]: row i sees key j iff ``i + lk - lq - window < j <= i + lk - lq``."""
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+    if window is not None:
+        mask &= torch.ones(lq, lk, dtype=torch.bool, device=device).triu(diagonal=lk - lq - window + 1)
+    return mask
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k,
-                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention with bottom-right alignment, differentiable through autograd.
 
     Args:
@@ -29,6 +37,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
             dtype (computed in that dtype); ``num_heads_q % num_heads_kv == 0`` (GQA).
         cu_seqlens_q, cu_seqlens_k: [num_seqs + 1] integer offsets (tensor or list).
         softmax_scale: multiplier of ``Q Kᵀ``.
+        window: sliding window ``W``: row ``i`` also needs ``j > i + lk - lq - W`` (None: none).
 
     Returns:
         ``(out, lse)``: out like q; lse [total_q, num_heads_q] in q's dtype, natural log, ``-inf``
@@ -45,8 +54,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         ks = k[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)    # [H, lk, D]
         vs = v[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
         s = (qs @ ks.transpose(-1, -2)) * softmax_scale
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~_mask(lq, lk, window, q.device), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)                                 # [H, lq]
         p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
         outs.append((p @ vs).transpose(0, 1))
@@ -57,7 +65,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k,
-                    softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    softmax_scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(scale · Q Kᵀ + causal mask) V`` as torch code writes it, in the inputs' dtype: the
     yardstick of low-precision error.
 
@@ -76,7 +84,7 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         qs = q[qa:qb].transpose(0, 1)
         ks = k[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[ka:kb].repeat_interleave(group, dim=1).transpose(0, 1)
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        mask = _mask(lq, lk, window, q.device)
         alive = mask.any(-1, keepdim=True)  # rows that see a key; the others get out = 0
         s = ((qs @ ks.transpose(-1, -2)) * softmax_scale).masked_fill(~mask, float("-inf"))
         p = torch.softmax(s.masked_fill(~alive, 0.0), dim=-1) * alive
@@ -85,17 +93,20 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return torch.cat(outs), torch.cat(lses)
 
 
-def varlen_attention_ref(q, k, v, doc_lens: Sequence[int], softmax_scale: float) -> torch.Tensor:
-    """Causal attention inside each document of a packed batch (the contract of ``attend``);
-    shapes as :func:`attention_ref` with ``cu_seqlens_q == cu_seqlens_k`` from ``doc_lens``."""
+def varlen_attention_ref(q, k, v, doc_lens: Sequence[int], softmax_scale: float,
+                        window: int | None = None) -> torch.Tensor:
+    """(Sliding-window) causal attention inside each document of a packed batch (the contract of
+    ``attend``); shapes as :func:`attention_ref` with ``cu_seqlens_q == cu_seqlens_k`` from
+    ``doc_lens``."""
     cu = cu_seqlens(doc_lens)
-    return attention_ref(q, k, v, cu, cu, softmax_scale)[0]
+    return attention_ref(q, k, v, cu, cu, softmax_scale, window)[0]
 
 
-def attend_with_grads_ref(q, k, v, doc_lens, dout, softmax_scale: float) -> list[torch.Tensor]:
+def attend_with_grads_ref(q, k, v, doc_lens, dout, softmax_scale: float,
+                          window: int | None = None) -> list[torch.Tensor]:
     """``[out, dq, dk, dv]`` of :func:`varlen_attention_ref` in float64, for upstream ``dout``."""
     q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    out = varlen_attention_ref(q, k, v, list(doc_lens), softmax_scale)
+    out = varlen_attention_ref(q, k, v, list(doc_lens), softmax_scale, window)
     out.backward(dout.detach().double().cpu())
     return [out.detach(), q.grad, k.grad, v.grad]
 

@@ -71,3 +71,47 @@ class RowScatter:
                 sums.index_add_(0, slot, rows.index_select(0, pos).to(acc))
             out.index_copy_(0, self.repeated_rows, sums.to(out.dtype))
         return out
+
+
+class PartialMerge(RowScatter):
+    """Merge partial attention results of query rows that several CA-tasks computed.
+
+    A query shard split on the key axis (partial-KV tasks) comes back as one ``(out, lse)`` partial
+    per task: each the attention of the row over that task's keys alone (a row that saw none of
+    them: ``out = 0``, ``lse = -inf``). The exact result over all keys is the log-sum-exp merge
+    (FlashAttention-2's rescaling, Dao 2023, Alg. 1)::
+
+        lse = log sum_p exp(lse_p)          out = sum_p exp(lse_p - lse) * out_p
+
+    computed in :func:`~distca_server.dtypes.accumulation_dtype`; rows computed once are copied.
+    Same arguments as :class:`RowScatter`; calling it as a :class:`RowScatter` sums the pieces
+    (what the dQ parts of a split shard need).
+    """
+
+    def merge(self, outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor,
+              lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the partials (``outs[i]`` [rows_i, H, D] in out's dtype, ``lses[i]`` [rows_i, H]
+        in lse's dtype) into ``out`` [num_rows, H, D] and ``lse`` [num_rows, H]; returns them."""
+        for index, o, l in zip(self.indices, outs, lses):
+            out.index_copy_(0, index, o)
+            lse.index_copy_(0, index, l)
+        if self.repeated_rows is None:
+            return out, lse
+        acc = accumulation_dtype(out.dtype)
+        n, heads = len(self.repeated_rows), lse.shape[1]
+        top = torch.full((n, heads), float("-inf"), dtype=acc, device=out.device)
+        parts = [(slot, l.index_select(0, pos).to(acc), o.index_select(0, pos))
+                 for (pos, slot), o, l in zip(self.repeated, outs, lses)]
+        for slot, l, _ in parts:
+            top.scatter_reduce_(0, slot[:, None].expand_as(l), l, "amax")
+        top = top.masked_fill(top == float("-inf"), 0.0)  # rows no partial saw: weights stay 0
+        weight = torch.zeros((n, heads), dtype=acc, device=out.device)
+        total = torch.zeros((n, *out.shape[1:]), dtype=acc, device=out.device)
+        for slot, l, o in parts:
+            w = torch.exp(l - top.index_select(0, slot))
+            weight.index_add_(0, slot, w)
+            total.index_add_(0, slot, w[..., None] * o.to(acc))
+        merged = total / weight.clamp_min(torch.finfo(acc).tiny)[..., None]
+        out.index_copy_(0, self.repeated_rows, merged.to(out.dtype))
+        lse.index_copy_(0, self.repeated_rows, (top + torch.log(weight)).to(lse.dtype))
+        return out, lse

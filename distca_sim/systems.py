@@ -28,6 +28,7 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -295,6 +296,9 @@ def run_wlb_ideal(ctx: Context, batch, cp: int, cap_per_rank: int) -> RunResult:
 # ---- distca --------------------------------------------------------------------------------------
 _PLAN_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _PLAN_CACHE_SIZE = 4096
+# Simulations may run in threads: a lookup's move to the end and another thread's eviction race
+# (KeyError) unless the cache is touched under this lock.
+_PLAN_LOCK = threading.Lock()
 # The four all-to-alls of a step (keys of network.plan_round_bytes).
 FWD_DISPATCH, FWD_RETURN = (RoundKind.FORWARD, "dispatch"), (RoundKind.FORWARD, "return")
 BWD_DISPATCH, BWD_RETURN = (RoundKind.BACKWARD, "dispatch"), (RoundKind.BACKWARD, "return")
@@ -309,18 +313,22 @@ def _planned(docs_per_rank, cost, epsilon: float, min_shard: int):
     q, kv = cost.step_row_bytes()
     g = math.gcd(q, kv)
     key = (tuple(tuple(x) for x in docs_per_rank), q // g, kv // g, float(epsilon), min_shard)
-    hit = _PLAN_CACHE.get(key)
-    if hit is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return hit
+    with _PLAN_LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return hit
+    # Planned outside the lock: other threads' lookups go on meanwhile (two threads may plan the
+    # same batch, each once; the second entry replaces the first).
     plan = plan_batch([list(x) for x in docs_per_rank], len(docs_per_rank), cost=cost,
                       epsilon=epsilon, mode="inplace", min_shard=min_shard)
     arr = plan.task_array
     q_rows, kv_rows = plan.row_matrix
     hit = (arr[:, 0].copy(), arr[:, 4] - arr[:, 3], arr[:, 6].copy(), q_rows, kv_rows)
-    _PLAN_CACHE[key] = hit
-    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
+    with _PLAN_LOCK:
+        _PLAN_CACHE[key] = hit
+        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
     return hit
 
 

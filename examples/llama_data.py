@@ -159,26 +159,20 @@ class PackedStream:
         return [self.chunk(step * world_size + r) for r in range(world_size)]
 
 
-def positions(doc_lens: list[int]) -> np.ndarray:
-    """Token positions that restart at 0 in every document: int64 [sum(doc_lens)].
+def collate(tokens: np.ndarray, doc_lens: list[int]) -> dict:
+    """One rank's packed chunk as transformers' ``DataCollatorWithFlattening`` makes it.
 
-    ``positions([3, 2]) == [0, 1, 2, 0, 1]``; rotary embeddings use these, so a document looks the
-    same to the model wherever packing put it.
+    Args:
+        tokens: uint8 [sum(doc_lens)], the chunk (``PackedStream.chunk``).
+        doc_lens: its document lengths, in packing order.
+
+    Returns:
+        ``input_ids``, ``labels`` (-100 at each document's first token, so no prediction crosses a
+        document boundary) and ``position_ids`` (restarting at 0 in every document), all int64
+        [1, sum(doc_lens)]; ``cu_seq_lens_q/k`` int32 [len(doc_lens) + 1]; ``max_length_q/k``. The
+        ``cu_seq_lens`` say "one document" when a chunk is a single document, which
+        ``position_ids`` alone cannot (distca refuses such a training row).
     """
-    lens = np.asarray(doc_lens, dtype=np.int64)
-    total = int(lens.sum())
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    return np.arange(total, dtype=np.int64) - starts
-
-
-def target_mask(doc_lens: list[int]) -> np.ndarray:
-    """bool [sum(doc_lens)]: True where token ``t`` has a next byte in the same document.
-
-    The last token of each document (or of each cut piece of one) predicts nothing: its next byte
-    belongs to another document, or to a chunk this rank does not hold.
-    """
-    lens = np.asarray(doc_lens, dtype=np.int64)
-    mask = np.ones(int(lens.sum()), dtype=bool)
-    if len(lens):
-        mask[np.cumsum(lens) - 1] = False
-    return mask
+    from transformers import DataCollatorWithFlattening
+    docs = np.split(tokens.astype(np.int64), np.cumsum(doc_lens)[:-1])
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])

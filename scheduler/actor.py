@@ -6,16 +6,18 @@ adds only what needs Ray or an event loop: planning and cutting on a worker thre
 (``asyncio.to_thread``: the loop keeps answering pings and reports meanwhile), waiting with
 timeouts (``asyncio.wait_for``), pinging dedicated servers and feeding the results to the
 coordinator, sending them their assignments and parts (``assign.remote``, ``install_part.remote``),
-answering members' long-polls about their epoch (``watch``), and exporting per-step metrics with
-``ray.util.metrics`` (they appear on the Ray dashboard).
+answering members' long-polls about their epoch (``watch``), exporting per-step metrics with
+``ray.util.metrics`` (:mod:`scheduler.metrics` lists them; Ray's metrics agent serves them to
+Prometheus and the Ray dashboard), and logging membership, epochs and failures
+(:mod:`scheduler.logs`).
 
 The actor may be restarted by Ray (``launch(..., scheduler_restarts=n)``): it then starts empty,
 and every participant re-registers with its last step and epoch (they notice its death through
 their long-polls or their next call), which is all the coordinator needs to go on.
 
 Every step each client reports ``(step, batch, rank, doc_lens, shape)`` once and gets its own
-msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch; every layer and the
-backward pass reuse the plan.
+msgpack :class:`~scheduler.parts.PlanPart`: one round trip per step and batch, one msgpack message
+each way (:mod:`scheduler.messages`); every layer and the backward pass reuse the plan.
 
 Only this module of ``scheduler`` imports ray.
 """
@@ -30,7 +32,10 @@ import time
 import ray
 from ray.util import metrics
 
-from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome
+from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome, error_answer
+from .logs import configure_logging
+from .messages import decode_report, encode_answer
+from .metrics import JOB_LABEL, metrics_of
 
 NAMESPACE = "distca"
 log = logging.getLogger(__name__)
@@ -56,6 +61,35 @@ def job_actor_names(name: str) -> list[str]:
     servers = sorted((n for n in found if n.startswith(prefix) and n[len(prefix):].isdigit()),
                      key=lambda n: int(n[len(prefix):]))
     return [n for n in (scheduler_actor_name(name),) if n in found] + servers
+
+
+def ray_metrics(source: str) -> dict:
+    """``{name: ray.util.metrics object}`` of the metrics ``source`` (``"scheduler"`` or
+    ``"server"``) exports, built from :data:`scheduler.metrics.METRICS`."""
+    out = {}
+    for name, m in metrics_of(source).items():
+        if m.kind == "gauge":
+            out[name] = metrics.Gauge(name, m.help, m.tags)
+        elif m.kind == "counter":
+            out[name] = metrics.Counter(name, m.help, m.tags)
+        else:
+            out[name] = metrics.Histogram(name, m.help, list(m.boundaries), m.tags)
+    return out
+
+
+def total_bytes(traffic: dict) -> int:
+    """All bytes of a ``{round_kind: {tensor: bytes}}`` traffic dict."""
+    return sum(sum(per.values()) for per in traffic.values())
+
+
+def _live_workers() -> tuple[set[str], set[str]] | None:
+    """Ids of the live Ray worker processes and of the finished Ray jobs, from Ray's control
+    store; None if it cannot be read. (Ray has no public call for this without its dashboard.)"""
+    try:
+        from ray._private import state
+        return set(state.workers()), {j["JobID"] for j in state.jobs() if j["IsDead"]}
+    except Exception:  # an older or newer Ray: liveness unknown, every registered client is listed
+        return None
 
 
 @ray.remote(num_cpus=0)
@@ -84,23 +118,18 @@ class SchedulerActor:
         self.name, self.mode, self.timeout_s = name, mode, timeout_s
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restarted scheduler is another one
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
-        self._batch_done: dict[tuple[int, int], asyncio.Event] = {}
+        self._batch_done: dict[tuple[int, int], asyncio.Event] = {}  # set when the batch resolves
+        self._deadlines: dict[tuple[int, int], asyncio.TimerHandle] = {}  # of batches not resolved
         self._store_set: dict[int, asyncio.Event] = {}
         self._verdict_set: dict[int, asyncio.Event] = {}
         self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
         self._discovering = None  # the search for servers by name after a restart, while it runs
-        tags = ("job",)
-        self._tags = {"job": name}
-        self.m = {
-            "imbalance_before": metrics.Gauge("distca_imbalance_before", "max/mean attention FLOPs over ranks, no balancing", tags),
-            "imbalance_after": metrics.Gauge("distca_imbalance_after", "max/mean attention FLOPs over servers under the plan", tags),
-            "plan_ms": metrics.Gauge("distca_plan_ms", "milliseconds to plan the last batch (planning only)", tags),
-            "cut_ms": metrics.Gauge("distca_cut_ms", "milliseconds to cut and encode the last batch's per-participant parts", tags),
-            "bytes_per_round": metrics.Gauge("distca_bytes_per_round", "bytes moved off-rank by one round of one layer", ("job", "round")),
-            "server_flops": metrics.Gauge("distca_server_flops", "forward attention FLOPs per layer on a server", ("job", "server")),
-            "server_tasks": metrics.Gauge("distca_server_tasks", "CA-tasks on a server", ("job", "server")),
-            "steps_planned": metrics.Counter("distca_steps_planned", "batches planned", tags),
-        }
+        self._tags = {JOB_LABEL: name}
+        self.m = ray_metrics("scheduler")
+        self._lost_counted: set[int] = set()  # epochs whose lost participants are counted
+        configure_logging(scheduler_actor_name(name))
+        log.info("job %s: scheduler %s up (%s mode, epsilon %g, min_shard %d, timeout %g s)",
+                 name, self.incarnation, mode, epsilon, min_shard, timeout_s)
 
     # ---- membership --------------------------------------------------------------------------
     async def register_client(self, rank: int, world_size: int, info: dict) -> dict:
@@ -111,15 +140,35 @@ class SchedulerActor:
         settings, the step it must start at, and this scheduler's incarnation.
 
         Raises:
-            ValueError: rank out of range or a world size other than the job's.
+            ValueError: rank out of range or a world size other than the job's, or the job's
+                clients belong to another Ray job that is still running (``info["job_id"]``).
         """
+        self._check_ray_job(rank, info.get("job_id"))
         out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
+        log.info("job %s: client rank %d of %d registered (node %s, pid %s, step %s)", self.name, rank,
+                 world_size, info.get("node", "?"), info.get("pid", "?"), info.get("step", "?"))
         self._wake_resolved()
         self._discovery()  # after a restart, clients register first: find the servers meanwhile
         return dict(out, scheduler=self.incarnation)
 
+    def _check_ray_job(self, rank: int, ray_job: str | None) -> None:
+        """A job serves the clients of one Ray job (one training run's driver) at a time: a client
+        of another Ray job, e.g. a second run that picked the same ``name``, would otherwise take
+        over a rank of the running one (registering again is how a restarted client rejoins) and
+        the two runs would mix their rounds. It may join once the other Ray job has ended."""
+        held = {c.get("job_id") for c in self.coord.clients.values()} - {None, ray_job}
+        if ray_job is None or not held:
+            return
+        # ray.state's job table is the GCS's (Ray has no public call for one job's liveness).
+        alive = sorted(j["JobID"] for j in ray._private.state.jobs() if j["JobID"] in held and not j["IsDead"])
+        if alive:
+            raise ValueError(f"distca job {self.name!r} serves the clients of Ray job(s) {alive}; a client "
+                             f"of Ray job {ray_job} cannot join it as rank {rank}: use another job name "
+                             f"(`distca up --name ...`), or end that run first")
+
     def unregister_client(self, rank: int, incarnation: str) -> None:
         self.coord.unregister_client(rank, incarnation)
+        log.info("job %s: client rank %d left", self.name, rank)
 
     def register_server(self, index: int, handle, info: dict) -> str:
         """A dedicated server (re)starts, or re-registers with a restarted scheduler (``info``
@@ -127,6 +176,8 @@ class SchedulerActor:
         incarnation."""
         self.coord.register_server(index, dict(info, registered=time.time()))
         self.handles[index] = handle
+        log.info("job %s: attention server %d registered (node %s, pid %s)", self.name, index,
+                 info.get("node", "?"), info.get("pid", "?"))
         return self.incarnation
 
     def _discovery(self):
@@ -175,31 +226,41 @@ class SchedulerActor:
     def _wake_resolved(self) -> None:
         """Wake the waiters of every batch the coordinator resolved since the last call."""
         for key in self.coord.drain_resolved():
-            self._batch_event(key).set()
+            deadline = self._deadlines.pop(key, None)
+            if deadline is not None:
+                deadline.cancel()
+            event = self._batch_done.get(key)
+            if event is not None:
+                event.set()
 
     # ---- planning ------------------------------------------------------------------------------
-    async def report(self, step: int, batch: int, rank: int, doc_lens: list[int], shape: dict) -> dict:
-        """Client ``rank``'s documents for ``(step, batch)``; returns its part once all have reported.
+    async def report(self, request: bytes) -> bytes:
+        """A client's documents for ``(step, batch)``; answers with its part once all have reported.
 
-        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. The answer
-        is ``{"part": bytes, "group": {"epoch", "world_rank", "world_size", "device_type"}}`` or
-        ``{"error": kind, "message": str}`` where kind is ``"ValueError"`` (bad input, sent to
-        every client of the batch) or ``"DistCAError"`` (a client never reported, no live server).
+        ``request`` is a :func:`scheduler.messages.encode_report` message (step, batch, rank,
+        documents, ``shape = {"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``). The
+        answer (:func:`scheduler.messages.decode_answer`) is ``{"part": bytes, "group": {"epoch",
+        "world_rank", "world_size", "device_type"}}`` or ``{"error": kind, "message": str}`` where
+        kind is ``"ValueError"`` (bad input, sent to every client of the batch; a malformed
+        request, to its sender alone) or ``"DistCAError"`` (a client never reported, no live
+        server). One bytes argument and a bytes answer: see :mod:`scheduler.messages` for why.
         """
+        try:
+            step, batch, rank, doc_lens, shape = decode_report(request)
+        except ValueError as exc:
+            return encode_answer(error_answer("ValueError", str(exc)))
+        return encode_answer(await self._report(step, batch, rank, doc_lens, shape))
+
+    async def _report(self, step, batch, rank, doc_lens, shape) -> dict:
         out = self.coord.report(step, batch, rank, doc_lens, shape)
         self._wake_resolved()
-        key = (step, batch)
         if out.answer is not None:
             return out.answer
-        done = self._batch_event(key)
+        key = (step, batch)
+        done = self._batch_event(key, rank)
         if out.plan:
             await self._plan(key, done)
-        try:
-            await asyncio.wait_for(done.wait(), timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            answer = self.coord.abort(step, batch, rank)
-            self._wake_resolved()  # the others of this batch (and of its step) get the error now
-            return answer
+        await done.wait()  # set when the batch resolves: planned, failed, or its deadline passed
         return self.coord.answer(step, batch, rank)
 
     def fail_step(self, step: int, rank: int, message: str) -> dict:
@@ -209,11 +270,26 @@ class SchedulerActor:
         self._wake_resolved()
         return answer
 
-    def _batch_event(self, key) -> asyncio.Event:
+    def _batch_event(self, key, rank: int) -> asyncio.Event:
+        """The event set when batch ``key`` resolves. Made at the batch's first waiting report,
+        with the batch's deadline ``timeout_s`` later: one timer per batch rather than one per
+        waiting client (the first reporter's wait is the one that would time out first anyway)."""
         event = self._batch_done.get(key)
         if event is None:
             event = self._batch_done[key] = asyncio.Event()
+            self._deadlines[key] = asyncio.get_running_loop().call_later(
+                self.timeout_s, self._expire, key, rank, event)
         return event
+
+    def _expire(self, key, rank: int, event: asyncio.Event) -> None:
+        """Batch ``key`` did not resolve by its deadline: every client gets an error (naming the
+        ranks that never reported), and so does every later report of its step. ``event`` is
+        set here too: the coordinator may have forgotten the batch unresolved (a later step
+        resolved), and its event with it."""
+        self._deadlines.pop(key, None)
+        self.coord.abort(key[0], key[1], rank)
+        self._wake_resolved()
+        event.set()
 
     async def _plan(self, key, done: asyncio.Event) -> None:
         step, batch = key
@@ -250,17 +326,40 @@ class SchedulerActor:
             self._export(out.record)
 
     def _export(self, rec: dict) -> None:
-        tags = self._tags
-        self.m["imbalance_before"].set(rec["imbalance_before"], tags=tags)
-        self.m["imbalance_after"].set(rec["imbalance_after"], tags=tags)
-        self.m["plan_ms"].set(rec["plan_ms"], tags=tags)
-        self.m["cut_ms"].set(rec["cut_ms"], tags=tags)
+        """The plan's record as metrics: gauges hold the last plan, histograms every plan."""
+        m, tags = self.m, self._tags
+        for key in ("imbalance_before", "imbalance_after", "plan_ms", "cut_ms"):
+            m[f"distca_{key}"].set(rec[key], tags=tags)
+            m[f"distca_step_{key}"].observe(rec[key], tags=tags)
         for kind, total in rec["bytes"].items():
-            self.m["bytes_per_round"].set(total, tags={"job": self.name, "round": kind})
-        for sid, load in rec["server_flops"].items():
-            self.m["server_flops"].set(load, tags={"job": self.name, "server": str(sid)})
-            self.m["server_tasks"].set(rec["server_tasks"][sid], tags={"job": self.name, "server": str(sid)})
-        self.m["steps_planned"].inc(tags=tags)
+            round_tags = {JOB_LABEL: self.name, "round": kind}
+            m["distca_bytes_per_round"].set(total, tags=round_tags)
+            if total > 0:  # an in-place plan that moves nothing has no bytes to put in a bucket
+                m["distca_step_bytes_per_round"].observe(total, tags=round_tags)
+        # a known server left out of this plan (dead, suspect) carries no load now, not its last one
+        for sid in sorted(set(rec["server_flops"]) | set(self.coord.servers)):
+            server_tags = {JOB_LABEL: self.name, "server": str(sid)}
+            m["distca_server_flops"].set(rec["server_flops"].get(sid, 0.0), tags=server_tags)
+            m["distca_server_tasks"].set(rec["server_tasks"].get(sid, 0), tags=server_tags)
+        m["distca_steps_planned"].inc(tags=tags)
+        log.debug("job %s: planned step %d batch %d: imbalance %.3f -> %.3f, %d CA-tasks, plan %.2f ms, "
+                  "cut %.2f ms", self.name, rec["step"], rec["batch"], rec["imbalance_before"],
+                  rec["imbalance_after"], rec["num_tasks"], rec["plan_ms"], rec["cut_ms"])
+
+    def _count_lost(self, verdict: dict) -> None:
+        """Count and log the participants a verdict names lost, once per failed epoch."""
+        epoch = verdict["epoch"]
+        if epoch in self._lost_counted or epoch not in self.coord.failures:
+            return  # counted already, or an epoch that was over (its verdict names nobody)
+        self._lost_counted.add(epoch)
+        for old in [e for e in self._lost_counted if e < self.coord.epoch - KEEP_EPOCHS]:
+            self._lost_counted.discard(old)
+        members = self.coord.groups.get(epoch, {})
+        for r in verdict["lost_ranks"]:
+            role = "client" if r not in members or members[r].client else "server"
+            self.m["distca_lost_participants"].inc(tags={JOB_LABEL: self.name, "role": role})
+        log.warning("job %s: group epoch %d failed (%s); lost: %s; next step %d", self.name, epoch,
+                    verdict["cause"][:300], ", ".join(verdict["lost"]) or "none", verdict["next_step"])
 
     # ---- rendezvous ----------------------------------------------------------------------------
     def publish_store(self, epoch: int, host: str, port: int) -> None:
@@ -299,6 +398,7 @@ class SchedulerActor:
                 pass
             verdict = self.coord.close_failure(epoch, time.monotonic())
         self._wake_resolved()
+        self._count_lost(verdict)
         decided.set()  # wake the other members waiting for this verdict
         for table in (self._verdict_set, self._arbitration):
             for old in [e for e in table if e < self.coord.epoch - KEEP_EPOCHS]:
@@ -333,18 +433,33 @@ class SchedulerActor:
 
     async def status(self) -> dict:
         """Job state for ``distca status``: servers (with their own counters), last plan, epoch,
-        and this actor's process id (``pid``)."""
+        and this actor's process id (``pid``).
+
+        ``clients`` lists the registered clients whose process is alive (``clients_gone`` the
+        others); a server that does not answer shows no load (its last plan is stale)."""
         st = dict(self.coord.status(), pid=os.getpid())
+        live = await asyncio.to_thread(_live_workers)  # a read of Ray's control store
+        if live is not None:
+            workers, dead_jobs = live
+            gone = [r for r, c in self.coord.clients.items()
+                    if c.get("worker") is not None and c["worker"] not in workers
+                    and (not c.get("driver") or c.get("job_id") in dead_jobs)]
+            st["clients"] = [r for r in st["clients"] if r not in gone]
+            st["clients_gone"] = sorted(gone)
+            if self.mode == "inplace":  # the rows are the clients: a gone one serves nothing
+                for row in st["servers"]:
+                    if row["server"] in gone:
+                        row.update(state="gone", last_flops=None, last_tasks=None)
         for row in st["servers"]:
             if row["state"] == "dead" or row["server"] not in self.handles:
                 continue
             try:
                 stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)
-                row["rounds_served"] = stats["rounds_served"]
-                row["peak_held_bytes"] = stats["peak_held_bytes"]  # kept activations, most ever held
-                row["state"] = stats["state"]
+                row.update(rounds_served=stats["rounds_served"], state=stats["state"],
+                           last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]),
+                           peak_held_bytes=stats["peak_held_bytes"])  # kept activations, most ever held
             except Exception:  # a dead actor answers with some Ray error
-                row["state"] = "unreachable"
+                row.update(state="unreachable", last_flops=None, last_tasks=None)
         return st
 
     def metric_names(self) -> list[str]:

@@ -28,6 +28,12 @@ The bound is the largest of three facts about every such plan:
    sum of the ``k + 1`` smallest, ``m_{kS-k+1} + … + m_{kS+1}``, for every ``k ≥ 1`` (``k = 1``
    is the classic ``p_S + p_{S+1}`` bound of multiprocessor scheduling).
 
+**Windows.** With sliding-window attention (window ``W``) a document with ``l <= W`` costs the same
+as without one. A longer one costs ``W (W + 1) / 2 + (l - W) W`` pairs (:func:`scheduler.cost.doc_pairs`)
+spread unevenly over its folded positions (the first ``W - 1`` tokens see fewer keys), so its piece
+bound is the plain average ``ceil(pairs / K)`` over the ``K`` pieces it can be cut into: one of them
+holds at least that. Facts 1 and 3 hold as stated with these pairs and pieces.
+
 So no plan of the batch has a server below ``max(mean, largest piece, shared)``. It is no more
 than a bound: deciding the best plan exactly is NP-hard (two servers and unsplittable documents
 is the partition problem), so the best achievable maximum can be above it.
@@ -40,6 +46,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+from .cost import doc_pairs
 
 # Below this length every product of the bound fits int64 exactly: (l + 1) · c < 2**62.
 _INT64_SAFE_LEN = 2**31 - 1
@@ -92,30 +100,41 @@ def piece_halves(lens: np.ndarray, num_servers: int, min_shard: int) -> np.ndarr
     """
     lens = np.asarray(lens, dtype=np.int64)
     c = (lens + 1) >> 1
-    k = np.minimum(num_servers, c // min_shard)
-    k[c < 2 * min_shard] = 1
+    k = _pieces(lens, num_servers, min_shard)
     q, r = np.divmod(c, k)
     # 2 ceil(c / K); an odd length has one half-unit less when r == 1 or K == 1 (module doc).
     odd = (lens & 1).astype(bool)
     return 2 * q + 2 * (r > 0) - (odd & ((r == 1) | (k == 1)))
 
 
-def piece_pairs(lens: np.ndarray, num_servers: int, min_shard: int) -> list[int]:
+def _pieces(lens: np.ndarray, num_servers: int, min_shard: int) -> np.ndarray:
+    """``K``: the most pieces each document can be cut into (1 when it cannot be split)."""
+    c = (lens + 1) >> 1
+    k = np.minimum(num_servers, c // min_shard)
+    k[c < 2 * min_shard] = 1
+    return k
+
+
+def piece_pairs(lens: np.ndarray, num_servers: int, min_shard: int, window: int | None = None) -> list[int]:
     """Each document's piece bound ``m_d`` in pairs, as exact Python ints."""
     lens = np.asarray(lens, dtype=np.int64)
     h = piece_halves(lens, num_servers, min_shard)
-    if len(lens) and int(lens.max()) <= _INT64_SAFE_LEN:
-        return (h * (lens + 1) // 2).tolist()
-    return [hh * (l + 1) // 2 for hh, l in zip(h.tolist(), lens.tolist())]
+    k = _pieces(lens, num_servers, min_shard).tolist()
+    out = [hh * (l + 1) // 2 for hh, l in zip(h.tolist(), lens.tolist())]
+    if window is not None:
+        out = [m if l <= window else -(-doc_pairs(l, window) // kk)
+               for m, l, kk in zip(out, lens.tolist(), k)]
+    return out
 
 
-def load_bound(lens, num_servers: int, min_shard: int) -> LoadBound:
+def load_bound(lens, num_servers: int, min_shard: int, window: int | None = None) -> LoadBound:
     """The lower bound on the most loaded server of any plan of a batch.
 
     Args:
         lens: every document's length (tokens, ints > 0), any order: an int64 array or a list.
         num_servers: attention servers (>= 1).
         min_shard: no shard of a split document is shorter (see :func:`~scheduler.plan_batch`).
+        window: the sliding window of the attention (None: full causal).
 
     Returns:
         A :class:`LoadBound`. Computed with numpy in O(n log n); exact for any int64 lengths.
@@ -126,8 +145,12 @@ def load_bound(lens, num_servers: int, min_shard: int) -> LoadBound:
         return LoadBound(0, S, 0, 0)
     longest = int(lens.max())
     if longest <= _INT64_SAFE_LEN and n * longest**2 < 2**62:  # every sum below fits int64
-        total = int((lens * (lens + 1) >> 1).sum())
+        pairs = doc_pairs(lens, window)
+        total = int(pairs.sum())
         m = piece_halves(lens, S, min_shard) * (lens + 1) >> 1
+        if window is not None:
+            k = _pieces(lens, S, min_shard)
+            m = np.where(lens <= window, m, -(-pairs // k))
         if n <= S:
             return LoadBound(total, S, int(m.max()), 0)
         m = np.sort(m)[::-1]
@@ -135,8 +158,8 @@ def load_bound(lens, num_servers: int, min_shard: int) -> LoadBound:
         ks = np.arange(1, (n - 1) // S + 1)
         return LoadBound(total, S, int(m[0]), int((prefix[ks * S + 1] - prefix[ks * S - ks]).max()))
     ls = lens.tolist()
-    total = sum(l * (l + 1) // 2 for l in ls)
-    m = sorted(piece_pairs(lens, S, min_shard), reverse=True)
+    total = sum(doc_pairs(l, window) for l in ls)
+    m = sorted(piece_pairs(lens, S, min_shard, window), reverse=True)
     shared = max((sum(m[k * S - k:k * S + 1]) for k in range(1, (n - 1) // S + 1)), default=0)
     return LoadBound(total, S, m[0], shared)
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 from .arbitration import Arbitration, Member
 from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import CostModel
+from .cost import CostModel, window_arg
 from .parts import plan_identity, plan_parts
 from .planner import plan_batch
 from .tasks import MODES, Plan
@@ -138,11 +138,11 @@ class PlanCut:
 
 
 def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer, keep_activations=True, max_held_bytes_per_server=None) -> PlanCut:
+                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None) -> PlanCut:
     try:
         start = timer()
         plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
-                          min_shard=min_shard, keep_activations=keep_activations,
+                          min_shard=min_shard, window=window, keep_activations=keep_activations,
                           max_held_bytes_per_server=max_held_bytes_per_server)
         planned = timer()
         whole = plan.to_msgpack()
@@ -176,7 +176,7 @@ class _Batch:
 
     def __init__(self):
         self.reports: dict[int, tuple] = {}  # rank -> (doc_lens, shape)
-        self.shape: tuple[CostModel, str] | None = None  # agreed once all reported
+        self.shape: tuple[CostModel, str, int | None] | None = None  # agreed once all reported
         self.answers: dict[int, dict] | None = None  # set once resolved
 
 
@@ -357,7 +357,8 @@ class Coordinator:
     def report(self, step: int, batch: int, rank: int, doc_lens, shape) -> ReportOutcome:
         """Client ``rank``'s documents and attention shape for ``(step, batch)``.
 
-        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``. When the
+        ``shape`` is ``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``, plus
+        ``"window"`` (an int, or None) for sliding-window attention (absent: None). When the
         last client of the batch reports, every shape is checked and compared: a bad or
         disagreeing one resolves the batch with a ``ValueError`` answer for every client. A
         report of more than ``max_report_docs`` documents or ``max_report_tokens`` tokens does
@@ -417,7 +418,7 @@ class Coordinator:
         return partial(_plan_and_cut, [state.reports[r][0] for r in range(W)],
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
                        self.min_shard, step, batch, self.timer, self.keep_activations,
-                       self.max_held_bytes_per_server)
+                       self.max_held_bytes_per_server, state.shape[2])
 
     def _oversized(self, rank: int, doc_lens) -> str | None:
         """The message refusing a report above the bounds, or None (bad lengths are the
@@ -455,7 +456,7 @@ class Coordinator:
         state = self.batches.get(key)
         if state is None or state.answers is not None or state.shape is None:
             return PlanOutcome()
-        cost, device_type = state.shape
+        cost, device_type, _ = state.shape
         servers = list(live_servers or ()) if self.mode == "dedicated" else []
         if self.mode == "dedicated" and not servers:
             self._resolve(key, state, error_answer("DistCAError", f"job {self.name!r} has no live attention server"))
@@ -663,12 +664,25 @@ class Coordinator:
     # ---- inspection --------------------------------------------------------------------------
     def status(self) -> dict:
         """Job state for ``distca status``: settings, clients, epoch, last plan, and one row per
-        server (``rounds_served`` is None here: the wrapper asks live servers for it)."""
-        servers = [{"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None,
-                    "last_flops": self.last.get("server_flops", {}).get(sid),
-                    "last_tasks": self.last.get("server_tasks", {}).get(sid),
-                    "last_held_bytes": self.last.get("server_held_bytes", {}).get(sid)}
-                   for sid, s in sorted(self.servers.items())]
+        server: ``{"server", "node", "state", "rounds_served", "last_flops", "last_tasks",
+        "last_error", "bytes_sent", "last_held_bytes"}`` (``rounds_served``, ``last_error`` and
+        ``bytes_sent`` are None here: the wrapper asks live servers). Only a server that is alive shows the last
+        plan's load: a dead or suspect one serves none of it now. In in-place mode the rows are
+        the client ranks that serve (state ``"in-place"``, or ``"unregistered"`` once gone)."""
+        servers = []
+        if self.mode == "inplace":
+            members = {sid: {"node": self.clients.get(sid, {}).get("node", "?"),
+                             "state": "in-place" if sid in self.clients else "unregistered"}
+                       for sid in range(self.world_size or 0)}
+        else:
+            members = self.servers
+        for sid, s in sorted(members.items()):
+            alive = s["state"] in ("alive", "in-place")
+            servers.append({"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None,
+                            "last_flops": self.last.get("server_flops", {}).get(sid) if alive else None,
+                            "last_tasks": self.last.get("server_tasks", {}).get(sid) if alive else None,
+                            "last_held_bytes": self.last.get("server_held_bytes", {}).get(sid) if alive else None,
+                            "last_error": None, "bytes_sent": None})
         return {"name": self.name, "mode": self.mode, "world_size": self.world_size,
                 "clients": sorted(self.clients), "epoch": self.epoch,
                 "next_step": max(self.next_step, self.floor),
@@ -683,29 +697,49 @@ def _same(a, b) -> bool:
         return False
 
 
-def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str]:
-    """The one ``(CostModel, device_type)`` all reports carry.
+def _checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
+    """Rank ``rank``'s shape as ``(CostModel, device_type, window)``.
+
+    Raises:
+        ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` with an optional
+            ``"window"`` (a positive int or None), naming the rank.
+    """
+    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= {
+            "cost", "device_type", "window"}:
+        raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost', "
+                         f"'device_type' and optionally 'window', got {shape!r}")
+    try:
+        cost = CostModel.from_wire(shape["cost"])
+        window = window_arg(shape.get("window"))
+    except ValueError as exc:
+        raise ValueError(f"rank {rank}: {exc}") from None
+    if shape["device_type"] not in DEVICE_TYPES:
+        raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
+    return cost, shape["device_type"], window
+
+
+def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]:
+    """The one ``(CostModel, device_type, window)`` all reports carry.
 
     Raises:
         ValueError: a shape that is not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}``
-            (naming the rank), or clients that disagree (naming which ranks sent what).
+            with an optional ``"window"`` (a positive int or None), naming the rank, or clients
+            that disagree (naming which ranks sent what).
     """
     by_shape: dict[tuple, list[int]] = {}
+    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type, window)
     for rank in sorted(reports):
         shape = reports[rank][1]
-        if not isinstance(shape, dict) or set(shape) != {"cost", "device_type"}:
-            raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost' and "
-                             f"'device_type', got {shape!r}")
-        try:
-            cost = CostModel.from_wire(shape["cost"])
-        except ValueError as exc:
-            raise ValueError(f"rank {rank}: {exc}") from None
-        if shape["device_type"] not in DEVICE_TYPES:
-            raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
-        by_shape.setdefault((cost, shape["device_type"]), []).append(rank)
+        # Clients send the same shape: check each distinct one once (at 1024 clients, building a
+        # CostModel per report was 8 ms of the step). repr tells 2 from 2.0 and True.
+        known = seen.get(repr(shape)) if type(shape) is dict else None
+        if known is None:
+            known = _checked_shape(rank, shape)
+            seen[repr(shape)] = known
+        by_shape.setdefault(known, []).append(rank)
     if len(by_shape) != 1:
-        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}}}"
-                         for (c, d), ranks in by_shape.items())
+        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}}}"
+                         for (c, d, w), ranks in by_shape.items())
         raise ValueError(f"clients disagree on the attention shape: {sent}")
     (shape, _), = by_shape.items()
     return shape

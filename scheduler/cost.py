@@ -1,4 +1,4 @@
-"""What a CA-task costs: causal attention FLOPs and bytes per token (measured latency: profile.py).
+"""What a CA-task costs: (windowed) causal attention FLOPs and bytes per token (measured latency: profile.py).
 
 Pure Python (no torch). Units: FLOPs are floating-point operations (a multiply-add counts 2),
 bytes are bytes, latencies are seconds.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+import numpy as np
 
 # Rows of these tensors follow the KV rows of a document; every other tensor follows the query shard.
 KV_TENSORS = frozenset({"k", "v", "dk", "dv"})
@@ -71,30 +73,72 @@ class RoundKind(str, Enum):
 BACKWARD_FLOPS_FACTOR = 2.5
 
 
-def causal_pairs(q_start: int, q_end: int, kv_start: int, kv_end: int) -> int:
-    """Number of (query, key) pairs a CA-task computes, causal with bottom-right alignment.
-
-    Query row ``i`` of ``[q_start, q_end)`` sees key ``j`` of ``[kv_start, kv_end)`` when
-    ``j - kv_start <= (i - q_start) + (kv_len - q_len)`` (FlashAttention's bottom-right convention
-    when ``q_len < kv_len``). For the usual task ``kv = [0, q_end)`` this is
-    ``sum_{t=q_start}^{q_end-1} (t + 1)``.
+def window_arg(window) -> int | None:
+    """``window`` as a Python int, or None (full causal attention): the one check of a window.
 
     Raises:
-        ValueError: a negative range length.
+        ValueError: anything but None or a positive int (bool refused).
     """
-    q_len = q_end - q_start
-    kv_len = kv_end - kv_start
-    if q_len < 0 or kv_len < 0:
-        raise ValueError(f"negative range: q=[{q_start}, {q_end}), kv=[{kv_start}, {kv_end})")
-    shift = kv_len - q_len
-    # Row i sees min(kv_len, max(0, i + shift + 1)) keys; sum it in closed form.
-    lo = max(0, -shift)  # first row that sees at least one key
-    full = max(lo, min(q_len, kv_len - shift))  # rows from here on see all kv_len keys
-    partial = 0
-    if full > lo:
-        a, b = lo + shift + 1, full + shift  # counts of the partial rows, an arithmetic run
-        partial = (a + b) * (full - lo) // 2
-    return partial + (q_len - full) * kv_len
+    if window is None:
+        return None
+    if not isinstance(window, (int, np.integer)) or isinstance(window, (bool, np.bool_)) or window < 1:
+        raise ValueError(f"window must be a positive int (query i sees keys i-window+1 .. i) or None "
+                         f"(full causal), got {window!r}")
+    return int(window)
+
+
+def window_kv_start(q_start, window):
+    """First key a query shard starting at ``q_start`` needs: ``max(0, q_start - window + 1)``,
+    or 0 with no window. Works elementwise on int64 arrays."""
+    if window is None:
+        return q_start * 0
+    return np.maximum(q_start - window + 1, 0) if isinstance(q_start, np.ndarray) else max(0, q_start - window + 1)
+
+
+def _causal_prefix(x, kv_start, kv_end, lo, hi):
+    """Pairs ``(i, j)``, ``i < x`` (any integer, negative too), ``j`` in ``[kv_start, kv_end)``,
+    ``j <= i``: with ``d = clamp(x - kv_start, 0, n)``, ``d (d + 1) / 2 + max(0, x - kv_end) n``.
+    ``lo``/``hi`` are max/min (builtins for ints, numpy's for arrays)."""
+    n = kv_end - kv_start
+    d = hi(lo(x - kv_start, 0), n)
+    return d * (d + 1) // 2 + lo(x - kv_end, 0) * n
+
+
+def causal_pairs(q_start, q_end, kv_start, kv_end, window=None):
+    """(query, key) pairs a CA-task computes: THE definition of a task's work under a mask.
+
+    Offsets are positions inside the document: query ``i`` of ``[q_start, q_end)`` sees key ``j``
+    of ``[kv_start, kv_end)`` iff ``j <= i`` and, with a window ``W``, ``j >= i - W + 1``. A task
+    whose ``kv_end == q_end`` is the kernels' bottom-right aligned causal block. For the usual
+    task ``kv = [0, q_end)`` this is ``sum_{t=q_start}^{q_end-1} (t + 1)``.
+
+    Scalars give an exact Python int. int64 (or float64) numpy arrays are computed elementwise
+    (the caller keeps the products below 2**62, or passes float64 for values exact below 2**53);
+    ``window`` is one int or None for all of them.
+
+    Raises:
+        ValueError: a negative range length (scalars), or a bad ``window``.
+    """
+    window = window_arg(window)
+    if isinstance(q_start, np.ndarray) or isinstance(kv_end, np.ndarray):
+        lo, hi = np.maximum, np.minimum
+    else:
+        if q_end < q_start or kv_end < kv_start:
+            raise ValueError(f"negative range: q=[{q_start}, {q_end}), kv=[{kv_start}, {kv_end})")
+        q_start, q_end, kv_start, kv_end = int(q_start), int(q_end), int(kv_start), int(kv_end)
+        lo, hi = max, min
+    pairs = (_causal_prefix(q_end, kv_start, kv_end, lo, hi)
+             - _causal_prefix(q_start, kv_start, kv_end, lo, hi))
+    if window is not None:  # minus the pairs with j <= i - W: query i - W sees them causally
+        pairs = pairs - (_causal_prefix(q_end - window, kv_start, kv_end, lo, hi)
+                         - _causal_prefix(q_start - window, kv_start, kv_end, lo, hi))
+    return pairs
+
+
+def doc_pairs(doc_len, window=None):
+    """Pairs of a whole document: ``l (l + 1) / 2``, or with a window ``W < l``
+    ``W (W + 1) / 2 + (l - W) W`` (:func:`causal_pairs` of the task ``[0, l) x [0, l)``)."""
+    return causal_pairs(doc_len * 0, doc_len, doc_len * 0, doc_len, window)
 
 
 @dataclass(frozen=True)
@@ -147,18 +191,18 @@ class CostModel:
         return 4 * self.head_dim * self.num_heads_q
 
     def task_flops(self, q_start: int, q_end: int, kv_start: int, kv_end: int,
-                   backward: bool = False) -> float:
-        """Causal attention FLOPs of one CA-task.
+                   backward: bool = False, window: int | None = None) -> float:
+        """Attention FLOPs of one CA-task (causal, within ``window`` if given).
 
         Forward = ``4 · head_dim · num_heads_q · pairs`` (see :func:`causal_pairs`); backward =
         2.5 × forward (five matmuls instead of two: FlashAttention-2 paper, §4.1).
         """
-        flops = self.flops_per_pair * causal_pairs(q_start, q_end, kv_start, kv_end)
+        flops = self.flops_per_pair * causal_pairs(q_start, q_end, kv_start, kv_end, window)
         return flops * BACKWARD_FLOPS_FACTOR if backward else float(flops)
 
-    def doc_flops(self, doc_len: int, backward: bool = False) -> float:
-        """FLOPs of a whole document of ``doc_len`` tokens: ``pairs = l (l + 1) / 2``."""
-        return self.task_flops(0, doc_len, 0, doc_len, backward)
+    def doc_flops(self, doc_len: int, backward: bool = False, window: int | None = None) -> float:
+        """FLOPs of a whole document of ``doc_len`` tokens (pairs: :func:`doc_pairs`)."""
+        return self.task_flops(0, doc_len, 0, doc_len, backward, window)
 
     # ---- bytes -------------------------------------------------------------------------------
     @property

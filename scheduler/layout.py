@@ -5,8 +5,8 @@ Pure numpy, derived from :class:`~scheduler.tasks.Plan` alone, so every particip
 same layout from the same descriptor and no sizes need to be exchanged.
 
 Wire order, per (client rank ``r``, server ``s``) message: the Q rows of ``r``'s tasks on ``s`` in
-task order, then the deduplicated KV rows of each of ``r``'s documents on ``s`` (its longest prefix
-there), documents in index order. A server concatenates the messages of ranks ``0..R-1``.
+task order, then the deduplicated KV rows of each of ``r``'s documents on ``s`` (the union of its
+tasks' key ranges there, :mod:`scheduler.kv`), documents in index order. A server concatenates the messages of ranks ``0..R-1``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv import kv_intervals
 from .tasks import Plan
 
 
@@ -65,6 +66,9 @@ class ServerLayout:
         max_seqlen_q, max_seqlen_k: longest task query and key lengths (0 with no tasks).
         kv_gather: int64 [cu_seqlens_k[-1]] indices into the received (deduplicated) KV rows that
             build each task's key range, or None when that is the identity (no two tasks share KV).
+        diagonals: int64 [num_tasks] each task's ``q_start - kv_start`` (the kernels' per-sequence
+            diagonal) when some task's keys do not end where its queries end (partial-KV tasks),
+            else None (every task bottom-right aligned).
     """
 
     server: int
@@ -75,24 +79,11 @@ class ServerLayout:
     max_seqlen_q: int
     max_seqlen_k: int
     kv_gather: np.ndarray | None
+    diagonals: np.ndarray | None = None
 
     @property
     def num_tasks(self) -> int:
         return len(self.cu_seqlens_q) - 1
-
-
-def _doc_groups(tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For tasks sorted by (rank, doc, q_start): first row of each (rank, doc) group, the group
-    id of every task, and each group's longest kv_end."""
-    if len(tasks) == 0:
-        z = np.zeros(0, dtype=np.int64)
-        return z, z, z
-    new = np.ones(len(tasks), dtype=bool)
-    new[1:] = (tasks[1:, 1] != tasks[:-1, 1]) | (tasks[1:, 2] != tasks[:-1, 2])
-    first = np.flatnonzero(new)
-    group = np.cumsum(new) - 1
-    kv_max = np.maximum.reduceat(tasks[:, 6], first)
-    return first, group, kv_max
 
 
 def client_layout(plan: Plan, rank: int) -> ClientLayout:
@@ -110,11 +101,15 @@ def client_layout_from(doc_lens, tasks: np.ndarray, num_servers: int, rank: int)
     doc_start = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int64)
     q_index, kv_index = [], []
     bounds = np.searchsorted(tasks[:, 0], np.arange(num_servers + 1))
+    kv = kv_intervals(tasks)
+    iv_server = tasks[kv.first[kv.group], 0] if len(tasks) else kv.group
+    iv_rows = doc_start[tasks[kv.first[kv.group], 2]] + kv.start if len(tasks) else kv.start
+    iv_bounds = np.searchsorted(iv_server, np.arange(num_servers + 1))
     for s in range(num_servers):
         t = tasks[bounds[s]:bounds[s + 1]]
         q_index.append(concat_ranges(doc_start[t[:, 2]] + t[:, 3], t[:, 4] - t[:, 3]))
-        first, _, kv_max = _doc_groups(t)
-        kv_index.append(concat_ranges(doc_start[t[first, 2]], kv_max))
+        i0, i1 = iv_bounds[s], iv_bounds[s + 1]
+        kv_index.append(concat_ranges(iv_rows[i0:i1], kv.lengths[i0:i1]))
     return ClientLayout(rank=rank, q_index=q_index, kv_index=kv_index)
 
 
@@ -130,14 +125,14 @@ def server_layout_from(t: np.ndarray, num_ranks: int, server: int) -> ServerLayo
     """Server layout from the server's tasks (int64 [m, 7] rows of ``Plan.task_array``, sorted)."""
     q_len = t[:, 4] - t[:, 3]
     kv_len = t[:, 6] - t[:, 5]
-    first, group, kv_max = _doc_groups(t)
+    kv = kv_intervals(t)
     q_rows = np.bincount(t[:, 1], weights=q_len, minlength=num_ranks).astype(np.int64)
-    kv_rows = np.bincount(t[first, 1], weights=kv_max, minlength=num_ranks).astype(np.int64)
-    # Received KV rows are [rank 0's docs..., rank 1's docs...], each doc its longest prefix, and
-    # ranks arrive in order, so a group's base is the running sum of kv_max over groups.
-    group_base = np.cumsum(kv_max) - kv_max
-    shared = len(first) != len(t)
-    kv_gather = concat_ranges(group_base[group] + t[:, 5], kv_len) if shared else None
+    iv_rank = t[kv.first[kv.group], 1] if len(t) else kv.group
+    kv_rows = np.bincount(iv_rank, weights=kv.lengths, minlength=num_ranks).astype(np.int64)
+    # Received KV rows are each group's key intervals in order, groups in task order (ranks arrive
+    # in order), so a task's keys start at its place in that concatenation.
+    shared = len(kv.first) != len(t)
+    kv_gather = concat_ranges(kv.task_pos, kv_len) if shared else None
     cu_q = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int64)
     cu_k = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int64)
     return ServerLayout(
@@ -145,4 +140,4 @@ def server_layout_from(t: np.ndarray, num_ranks: int, server: int) -> ServerLayo
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=int(q_len.max()) if len(t) else 0,
         max_seqlen_k=int(kv_len.max()) if len(t) else 0,
-        kv_gather=kv_gather)
+        kv_gather=kv_gather, diagonals=t[:, 3] - t[:, 5] if (t[:, 6] != t[:, 4]).any() else None)

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptor
-from .checks import bad_lengths, int_in_range
-from .cost import CostModel
+from .checks import INT64_MAX, bad_lengths, int_in_range
+from .cost import CostModel, window_arg, window_kv_start
+from .cover import cover_problems
 from .tasks import (MODES, Plan, participant_count, participant_roles,
                     server_participant_index)
 
 FORMAT = "distca.part"
-VERSION = 2
+VERSION = 2  # 2: the window and kept activations
 _KEYS = frozenset({"step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant", "rank",
-                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id", "keep_activations"})
+                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id", "window",
+                   "keep_activations"})
 _MAX = (1 << 40) - 1
 PLAN_ID_MAX = (1 << 64) - 1
 _NO_TASKS = np.zeros((0, 7), dtype=np.int64)
@@ -47,12 +49,14 @@ class PlanPart:
         plan_id: the identity of the plan this part was cut from (:func:`plan_identity`, an unsigned
             64-bit int; 0 when none was given). Every participant of a round checks that all
             agree before any byte moves.
+        window: the plan's sliding window (None: full causal); the servers' kernels mask by it.
         keep_activations: the plan's :attr:`~scheduler.tasks.Plan.keep_activations`: a server keeps
             each forward round's rows and results until that layer's backward round (dO only).
 
     Raises:
-        ValueError: any field out of range, tasks not sorted or not full-prefix shards, or client
-            tasks that do not tile each of the rank's documents exactly once.
+        ValueError: any field out of range, tasks not sorted or outside their documents, or client
+            tasks that do not cover each of the rank's documents' masks exactly once
+            (:mod:`scheduler.cover`).
     """
 
     step: int
@@ -68,9 +72,11 @@ class PlanPart:
     client_tasks: np.ndarray
     server_tasks: np.ndarray
     plan_id: int = 0
+    window: int | None = None
     keep_activations: bool = False
 
     def __post_init__(self) -> None:
+        self.window = window_arg(self.window)
         if type(self.keep_activations) is not bool:
             raise ValueError(f"keep_activations must be a bool, got {self.keep_activations!r}")
         if self.mode not in MODES:
@@ -120,13 +126,15 @@ class PlanPart:
         arr = arr.astype(np.int64, copy=False)
         srv, rank, doc, qs, qe, ks, ke = arr.T
         bad = ((srv < 0) | (srv >= self.num_servers) | (rank < 0) | (rank >= self.num_ranks) | (doc < 0)
-               | (qs < 0) | (qe <= qs) | (ks != 0) | (ke != qe))
+               | (qs < 0) | (qe <= qs) | (ks < 0) | (ke <= ks) | (ke > qe)
+               | (ks < window_kv_start(qs, self.window)))
         if bad.any():
-            raise ValueError(f"{name} row {arr[np.argmax(bad)].tolist()} is not a full-prefix CA-task "
-                             f"of a known server and rank")
-        order = np.lexsort((qs, doc, rank, srv))
+            raise ValueError(f"{name} row {arr[np.argmax(bad)].tolist()} is not a CA-task of a known "
+                             f"server and rank (0 <= q_start < q_end, max(0, q_start - window + 1) <= "
+                             f"kv_start < kv_end <= q_end, window={self.window})")
+        order = np.lexsort((ks, qs, doc, rank, srv))
         if (order != np.arange(len(arr))).any():
-            raise ValueError(f"{name} must be sorted by (server, src_rank, doc_index, q_start)")
+            raise ValueError(f"{name} must be sorted by (server, src_rank, doc_index, q_start, kv_start)")
         return arr
 
     def _check_coverage(self) -> None:
@@ -138,17 +146,11 @@ class PlanPart:
             if len(ct):
                 raise ValueError("client tasks for a rank without documents")
             return
-        order = np.lexsort((ct[:, 3], ct[:, 2]))
-        doc, qs, qe = ct[order, 2], ct[order, 3], ct[order, 4]
-        # Each document's shards, by start, must run 0 -> len with no gap or overlap.
-        first = np.ones(len(doc), dtype=bool)
-        first[1:] = doc[1:] != doc[:-1]
-        ok = (len(doc) > 0 and np.array_equal(np.unique(doc), np.arange(len(lens)))
-              and (qs[first] == 0).all() and (qs[~first] == qe[np.flatnonzero(~first) - 1]).all())
-        last = np.ones(len(doc), dtype=bool)
-        last[:-1] = first[1:]
-        if not ok or (qe[last] != np.asarray(lens, dtype=np.int64)[doc[last]]).any():
-            raise ValueError(f"client tasks do not cover each of rank {self.rank}'s documents exactly once")
+        problems, _ = cover_problems(ct[:, 2], ct[:, 3], ct[:, 4], ct[:, 5], ct[:, 6],
+                                     np.asarray(lens, dtype=np.int64), self.window)
+        if problems:
+            raise ValueError(f"client tasks do not cover each of rank {self.rank}'s documents exactly "
+                             f"once: " + "; ".join(f"{what} (docs {gids[:5].tolist()})" for what, gids in problems))
 
     # ---- what the runtime asks -----------------------------------------------------------------
     @property
@@ -165,7 +167,7 @@ class PlanPart:
     # ---- wire format ---------------------------------------------------------------------------
     def to_msgpack(self) -> bytes:
         """Serialise to a :mod:`scheduler.descriptor` map of format ``distca.part``: the scalar
-        fields (``plan_id`` an unsigned 64-bit int), ``cost`` (:meth:`CostModel.to_wire`), and
+        fields (``plan_id`` an unsigned 64-bit int, ``window`` an int or nil), ``cost`` (:meth:`CostModel.to_wire`), and
         int64 ``bin`` arrays ``doc_lens``, ``client_tasks`` and ``server_tasks`` (rows of 7)."""
         return descriptor.pack(FORMAT, VERSION, {
             "step": self.step, "batch": self.batch, "mode": self.mode, "num_ranks": self.num_ranks,
@@ -174,7 +176,7 @@ class PlanPart:
             "doc_lens": descriptor.int_bin(self.doc_lens),
             "client_tasks": descriptor.int_bin(self.client_tasks),
             "server_tasks": descriptor.int_bin(self.server_tasks), "plan_id": self.plan_id,
-            "keep_activations": self.keep_activations})
+            "window": self.window, "keep_activations": self.keep_activations})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "PlanPart":
@@ -187,6 +189,7 @@ class PlanPart:
         fields = {key: descriptor.int_field(obj, key, 0, _MAX)
                   for key in ("step", "batch", "num_ranks", "num_servers", "participant")}
         fields["plan_id"] = descriptor.int_field(obj, "plan_id", 0, PLAN_ID_MAX)
+        fields["window"] = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)
         fields["keep_activations"] = descriptor.bool_field(obj, "keep_activations")
         for key in ("rank", "server"):
             fields[key] = descriptor.int_field(obj, key, 0, _MAX, optional=True)
@@ -212,7 +215,7 @@ class PlanPart:
             step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
             num_servers=plan.num_servers, cost=plan.cost, participant=participant, rank=rank,
             server=server, doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
-            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id,
+            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id, window=plan.window,
             keep_activations=plan.keep_activations)
         return part
 

@@ -8,6 +8,13 @@ causal work is exactly ``l + 1`` (query, key) pairs per folded position (half of
 of an odd document; DistCA §4.2's head–tail trick), so a band of any width is an exact,
 proportional slice of the document's FLOPs.
 
+Windows (``window = W``): query ``t`` sees ``min(t + 1, W)`` keys, so a folded position holds
+``min(f + 1, W) + min(l - f, W)`` pairs (non-decreasing towards the centre, ``2 W`` from ``f = W - 1``
+on) instead of ``l + 1``; a band's pairs are differences of the cumulative count ``_cum``, cuts
+use the closed forms with ``l + 1 -> 2 W`` where the inner positions are uniform and a binary
+search near the document's start, and a shard's KV is its window (``_kv_rows``), not its prefix.
+Documents with ``l <= W`` are planned exactly as without a window.
+
 Algorithm (loads in causal pairs; FLOPs are a constant multiple):
 
 1. Initial placement. ``inplace``: every document on its rank's own server. ``dedicated``:
@@ -71,7 +78,8 @@ import numpy as np
 
 from .bound import load_bound
 from .checks import positive_int
-from .cost import CostModel
+from .cost import CostModel, doc_pairs, window_arg, window_kv_start
+from .partial import split_past_blocks
 from .tasks import Plan, check_batch
 
 # Split bands of a source re-examined per move (newest first); older ones only when nothing else moves.
@@ -82,6 +90,28 @@ _NEIGHBOURS = 2
 _SCAN = 6
 # Under a held-bytes cap, servers tried per source after the roomiest one refuses its pieces.
 _CAP_TRIES = 32
+
+
+def _prefix(x: int, window: int) -> int:
+    """Pairs of the tokens ``[0, x)`` of a document under ``window``: ``doc_pairs(x, window)``
+    in Python ints (the planner's inner loop; :func:`scheduler.cost.doc_pairs` defines it)."""
+    return x * (x + 1) // 2 if x <= window else window * (window + 1) // 2 + (x - window) * window
+
+
+def _cum(l: int, f: int, window: int) -> int:
+    """Pairs of folded positions ``[0, f)`` of a document of ``l > window`` tokens: heads
+    ``[0, f)`` and tails ``[l - f, l)`` (the centre counted once)."""
+    return _prefix(f, window) + _prefix(l, window) - _prefix(max(l - f, f), window)
+
+
+def _kv_rows(l: int, a: int, b: int, window: int | None) -> int:
+    """KV rows band ``[a, b)`` of a document of ``l`` tokens needs: the union of its head's and
+    its tail's key ranges, ``[max(0, a - W + 1), b)`` and ``[max(0, l - b - W + 1), l - a)``
+    (with no window, the prefix ``[0, l - a)``)."""
+    if window is None:
+        return l - a
+    h0, t0 = max(0, a - window + 1), max(0, l - b - window + 1)
+    return l - a - h0 if b >= t0 else (b - h0) + (l - a - t0)
 
 
 def _band_shards(l: int, a: int, b: int) -> list[tuple[int, int]]:
@@ -131,8 +161,10 @@ class _Batch:
     length (shared by every run of the greedy)."""
 
     def __init__(self, counts: np.ndarray, lens: np.ndarray, num_servers: int, cost: CostModel,
-                 mode: str, min_shard: int, keep_activations: bool = False, held_cap: int | None = None):
+                 mode: str, min_shard: int, window: int | None = None, keep_activations: bool = False,
+                 held_cap: int | None = None):
         self.S, self.min_shard, self.inplace = num_servers, min_shard, mode == "inplace"
+        self.window = window
         self.q_bytes, self.kv_bytes = cost.step_row_bytes(keep_activations)
         # Kept activations under a cap: held bytes per server are tracked, and no move (nor the
         # dedicated initial placement) fills a server past the cap.
@@ -142,8 +174,8 @@ class _Batch:
         self.rank_arr = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         longest = int(lens.max()) if self.N else 0
         self.small = longest < 2**31 and self.N * longest**2 < 2**62  # all sums of pairs fit int64
-        pairs = lens * (lens + 1) // 2 if self.small else None
-        doc_held = lens * (self.hq + self.hkv)
+        pairs = doc_pairs(lens, window) if self.small else None
+        doc_held = lens * (self.hq + self.hkv)  # a whole document holds all its rows, window or not
         if self.inplace:
             self.init_server_arr = self.rank_arr
             if self.small:
@@ -153,9 +185,9 @@ class _Batch:
             else:
                 self.init_loads = [0] * num_servers
                 for r, l in zip(self.rank_arr.tolist(), lens.tolist()):
-                    self.init_loads[r] += l * (l + 1) // 2
+                    self.init_loads[r] += doc_pairs(l, window)
         else:
-            self._place_lpt(pairs.tolist() if self.small else [l * (l + 1) // 2 for l in lens.tolist()],
+            self._place_lpt(pairs.tolist() if self.small else [doc_pairs(l, window) for l in lens.tolist()],
                             doc_held.tolist())
         self.init_held = None if held_cap is None else np.bincount(
             self.init_server_arr, weights=doc_held, minlength=num_servers).astype(np.int64).tolist()
@@ -209,7 +241,7 @@ class _Balance:
     def __init__(self, batch: _Batch, limit: float):
         self.b = batch
         self.limit = limit
-        self.inplace, self.min_shard = batch.inplace, batch.min_shard
+        self.inplace, self.min_shard, self.window = batch.inplace, batch.min_shard, batch.window
         self.q_bytes, self.kv_bytes = batch.q_bytes, batch.kv_bytes
         self.slen, self.sgid, self.seg = batch.slen, batch.sgid, batch.seg
         q = batch.q_bytes if batch.inplace else 0  # dedicated: Q rows cross the network anyway
@@ -243,6 +275,40 @@ class _Balance:
             dead[p] = i
         return i if i < hi else hi
 
+    # ---- what a band holds ------------------------------------------------------------------------
+    def _windowed(self, l: int) -> bool:
+        """Whether the window bites in a document of ``l`` tokens (else it costs ``l + 1`` pairs
+        per folded position, as without a window)."""
+        return self.window is not None and l > self.window
+
+    def _pairs(self, l: int, a: int, b: int) -> int:
+        """Pairs of band ``[a, b)`` of a document of ``l`` tokens."""
+        if self._windowed(l):
+            return _cum(l, b, self.window) - _cum(l, a, self.window)
+        centre = 1 if (l & 1 and 2 * b == l + 1) else 0
+        return (2 * (b - a) - centre) * (l + 1) // 2
+
+    def _inner_k(self, l: int, b: int, w: int, pairs, at_least: bool) -> int:
+        """Windowed documents: the most inner positions of a band ``[b - w, b)`` holding at most
+        ``pairs`` pairs, or (``at_least``) the fewest holding at least that many (``w + 1`` when
+        the band holds fewer). Binary search: the inner positions hold the most pairs each."""
+        W = self.window
+        top = _cum(l, b, W)
+        lo, hi = 0, w + 1  # at_least: answer in [lo, hi]; else the answer + 1 is in (lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            held = top - _cum(l, b - mid, W) if mid <= w else math.inf
+            if at_least:
+                if held >= pairs:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            elif held <= pairs:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if at_least else lo - 1
+
     # ---- how much of a band to move ---------------------------------------------------------------
     def _choose_k(self, l: int, a: int, b: int, need, room) -> int:
         """Folded positions to move from the inner end of band [a, b), or 0 if nothing fits.
@@ -253,21 +319,39 @@ class _Balance:
         positions, so every shard keeps ``min_shard`` tokens.
         """
         w, half = b - a, l + 1
+        windowed = self._windowed(l)
         centre = 1 if (l & 1 and 2 * b == half) else 0
-        whole = (2 * w - centre) * half // 2
+        whole = self._pairs(l, a, b)
         if whole <= need and whole <= room:
             return w
         ms = self.min_shard
         if w < 2 * ms:  # too narrow to leave two shards of min_shard tokens
             return w if whole <= room else 0
-        fits = (2 * floor(room) // half + centre) // 2  # most positions that fit
+        if windowed and l >= 2 * self.window - 1:
+            # Positions f >= W - 1 hold 2 W pairs each (W at an odd document's centre): the
+            # closed forms below with l + 1 -> 2 W are exact while the inner k stay there.
+            uniform = 2 * self.window
+            fits = (2 * floor(room) // uniform + centre) // 2
+            k_need = (-(-2 * ceil(need) // uniform) + centre + 1) // 2
+            # exact when every position counted (and, for fits, the next one) lies past W - 1
+            if b - min(fits + 1, w) < self.window - 1 or b - min(k_need, w) < self.window - 1:
+                fits = k_need = None
+        else:
+            fits = k_need = None
+        if windowed and fits is None:
+            fits = self._inner_k(l, b, w, floor(room), False)
+        elif not windowed:
+            fits = (2 * floor(room) // half + centre) // 2  # most positions that fit
         if fits > w:
             fits = w
         if fits < ms:
             return 0
         # Fewest positions that bring the source within the limit (w + 1: not even all of them):
         # the least k with (2k - centre) >= ceil(2 need / (l + 1)).
-        k_need = (-(-2 * ceil(need) // half) + centre + 1) // 2
+        if windowed and k_need is None:
+            k_need = self._inner_k(l, b, w, ceil(need), True)
+        elif not windowed:
+            k_need = (-(-2 * ceil(need) // half) + centre + 1) // 2
         if need <= room and k_need <= fits:  # finish the source with the smallest piece that does it
             k = k_need if k_need > ms else ms
             if w - k < ms:  # the remainder would be a sliver: move all of it, or leave exactly ms
@@ -278,7 +362,10 @@ class _Balance:
         keep = w - k_need if k_need <= w else 0  # widest outer part the source may keep
         if keep < ms:
             keep = 0
-        plain = (2 * floor(room) // half) // 2  # positions of a later piece (no centre) that fit
+        if windowed:  # no position holds more than min(l + 1, 2 W) pairs
+            plain = floor(room) // min(half, 2 * self.window)
+        else:
+            plain = (2 * floor(room) // half) // 2  # positions of a later piece (no centre) that fit
         if plain > w:
             plain = w
         if plain < ms or _finishable(w - fits, keep, plain, ms):
@@ -307,20 +394,28 @@ class _Balance:
         if k <= 0:
             return best
         centre = 1 if (l & 1 and 2 * b == l + 1) else 0
-        moved = (2 * k - centre) * (l + 1) // 2
+        lo = b - k
+        moved = self._pairs(l, lo, b)
         # Bytes the step gains: the moved Q rows, and only the KV rows dst lacks.
         inplace = self.inplace
         off_dst = 0 if inplace and dst == home else 1
         off_src = 0 if inplace and src == home else 1
-        lo = b - k
-        if dst_band is None:
-            dkv = (l - lo) * off_dst
+        if self._windowed(l):  # KV: each band's head and tail windows (module _kv_rows)
+            W = self.window
+            if dst_band is None:
+                dkv = _kv_rows(l, lo, b, W) * off_dst
+            else:  # dst holds the adjacent inner band [b, y): it widens to [lo, y)
+                dkv = (_kv_rows(l, lo, dst_band[1], W) - _kv_rows(l, dst_band[0], dst_band[1], W)) * off_dst
+            dkv -= (_kv_rows(l, a, b, W) - (_kv_rows(l, a, lo, W) if lo > a else 0)) * off_src
         else:
-            dkv = (dst_band[0] - lo) * off_dst if lo < dst_band[0] else 0
-        if self.held is not None and self.held[dst] + self._held_gain(l, b - k, b, dst_band) > self.cap:
+            if dst_band is None:
+                dkv = (l - lo) * off_dst
+            else:
+                dkv = (dst_band[0] - lo) * off_dst if lo < dst_band[0] else 0
+            if lo == a:  # the source gives the document up and no longer needs its KV rows
+                dkv -= (l - a) * off_src
+        if self.held is not None and self.held[dst] + self._held_gain(l, lo, b, dst_band) > self.cap:
             return best  # dst would hold more kept activations than the cap
-        if lo == a:  # the source gives the document up and no longer needs its KV rows
-            dkv -= (l - a) * off_src
         v = (2 * k - centre) * self.q_bytes * (off_dst - off_src) + dkv * self.kv_bytes
         key = (moved / v if v > 0 else math.inf, moved, -dst, -gid)
         if best is None or key > best[0]:
@@ -332,8 +427,21 @@ class _Balance:
         gains with band [lo, hi): its Q rows, and the KV rows it lacks (a band [x, y) needs the
         prefix up to l - x)."""
         centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
-        kv = l - lo if dst_band is None else max(0, dst_band[0] - lo)
+        if self._windowed(l):  # the KV span the band's windows need (module _kv_rows)
+            W = self.window
+            if dst_band is None:
+                kv = _kv_rows(l, lo, hi, W)
+            else:
+                kv = _kv_rows(l, lo, dst_band[1], W) - _kv_rows(l, dst_band[0], dst_band[1], W)
+        else:
+            kv = l - lo if dst_band is None else max(0, dst_band[0] - lo)
         return (2 * (hi - lo) - centre) * self.b.hq + kv * self.b.hkv
+
+    def _kv_lost(self, l: int, a: int, lo: int, hi: int) -> int:
+        """KV rows a server holding band [a, hi) no longer needs once it gives up [lo, hi)."""
+        if self._windowed(l):
+            return _kv_rows(l, a, hi, self.window) - (_kv_rows(l, a, lo, self.window) if lo > a else 0)
+        return l - a if lo == a else 0
 
     def _consider_touched(self, best, gid: int, src: int, top: int, need):
         """A band ``src`` already split: to ``top``, or to the server holding the adjacent band."""
@@ -351,6 +459,14 @@ class _Balance:
                                   self.limit - self.loads[adjacent], -1)
         return best
 
+    def _longest_within(self, pairs) -> int:
+        """The longest document whose whole pairs are at most ``pairs``: ``l (l + 1) / 2 <= x``
+        iff ``l <= (isqrt(8 x + 1) - 1) / 2``; past a window ``W`` each token adds ``W``."""
+        x, W = floor(pairs), self.window
+        if W is None or x < W * (W + 1) // 2:
+            return (isqrt(8 * x + 1) - 1) // 2
+        return W + (x - W * (W + 1) // 2) // W
+
     def _best_move(self, src: int, top: int):
         """The move from ``src`` with the most FLOPs per byte, ``(key, dst, gid, k, l, pos)``, or
         None. Looks at a bounded set of candidates (module docstring, (g))."""
@@ -364,7 +480,7 @@ class _Balance:
         # Whole documents: the longest that fits whole (FLOPs per byte grow with the length of
         # a whole move; l (l + 1) / 2 <= x  <=>  l <= (isqrt(8 x + 1) - 1) / 2) ...
         if u0 < p0:
-            i = left(bisect_right(slen, (isqrt(8 * floor(room) + 1) - 1) // 2, u0, p0) - 1, u0)
+            i = left(bisect_right(slen, self._longest_within(room), u0, p0) - 1, u0)
             if i >= 0:
                 found.add(i)
         if p1 - p0 <= _SCAN:  # few splittable whole documents: look at each
@@ -374,7 +490,7 @@ class _Balance:
                 j = right(j + 1, p1)
         else:
             x = need if need < room else room
-            i = left(bisect_right(slen, (isqrt(8 * floor(x) + 1) - 1) // 2, p0, p1) - 1, p0)
+            i = left(bisect_right(slen, self._longest_within(x), p0, p1) - 1, p0)
             if i >= 0:
                 found.add(i)
             # ... the longest, and those nearest the length whose cut moves most FLOPs per byte:
@@ -383,7 +499,9 @@ class _Balance:
             i = left(p1 - 1, p0)
             if i >= 0:
                 found.add(i)
-            hi = bisect_right(slen, floor(room / self.min_shard) - 1, p0, p1)  # ms-cut fits
+            # ms-cut fits (a windowed position holds at most 2 W pairs, however long the document)
+            cut = floor(room / self.min_shard) - 1
+            hi = p1 if self.window is not None and cut >= 2 * self.window else bisect_right(slen, cut, p0, p1)
             mid = bisect_left(slen, isqrt(floor(x * self._cut_factor)) - 1, p0, hi)
             j = mid - 1
             for _ in range(_NEIGHBOURS):
@@ -427,10 +545,10 @@ class _Balance:
         a, hi = band
         lo = hi - k
         centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
-        moved = (2 * k - centre) * (l + 1) // 2
+        moved = self._pairs(l, lo, hi)
         if self.held is not None:
             self.held[dst] += self._held_gain(l, lo, hi, held.get(dst))
-            self.held[src] -= (2 * k - centre) * self.b.hq + ((l - a) * self.b.hkv if lo == a else 0)
+            self.held[src] -= (2 * k - centre) * self.b.hq + self._kv_lost(l, a, lo, hi) * self.b.hkv
         self.loads[src] -= moved
         self.loads[dst] += moved
         recent = self.recent.setdefault(src, {})
@@ -486,30 +604,34 @@ class _Balance:
         for i, k_of, end in ((self._right(u0, p0), None, p0), (self._right(p0, p1), ms, p1)):
             if i < end:  # the shortest whole document of each kind
                 l = self.slen[i]
-                k = (l + 1) // 2 if k_of is None else k_of
-                pieces.append(((2 * k - (l & 1)) * (l + 1) // 2, self.sgid[i], k, l, i))
+                c = (l + 1) // 2
+                k = c if k_of is None else k_of
+                pieces.append((self._pairs(l, c - k, c), self.sgid[i], k, l, i))
         for gid in self.recent.get(src, ()):
             l, _, held, _ = self.touched[gid]
             a, hi = held[src]  # an outer band [0, hi): the centre is elsewhere
             k = hi - a if hi - a < 2 * ms else ms
-            pieces.append((k * (l + 1), gid, k, l, -1))
+            pieces.append((self._pairs(l, hi - k, hi), gid, k, l, -1))
         return pieces
 
     def _shift(self, src: int, dst: int, gid: int, k: int) -> None:
         """Move ``k`` positions of src's outer band [a, lo) of a split document to ``dst``, which
         holds a band further in, [x, y): every band between them shifts out by ``k`` (same width,
-        same load: a position off the centre always holds l + 1 pairs), and dst's grows to
-        [x - k, y). Keeps one band per server and document."""
+        same load: a position off the centre always holds l + 1 pairs; under a window an outer
+        position holds no more than an inner one, so a shifted band's load can only fall), and
+        dst's grows to [x - k, y). Keeps one band per server and document."""
         l, _, held, inner = self.touched[gid]
         a, lo = held[src]
         x = held[dst][0]
-        for band in held.values():
+        for server, band in held.items():
             if lo <= band[0] < x:
+                before = self._pairs(l, band[0], band[1])
                 band[0] -= k
                 band[1] -= k
+                self.loads[server] += self._pairs(l, band[0], band[1]) - before
         held[dst][0] = x - k
-        self.loads[src] -= k * (l + 1)
-        self.loads[dst] += k * (l + 1)
+        self.loads[src] -= self._pairs(l, lo - k, lo)
+        self.loads[dst] += self._pairs(l, x - k, x)
         if lo - k == a:
             del held[src]
             self.recent[src].pop(gid, None)
@@ -534,11 +656,12 @@ class _Balance:
                 if not pieces:
                     break
                 pairs, gid, k, l, pos = min(pieces)
-                if loads[dst] + pairs >= loads[src]:
-                    break  # not even the smallest piece lowers src
                 record = self.touched.get(gid)
                 there = record[2].get(dst) if record is not None else None
                 shift = there is not None and there[0] != record[2][src][1]
+                gain = self._pairs(l, there[0] - k, there[0]) if shift else pairs  # what dst takes
+                if loads[dst] + gain >= loads[src]:
+                    break  # not even the smallest piece lowers src
                 if self.held is not None:
                     hi = record[2][src][1] if record is not None else (l + 1) // 2
                     if shift or self.held[dst] + self._held_gain(l, hi - k, hi, there) > self.cap:
@@ -582,6 +705,7 @@ class _Balance:
         head[:, 4] = np.where(split, b, l - a)
         tail[:] = head[split]
         tail[:, 3], tail[:, 4] = t0[split], (l - a)[split]
+        rows[:, 5] = window_kv_start(rows[:, 3], bt.window)
         rows[:, 6] = rows[:, 4]
         moved = rows
         if bt.inplace:
@@ -605,7 +729,9 @@ class _Balance:
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
                epsilon: float = 0.05, mode: str = "inplace", min_shard: int = 128,
-               keep_activations: bool = True, max_held_bytes_per_server: int | None = None) -> Plan:
+               window: int | None = None, partial_kv: bool = False,
+               max_kv_rows_per_server: int | None = None, keep_activations: bool = True,
+               max_held_bytes_per_server: int | None = None) -> Plan:
     """Plan one step: split the batch's documents into CA-tasks balanced over the servers.
 
     Args:
@@ -620,6 +746,19 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             or ``"dedicated"`` (servers are separate processes; every row moves).
         min_shard: no shard of a split document is shorter than this many tokens (a FlashAttention
             tile is 128 rows, DistCA §3); documents with ``ceil(l / 2) < 2 · min_shard`` stay whole.
+        window: sliding-window attention: query ``i`` sees keys ``i - window + 1 .. i`` of its
+            document (None: full causal). Loads are windowed pairs, and a shard's tasks take only
+            the keys its window needs (``kv_start = max(0, q_start - window + 1)``), so windowed
+            plans move fewer KV rows.
+        partial_kv: also split query shards on the key axis (:mod:`scheduler.partial`): a server
+            still above ``(1 + ε) · mean`` after the greedy gives exact key blocks of its shards to
+            the least-loaded servers (finer than ``min_shard`` positions of a band, so it can beat
+            the band lower bound), and ``max_kv_rows_per_server`` is enforced. Full causal only
+            (with a window, shards are not split on the key axis). False gives full-window tasks.
+            Needs ``keep_activations=False``: a split shard's O and LSE on one server are partial,
+            so a server could not run the kept backward from them.
+        max_kv_rows_per_server: with ``partial_kv``, the most KV rows a server should receive
+            (None: no limit); key blocks move off servers above it while some server has room.
         keep_activations: servers keep each forward round's rows and results until that layer's
             backward round, which then sends only dO (:attr:`Plan.keep_activations`); moves are
             weighed by the bytes of these rounds.
@@ -632,15 +771,25 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         A :class:`Plan` (built by construction from valid parts, not re-validated).
 
     Raises:
-        ValueError: bad lengths, sizes, mode, ε or ``min_shard`` (the message names the values);
-            a ``max_held_bytes_per_server`` without ``keep_activations``, below what any plan
-            needs (the mean over servers, or one document's KV rows plus its first shard), or
-            one the planner could not keep (it names the server, e.g. an in-place rank whose own
-            rows exceed it: the planner moves work for balance, not for memory).
+        ValueError: bad lengths, sizes, mode, ε, ``min_shard`` or ``window`` (the message names
+            the values); ``partial_kv`` with ``keep_activations``; a ``max_held_bytes_per_server``
+            without ``keep_activations``, below what any plan needs (the mean over servers, or one
+            document's KV rows plus its first shard), or one the planner could not keep (it names
+            the server, e.g. an in-place rank whose own rows exceed it: the planner moves work for
+            balance, not for memory).
     """
     counts, lens = _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
+    window = window_arg(window)
+    if not isinstance(partial_kv, bool):
+        raise ValueError(f"partial_kv must be True or False, got {partial_kv!r}")
+    if max_kv_rows_per_server is not None:
+        positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
     if type(keep_activations) is not bool:
         raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    if partial_kv and keep_activations:
+        raise ValueError("partial_kv=True needs keep_activations=False: a query shard split over "
+                         "several servers leaves each with a partial O and LSE, which the kept "
+                         "backward cannot use")
     cap = max_held_bytes_per_server
     if cap is not None:
         positive_int("max_held_bytes_per_server", cap)
@@ -652,8 +801,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             raise ValueError(f"max_held_bytes_per_server={cap} is infeasible: every plan of this batch "
                              f"holds at least {need} bytes on some server (the mean over "
                              f"{num_servers} servers, or the longest document's KV rows plus its first shard)")
-    batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard), keep_activations, cap)
-    bound = load_bound(batch.lens_arr, batch.S, batch.min_shard)
+    batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard), window, keep_activations, cap)
+    bound = load_bound(batch.lens_arr, batch.S, batch.min_shard, window)
     target = (1.0 + epsilon) * bound.level
     best = _Balance(batch, (1.0 + epsilon) * bound.mean)
     best.run()
@@ -664,9 +813,13 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             best = again
     if best.max_load() > target:
         best.settle(target)
+    tasks = best.task_array()
+    if partial_kv and (window is None or window >= int(lens.max(initial=0))):
+        tasks = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
+                                  max_kv_rows_per_server)
     plan = Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
-                         cost=cost, task_array=best.task_array(), epsilon=float(epsilon),
-                         min_shard=batch.min_shard, keep_activations=keep_activations)
+                         cost=cost, task_array=tasks, epsilon=float(epsilon),
+                         min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
     if cap is not None:
         held = plan.held_bytes()
         worst = int(np.argmax(held))

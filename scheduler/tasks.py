@@ -15,7 +15,9 @@ import numpy as np
 from . import descriptor
 from .bound import LoadBound, load_bound
 from .checks import INT64_MAX, bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import KV_TENSORS, CostModel, RoundKind
+from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, window_arg
+from .cover import cover_problems
+from .kv import kv_intervals
 
 MODES = ("inplace", "dedicated")
 
@@ -24,9 +26,12 @@ class CATask(NamedTuple):
     """One CA-task: query rows ``[q_start, q_end)`` of one document attending to keys
     ``[kv_start, kv_end)`` of the same document, causal with bottom-right alignment.
 
-    Offsets are token indices inside the document ``doc_index`` of client rank ``src_rank``.
-    distca plans use full-prefix shards, ``kv_start == 0`` and ``kv_end == q_end``, which cover
-    exactly the causal pairs of their query rows; a document's shards partition its tokens.
+    Offsets are token indices inside the document ``doc_index`` of client rank ``src_rank``; query
+    ``i`` sees key ``j`` iff ``j <= i`` (and ``j > i - window``), absolute positions. A document's
+    query shards partition its tokens; a shard is one *full-window* task (``kv_start =
+    max(0, q_start - window + 1)``, 0 with no window, ``kv_end == q_end``) or is split on the key
+    axis into *partial-KV* tasks whose key ranges tile those keys (:mod:`scheduler.cover`); their
+    partial outputs merge exactly by their LSEs.
     (A NamedTuple rather than a dataclass: plans hold thousands and are built in milliseconds.)
     """
 
@@ -45,10 +50,9 @@ class CATask(NamedTuple):
     def kv_len(self) -> int:
         return self.kv_end - self.kv_start
 
-    @property
-    def pairs(self) -> int:
-        """Causal (query, key) pairs of a full-prefix shard: ``sum_{t=q_start}^{q_end-1} (t+1)``."""
-        return (self.q_end - self.q_start) * (self.q_start + self.q_end + 1) // 2
+    def pairs(self, window: int | None = None) -> int:
+        """(Query, key) pairs this task computes under ``window`` (:func:`~scheduler.cost.causal_pairs`)."""
+        return causal_pairs(self.q_start, self.q_end, self.kv_start, self.kv_end, window)
 
 
 def participant_count(mode: str, num_ranks: int, num_servers: int) -> int:
@@ -162,19 +166,21 @@ def _tasks_array(server_tasks) -> np.ndarray:
 
 
 def _canonical(arr: np.ndarray) -> np.ndarray:
-    """Tasks in the wire layout's order (server, src_rank, doc_index, q_start)."""
+    """Tasks in the wire layout's order (server, src_rank, doc_index, q_start, kv_start)."""
     if len(arr) > 1:
-        order = np.lexsort((arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
+        order = np.lexsort((arr[:, 5], arr[:, 3], arr[:, 2], arr[:, 1], arr[:, 0]))
         if (order != np.arange(len(arr))).any():
             return arr[order]
     return arr
 
 
-def _pairs(q_start: np.ndarray, q_end: np.ndarray) -> np.ndarray:
-    """float64 causal pairs of full-prefix shards; exact below 2**53, never wrapping around."""
-    if len(q_end) == 0 or int(q_end.max()) < 2**31:  # the int64 product fits
-        return ((q_end - q_start) * (q_start + q_end + 1) // 2).astype(np.float64)
-    return (q_end - q_start).astype(np.float64) * (q_start.astype(np.float64) + q_end + 1.0) / 2.0
+def _pairs(arr: np.ndarray, window: int | None) -> np.ndarray:
+    """float64 pairs of each task row (int64 [n, >= 4]: ..., q_start, q_end, kv_start, kv_end as
+    the last four columns); exact below 2**53, never wrapping around."""
+    qs, qe, ks, ke = arr[:, -4], arr[:, -3], arr[:, -2], arr[:, -1]
+    if len(arr) == 0 or int(max(qe.max(), ke.max())) < 2**31:  # every int64 product fits
+        return causal_pairs(qs, qe, ks, ke, window).astype(np.float64)
+    return causal_pairs(*(x.astype(np.float64) for x in (qs, qe, ks, ke)), window)
 
 
 def _exact_sum(values: np.ndarray) -> int:
@@ -201,27 +207,34 @@ class Plan:
         mode: ``"inplace"`` or ``"dedicated"``.
         cost: shapes that turn tokens into FLOPs and bytes.
         server_tasks: ``server_tasks[s]`` is the list of :class:`CATask` server ``s`` runs; each
-            list is kept sorted by ``(src_rank, doc_index, q_start)``, the order of the wire layout.
+            list is kept sorted by ``(src_rank, doc_index, q_start, kv_start)``, the order of the
+            wire layout.
         epsilon: the imbalance tolerance the plan was made for (information only).
         min_shard: the shortest shard a split document may have (tokens); 1 allows any.
         keep_activations: servers keep each forward round's received rows and results until that
             layer's backward round, which then sends only dO (:data:`~scheduler.cost.KEPT_TENSORS`);
-            changes :meth:`comm_bytes` and :meth:`held_bytes`, not the tasks.
+            changes :meth:`comm_bytes` and :meth:`held_bytes`, not the tasks. Refused with tasks
+            that split a query shard on the key axis (a server's kept O and LSE would be partial).
+        window: sliding-window attention (query ``i`` sees keys ``i - window + 1 .. i``), or None
+            for full causal attention.
 
     Raises:
-        ValueError: any field of the wrong type or range, a task that is not a full-prefix shard
-            inside its document, documents whose shards do not partition their tokens (some causal
-            pair uncovered or covered twice), or a split document with a shard under ``min_shard``.
+        ValueError: any field of the wrong type or range, a task outside its document, tasks that
+            do not cover each document's mask exactly once (:mod:`scheduler.cover`: shards that do
+            not partition the tokens, or a shard's key ranges that do not tile its keys), or a
+            split document with a shard or key piece under ``min_shard``.
     """
 
     __hash__ = None  # mutable-looking data: equality by value, like the dataclass it replaces
 
     def __init__(self, doc_lens_per_rank, num_servers: int, mode: str, cost: CostModel, server_tasks,
-                 epsilon: float = 0.0, min_shard: int = 1, keep_activations: bool = False):
+                 epsilon: float = 0.0, min_shard: int = 1, keep_activations: bool = False,
+                 window: int | None = None):
         counts, flat = check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
         positive_int("min_shard", min_shard)
         if type(keep_activations) is not bool:
             raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+        window = window_arg(window)
         if not isinstance(server_tasks, (list, tuple)) or len(server_tasks) != num_servers:
             raise ValueError(f"server_tasks must hold one list per server ({num_servers})")
         for s, tasks in enumerate(server_tasks):
@@ -232,26 +245,27 @@ class Plan:
                                               or not all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
         self._set(counts, flat, int(num_servers), mode, cost, _canonical(_tasks_array(server_tasks)),
-                  float(epsilon), int(min_shard), keep_activations)
+                  float(epsilon), int(min_shard), keep_activations, window)
         self._check()
 
     @classmethod
     def _trusted(cls, *, counts: np.ndarray, doc_lens: np.ndarray, num_servers: int, mode: str,
                  cost: CostModel, task_array: np.ndarray, epsilon: float, min_shard: int,
-                 keep_activations: bool = False) -> "Plan":
+                 keep_activations: bool = False, window: int | None = None) -> "Plan":
         """A plan from arrays its maker built valid by construction (the planner): no checks.
         ``task_array`` must already be in canonical order."""
         plan = cls.__new__(cls)
-        plan._set(counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard, keep_activations)
+        plan._set(counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard,
+                  keep_activations, window)
         return plan
 
     def _set(self, counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard,
-             keep_activations) -> None:
+             keep_activations, window) -> None:
         self.doc_counts = counts
         self.doc_lens_flat = doc_lens
         self.num_servers, self.mode, self.cost = num_servers, mode, cost
         self.task_array = task_array
-        self.epsilon, self.min_shard = epsilon, min_shard
+        self.epsilon, self.min_shard, self.window = epsilon, min_shard, window
         self.keep_activations = keep_activations
 
     def __eq__(self, other):
@@ -259,7 +273,7 @@ class Plan:
             return NotImplemented
         return (self.mode == other.mode and self.num_servers == other.num_servers
                 and self.cost == other.cost and self.epsilon == other.epsilon
-                and self.min_shard == other.min_shard
+                and self.min_shard == other.min_shard and self.window == other.window
                 and self.keep_activations == other.keep_activations
                 and np.array_equal(self.doc_counts, other.doc_counts)
                 and np.array_equal(self.doc_lens_flat, other.doc_lens_flat)
@@ -268,7 +282,7 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(mode={self.mode!r}, num_ranks={self.num_ranks}, num_servers={self.num_servers}, "
                 f"num_docs={len(self.doc_lens_flat)}, num_tasks={len(self.task_array)}, "
-                f"epsilon={self.epsilon}, min_shard={self.min_shard}, "
+                f"epsilon={self.epsilon}, min_shard={self.min_shard}, window={self.window}, "
                 f"keep_activations={self.keep_activations})")
 
     # ---- validation (vectorised: no Python loop over ranks, servers or tasks) ---------------------
@@ -294,37 +308,26 @@ class Plan:
                 raise ValueError(f"task {self._task_at(i)} names a document rank {rank[i]} does not have")
         gid = starts[rank] + doc if arr.size else np.zeros(0, dtype=np.int64)
         dl = lens[gid] if arr.size else gid
-        bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks != 0) | (ke != qe)
+        bad = (qs < 0) | (qe <= qs) | (qe > dl) | (ks < 0) | (ke <= ks) | (ke > qe)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"task {self._task_at(i)} on server {srv[i]} is not a full-prefix shard "
-                f"(0 <= q_start < q_end <= doc_len={dl[i]}, kv_start == 0, kv_end == q_end)")
-        # Shards of each document must tile [0, doc_len): then each causal pair is covered once.
-        order = np.lexsort((qs, gid))
-        g, s_, e_ = gid[order], qs[order], qe[order]
-        first = np.ones(len(g), dtype=bool)
-        first[1:] = g[1:] != g[:-1]
-        last = np.ones(len(g), dtype=bool)
-        last[:-1] = g[1:] != g[:-1]
-        covered = np.zeros(len(lens), dtype=bool)
-        covered[g] = True
-        problems = []
-        if not covered.all():
-            problems.append(f"documents with no task: {self._doc_names(np.flatnonzero(~covered))}")
-        if (s_[first] != 0).any():
-            problems.append(f"documents whose first shard does not start at 0: {self._doc_names(g[first][s_[first] != 0])}")
-        gap = ~first & (s_ != np.roll(e_, 1))
-        if gap.any():
-            problems.append(f"documents with overlapping or missing rows between shards: {self._doc_names(g[gap])}")
-        if (e_[last] != lens[g[last]]).any():
-            problems.append(f"documents whose shards stop before the end: {self._doc_names(g[last][e_[last] != lens[g[last]]])}")
+                f"task {self._task_at(i)} on server {srv[i]} is not a CA-task inside its document "
+                f"(0 <= q_start < q_end <= doc_len={dl[i]}, 0 <= kv_start < kv_end <= q_end)")
+        problems, _ = cover_problems(gid, qs, qe, ks, ke, lens, self.window, self.min_shard)
         if problems:
-            raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(problems))
-        short = ~(first & last) & (e_ - s_ < self.min_shard)
-        if short.any():
-            raise ValueError(f"documents split into shards shorter than min_shard={self.min_shard}: "
-                             f"{self._doc_names(g[short])}")
+            raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(
+                f"{what}: {self._doc_names(gids)}" for what, gids in problems))
+        if self.keep_activations and arr.size:
+            # A shard split on the key axis leaves each server a partial O and LSE: the kept
+            # backward (which reuses the server's own O and LSE) would be wrong.
+            order = np.lexsort((qs, gid))
+            g, q = gid[order], qs[order]
+            split = (g[1:] == g[:-1]) & (q[1:] == q[:-1])
+            if split.any():
+                raise ValueError("keep_activations=True needs every query shard in one task, but these "
+                                 "documents have shards split on the key axis (partial-KV tasks): "
+                                 + self._doc_names(g[1:][split]))
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]
@@ -376,30 +379,33 @@ class Plan:
 
     # ---- loads and bytes --------------------------------------------------------------------------
     def server_loads(self) -> list[float]:
-        """Forward causal attention FLOPs per server (see :meth:`CostModel.task_flops`); float64,
-        exact while a server's pairs stay below 2**53, never wrapping around for long documents."""
+        """Forward (windowed) causal attention FLOPs per server (see :meth:`CostModel.task_flops`);
+        float64, exact while a server's pairs stay below 2**53, never wrapping around."""
         arr = self.task_array
-        per_server = np.bincount(arr[:, 0], weights=_pairs(arr[:, 3], arr[:, 4]), minlength=self.num_servers)
+        per_server = np.bincount(arr[:, 0], weights=_pairs(arr, self.window), minlength=self.num_servers)
         return (per_server * self.cost.flops_per_pair).tolist()
 
     def rank_loads(self) -> list[float]:
         """Forward FLOPs of each client rank's own documents: the load with no balancing."""
         lens = self.doc_lens_flat
         ranks = np.repeat(np.arange(self.num_ranks), self.doc_counts)
-        per_rank = np.bincount(ranks, weights=_pairs(np.zeros_like(lens), lens), minlength=self.num_ranks)
+        zero = np.zeros_like(lens)
+        whole = _pairs(np.stack([zero, lens, zero, lens], axis=1), self.window)
+        per_rank = np.bincount(ranks, weights=whole, minlength=self.num_ranks)
         return (per_rank * self.cost.flops_per_pair).tolist()
 
     def load_bound(self) -> LoadBound:
         """The lower bound on the most loaded server of any plan of this batch with this
         ``min_shard`` (:func:`scheduler.bound.load_bound`; pairs, not FLOPs)."""
-        return load_bound(self.doc_lens_flat, self.num_servers, self.min_shard)
+        return load_bound(self.doc_lens_flat, self.num_servers, self.min_shard, self.window)
 
     @cached_property
     def row_matrix(self) -> tuple[np.ndarray, np.ndarray]:
         """Rows sent per (src_rank, server): ``(q_rows, kv_rows)``, both int64 [num_ranks, num_servers].
 
-        ``kv_rows`` counts each document's KV rows once per server (the longest prefix its shards
-        there need), however many shards of that document the server runs.
+        ``kv_rows`` counts each document's KV rows once per server (the union of the key ranges its
+        shards there need, :func:`scheduler.kv.kv_intervals`), however many shards of that
+        document the server runs.
         """
         arr = self.task_array
         shape = (self.num_ranks, self.num_servers)
@@ -408,14 +414,9 @@ class Plan:
         if arr.size == 0:
             return q_rows, kv_rows
         np.add.at(q_rows, (arr[:, 1], arr[:, 0]), arr[:, 4] - arr[:, 3])
-        # Longest KV prefix per (server, rank, doc): tasks are sorted per server, so take the max.
-        key = (arr[:, 0] * self.num_ranks + arr[:, 1]) * (len(self.doc_lens_flat) + 1) + arr[:, 2]
-        uniq, inv = np.unique(key, return_inverse=True)
-        kv_max = np.zeros(len(uniq), dtype=np.int64)
-        np.maximum.at(kv_max, inv, arr[:, 6])
-        first = np.zeros(len(uniq), dtype=np.int64)
-        first[inv[::-1]] = np.arange(len(arr))[::-1]
-        np.add.at(kv_rows, (arr[first, 1], arr[first, 0]), kv_max)
+        kv = kv_intervals(arr)  # canonical order: each (server, rank, doc) group is contiguous
+        owner = kv.first[kv.group]
+        np.add.at(kv_rows, (arr[owner, 1], arr[owner, 0]), kv.lengths)
         return q_rows, kv_rows
 
     def off_rank_mask(self) -> np.ndarray:
@@ -489,7 +490,7 @@ class Plan:
         lines = [
             f"plan: {self.mode}, {self.num_ranks} ranks, {self.num_servers} servers, "
             f"{len(self.doc_lens_flat)} documents, {len(self.task_array)} CA-tasks, epsilon={self.epsilon}, "
-            f"min_shard={self.min_shard}",
+            f"min_shard={self.min_shard}" + (f", window={self.window}" if self.window else ""),
             f"  imbalance (max/mean attention FLOPs): before {before:.3f}, after {after:.3f}",
             f"  lower bound on max/mean: {bound.ratio():.3f} (largest piece {rel(bound.piece)}, "
             f"shared server {rel(bound.shared)}); target (1 + epsilon) x bound = "
@@ -510,8 +511,9 @@ class Plan:
     def to_msgpack(self) -> bytes:
         """Serialise to msgpack bytes: a :mod:`scheduler.descriptor` map of format ``distca.plan``.
 
-        Fields: ``mode``, ``num_servers``, ``epsilon``, ``min_shard``, ``keep_activations``, ``cost``
-        (:meth:`CostModel.to_wire`), and int64 ``bin`` arrays ``doc_counts`` [num_ranks],
+        Fields: ``mode``, ``num_servers``, ``epsilon``, ``min_shard``, ``window`` (an int, or nil
+        for full causal), ``keep_activations``, ``cost`` (:meth:`CostModel.to_wire`), and int64
+        ``bin`` arrays ``doc_counts`` [num_ranks],
         ``doc_lens`` [num_docs], ``task_counts`` [num_servers] and ``tasks`` [num_tasks, 6] (the
         CATask fields, server after server).
         """
@@ -520,6 +522,7 @@ class Plan:
             "num_servers": self.num_servers,
             "epsilon": float(self.epsilon),
             "min_shard": self.min_shard,
+            "window": self.window,
             "keep_activations": self.keep_activations,
             "cost": self.cost.to_wire(),
             "doc_counts": descriptor.int_bin(self.doc_counts),
@@ -542,6 +545,7 @@ class Plan:
         num_servers = descriptor.int_field(obj, "num_servers", 1, 1 << 20)
         epsilon = descriptor.number_field(obj, "epsilon")
         min_shard = descriptor.int_field(obj, "min_shard", 1, INT64_MAX)
+        window = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)
         keep = descriptor.bool_field(obj, "keep_activations")
         cost = descriptor.cost_field(obj)
         doc_counts = descriptor.int_array(obj, "doc_counts")
@@ -561,11 +565,11 @@ class Plan:
         arr[:, 1:] = tasks.reshape(-1, 6)
         plan = cls._trusted(counts=doc_counts, doc_lens=doc_lens, num_servers=num_servers, mode=mode,
                             cost=cost, task_array=_canonical(arr), epsilon=epsilon, min_shard=min_shard,
-                            keep_activations=keep)
+                            keep_activations=keep, window=window)
         plan._check()
         return plan
 
 
 PLAN_FORMAT, PLAN_VERSION = "distca.plan", 3
-_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "min_shard", "keep_activations", "cost",
-                        "doc_counts", "doc_lens", "task_counts", "tasks"})
+_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "min_shard", "window", "keep_activations",
+                        "cost", "doc_counts", "doc_lens", "task_counts", "tasks"})

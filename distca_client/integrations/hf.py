@@ -7,6 +7,11 @@ Three lines in a training script::
     hf.register()                       # or hf.register(DistCAClient.connect()) in a Ray job
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca")
 
+Sliding-window layers (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma-style models mixing
+windowed and full layers) pass transformers' ``sliding_window`` through as ``attend``'s ``window``
+(query ``i`` sees keys ``i - sliding_window + 1 .. i``, transformers' own mask): a step with both
+kinds of layer gets one plan per window.
+
 Document boundaries come the way transformers' packed batches carry them: ``cu_seq_lens_q/k``
 keyword arguments, or ``position_ids`` that restart per document (what
 ``DataCollatorWithFlattening`` produces), plus the rows of the batch and, when there is padding,
@@ -93,12 +98,15 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
     """One layer's attention in transformers' calling convention, through ``attend``.
 
     Args:
-        attend: ``DistCAClient.attend`` or ``varlen_attention`` (q, k, v, doc_lens, softmax_scale).
+        attend: ``DistCAClient.attend`` or ``varlen_attention`` (q, k, v, doc_lens, softmax_scale,
+            window).
         query: [B, H_q, S, D]; key, value: [B, H_kv, S, D] (transformers' layout).
         attention_mask: None or the 2-D [B, S] bool padding mask (the flash-attention mask hook).
         position_ids: [B or 1, S] int, restarting (any step other than +1) at each document.
         cu_seq_lens_q, cu_seq_lens_k: equal 1-D int tensors [num_docs + 1] over the flattened
             B·S tokens; they win over ``position_ids``.
+        sliding_window: the layer's window (None for a full-attention layer), passed on as
+            ``window``.
 
     Returns:
         (out [B, S, H_q, D] in query's dtype, None): the layout transformers' flash and sdpa
@@ -106,8 +114,8 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
 
     Raises:
         ValueError: features distca does not serve (dropout > 0, softcap, attention sinks,
-            non-causal, a KV cache with fewer queries than keys, a sliding window shorter than a
-            document), unequal ``cu_seq_lens_q``/``cu_seq_lens_k``, or a training forward of a
+            non-causal, a KV cache with fewer queries than keys), a ``sliding_window`` that is not
+            a positive int, unequal ``cu_seq_lens_q``/``cu_seq_lens_k``, or a training forward of a
             single row with no document information.
     """
     batch, heads_q, seq, head_dim = query.shape
@@ -128,14 +136,11 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
 
     doc_lens = document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                 attention_mask, training=module.training)
-    if sliding_window is not None and max(doc_lens) > sliding_window:
-        raise ValueError(f"distca attention: sliding_window={sliding_window} is shorter than a "
-                         f"document of {max(doc_lens)} tokens (sliding windows are not supported)")
     # [B, H, S, D] -> [B·S, H, D]: a view when the projections' [B, S, H, D] memory is intact,
     # which is what transformers' attention modules produce (view + transpose + RoPE).
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3])
                for t in (query, key, value))
-    out = attend(q, k, v, doc_lens, softmax_scale=scaling)
+    out = attend(q, k, v, doc_lens, softmax_scale=scaling, window=sliding_window)
     return out.view(batch, seq, heads_q, head_dim), None
 
 

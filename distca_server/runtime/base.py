@@ -184,9 +184,12 @@ class Runtime(ABC):
         return self._state.step
 
     @abstractmethod
-    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> PlannedBatch:
-        """The batch of the current step with these documents, attention shape and device, bound
-        on first sight (planned, or the plan fetched from the scheduler).
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
+                 window: int | None = None) -> PlannedBatch:
+        """The batch of the current step with these documents, attention shape, device and
+        sliding window (None: full causal), bound on first sight (planned, or the plan fetched
+        from the scheduler). Layers with different windows in one step get one batch (and plan)
+        each.
 
         Ends the current step first if as many backward rounds as counted forward rounds have run.
 
@@ -218,7 +221,7 @@ class StepState:
     next batch is looked up), or at :meth:`advance`.
 
     Which batch an ``attend`` call belongs to: a batch with the same key (documents, attention
-    shape, device) whose forward results were all claimed (``wait()``-ed, in program order), the
+    shape, device, window) whose forward results were all claimed (``wait()``-ed, in program order), the
     least recently used first; if every such batch still has a forward round outstanding, a new
     batch. So ping-pong nano-batches with identical documents are two batches on that client as on
     the clients whose nano-batches differ, and each layer goes back to its own nano-batch: the

@@ -14,7 +14,8 @@ import time
 
 import ray
 
-from scheduler.actor import NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name
+from scheduler.actor import (NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name,
+                             total_bytes)
 
 from ..errors import DistCAError
 from .server_actor import AttentionServerActor
@@ -140,11 +141,13 @@ def status(name: str = "default") -> dict:
     for n in names[1 if scheduler is not None else 0:]:
         sid = int(n.rsplit("-", 1)[1])
         row = {"server": sid, "node": "?", "state": "unreachable", "rounds_served": None,
-               "last_flops": None, "last_tasks": None, "last_held_bytes": None, "peak_held_bytes": None}
+               "last_flops": None, "last_tasks": None, "last_error": None, "bytes_sent": None,
+               "last_held_bytes": None, "peak_held_bytes": None}
         handle = _actor(n)
         try:
             stats = ray.get(handle.stats.remote(), timeout=10)
             row.update(node=stats["node"], state=stats["state"], rounds_served=stats["rounds_served"],
+                       last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]),
                        peak_held_bytes=stats["peak_held_bytes"])
         except Exception:  # a dead or stuck server: shown as unreachable
             pass

@@ -173,12 +173,12 @@ class LocalRuntime(Runtime):
         # Rounds run one at a time, in call order, like a distributed client's rounds.
         self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
 
-    def _plan(self, key, doc_lens: list[int], fmt: RowFormat) -> Plan:
+    def _plan(self, key, doc_lens: list[int], fmt: RowFormat, window: int | None) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
                               cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard,
-                              keep_activations=self.keep_activations,
+                              window=window, keep_activations=self.keep_activations,
                               max_held_bytes_per_server=self.max_held_bytes_per_server)
             self._plans[key] = plan
             while len(self._plans) > PLANS_KEPT:
@@ -187,16 +187,17 @@ class LocalRuntime(Runtime):
             self._plans.move_to_end(key)
         return plan
 
-    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> LocalBatch:
-        """The current step's batch for this batch shape; planned on first sight of the shape
-        (cached across steps), bound to fresh participants on first sight in the step."""
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
+                 window: int | None = None) -> LocalBatch:
+        """The current step's batch for this batch shape and window; planned on first sight of
+        the shape (cached across steps), bound to fresh participants on first sight in the step."""
         if self._closed:
             raise DistCAError("this DistCAClient is closed")
-        key = (tuple(doc_lens), fmt, str(device))
+        key = (tuple(doc_lens), fmt, str(device), window)
         with self._lock:
             found = self._state.lookup(key)
             if found is None:
-                found = LocalBatch(self, self._plan(key, doc_lens, fmt), fmt, device,
+                found = LocalBatch(self, self._plan(key, doc_lens, fmt, window), fmt, device,
                                    self._state.step, self._state.next_batch_index())
                 self._state.add(key, found)
             return found

@@ -80,10 +80,15 @@ class SchedulerLost(DistCAError):
 
 
 def ask(ref, timeout_s: float):
-    """``ray.get`` of a call to the scheduler actor, its silence as :class:`DistCAError` and its
-    death as :class:`SchedulerLost`."""
+    """``ray.get`` of a call to the scheduler actor, its silence as :class:`DistCAError`, its
+    death as :class:`SchedulerLost`, and a ``ValueError`` it raised (a refused registration) as
+    that plain ``ValueError``, without the actor's traceback."""
     try:
         return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ValueError):
+            raise ValueError(str(exc.cause)) from None
+        raise
     except ray.exceptions.GetTimeoutError:
         raise DistCAError(f"the distca scheduler did not answer within {timeout_s:g} s") from None
     except ray.exceptions.RayActorError as exc:

@@ -15,6 +15,7 @@ fails on every participant) and goes on; a report of a step the job has left beh
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ import torch
 
 from scheduler.actor import NAMESPACE, scheduler_actor_name
 from scheduler.cost import RoundKind
+from scheduler.logs import configure_logging
+from scheduler.messages import decode_answer, encode_report
 from scheduler.parts import PlanPart
 from scheduler.tasks import Plan
 
@@ -38,6 +41,7 @@ from .member import GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
 _REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
+log = logging.getLogger(__name__)
 
 
 def _ray_rank_and_size(rank, world_size):
@@ -123,6 +127,7 @@ class RayClientRuntime(Runtime):
             raise ValueError(f"no distca job named {name!r}; start one with `distca up --name {name}` "
                              f"or distca_server.launch(name={name!r})") from None
         self.name = name
+        configure_logging(f"distca-client-{name}-{self.rank}")
         self.node = ray.util.get_node_ip_address()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.timeout_s = float(timeout_s) if timeout_s is not None else 60.0
@@ -144,8 +149,14 @@ class RayClientRuntime(Runtime):
     def _register(self, step: int = 0) -> dict:
         """Register with the job's scheduler (again after it restarted), telling it the step this
         client goes on with and the last group epoch it was in."""
+        ctx = ray.get_runtime_context()
+        # worker, job_id, driver: the scheduler's status lists only clients whose process lives, and
+        # refuses a client whose Ray job (the training run) differs from a running one's
         info = {"node": self.node, "pid": os.getpid(), "incarnation": self.incarnation, "step": step,
-                "epoch": self.member.epoch if self.member is not None else None}
+                "epoch": self.member.epoch if self.member is not None else None,
+                "worker": ctx.get_worker_id(), "job_id": ctx.get_job_id(),
+                "driver": ctx.worker.mode == ray.SCRIPT_MODE}
+        log.info("rank %d of %d: registering with job %s at step %d", self.rank, self.world_size, self.name, step)
         return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
                    max(self.timeout_s, _REGISTER_TIMEOUT_S))
 
@@ -172,6 +183,7 @@ class RayClientRuntime(Runtime):
             self._state.advance(max(failure.next_step, self._state.step + 1))
             if self.member.scheduler_lost:
                 self._needs_register = True
+        log.warning("rank %d: %s; going on at step %d", self.rank, failure, self._state.step)
         return DistCAError(str(failure))
 
     def fail_step(self, error: ValueError) -> None:
@@ -195,23 +207,24 @@ class RayClientRuntime(Runtime):
             self._worker.submit(self.member.fail, step, f"step {step}", f"rank {self.rank}: {message}",
                                 detected=True).result()
 
-    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device) -> RayBatch:
+    def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
+                 window: int | None = None) -> RayBatch:
         """The batch for ``doc_lens`` in the current step (see :meth:`StepState.lookup`), asking
         the scheduler for a new one when none is free."""
         if self.closed:
             raise DistCAError("this DistCAClient is closed")
         with self._lock:
-            key = (tuple(doc_lens), fmt, str(device))
+            key = (tuple(doc_lens), fmt, str(device), window)
             found = self._state.lookup(key)
             if found is not None:
                 return found
-            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type}
+            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type, "window": window}
             for _ in range(_REPORT_TRIES):
                 self._reregister()
                 step, batch = self._state.step, self._state.next_batch_index()
                 try:
-                    answer = ask(self.scheduler.report.remote(step, batch, self.rank, list(doc_lens), shape),
-                                 self.timeout_s + 10)
+                    request = encode_report(step, batch, self.rank, doc_lens, shape)
+                    answer = decode_answer(ask(self.scheduler.report.remote(request), self.timeout_s + 10))
                 except SchedulerLost as exc:
                     self._needs_register = True
                     self._state.advance()
@@ -235,6 +248,16 @@ class RayClientRuntime(Runtime):
                     raise ValueError(answer["message"])
                 raise DistCAError(answer["message"])
             part = PlanPart.from_msgpack(answer["part"])
+            if (part.rank, part.step, part.batch, part.cost, part.doc_lens) != (
+                    self.rank, step, batch, fmt.cost, list(doc_lens)):
+                # A scheduler bug, or an actor squatting the job's scheduler name: refused before
+                # this client joins any group or moves a row.
+                self._state.advance()
+                raise ValueError(
+                    f"rank {self.rank}: the scheduler of job {self.name!r} answered step {step} batch {batch} "
+                    f"with the part of rank {part.rank} step {part.step} batch {part.batch}, "
+                    f"{len(part.doc_lens)} documents ({part.num_tokens} tokens), {part.cost}; this client "
+                    f"reported {len(doc_lens)} documents ({sum(doc_lens)} tokens), {fmt.cost}")
             group = answer["group"]
             try:
                 self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step)

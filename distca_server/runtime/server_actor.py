@@ -13,10 +13,15 @@ A second thread keeps the server in touch with the scheduler: it long-polls it a
 epoch (so a failure anywhere in the group stops the server's wait for the next round at once, and
 the server checks in to the arbitration), and when the scheduler dies it re-registers with the
 restarted one. A newer epoch's assignment also ends the wait for the old epoch's next round.
+
+Each round served counts in the server's metrics (``distca_rounds_served`` and
+``distca_server_bytes_sent`` by round kind, see :mod:`scheduler.metrics`); joins, failures and
+re-registrations are logged (:mod:`scheduler.logs`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,7 +30,9 @@ from collections import OrderedDict
 import ray
 import torch
 
-from scheduler.actor import NAMESPACE, scheduler_actor_name
+from scheduler.actor import NAMESPACE, ray_metrics, scheduler_actor_name
+from scheduler.logs import configure_logging
+from scheduler.metrics import JOB_LABEL
 from scheduler.parts import PlanPart
 
 from ..errors import DistCAError
@@ -38,6 +45,7 @@ from .member import POLL_S, GroupFailure, GroupMember, SchedulerLost, Superseded
 _PARTS_KEPT = 8
 _REGISTER_RETRY_S = 0.5  # while the scheduler is restarting, try to register again this often
 _REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
+log = logging.getLogger(__name__)
 
 
 class AttentionServer:
@@ -56,6 +64,7 @@ class AttentionServer:
                  idle_timeout_s: float = 3600.0, backend: str = "auto"):
         self.name, self.index, self.timeout_s = name, index, timeout_s
         self.idle_timeout_s, self.backend_name = idle_timeout_s, backend
+        configure_logging(f"distca-server-{name}-{index}")
         self.scheduler = ray.get_actor(scheduler_actor_name(name), namespace=NAMESPACE)
         self.node = ray.util.get_node_ip_address()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -73,10 +82,12 @@ class AttentionServer:
         self.held_bytes = self.peak_held_bytes = 0  # kept activations now, and the most ever held
         self.failures: list[float] = []  # wall-clock times (time.time()) of the failures it saw
         self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
-        self._rounds_metric = ray.util.metrics.Counter(
-            "distca_rounds_served", "rounds an attention server has served", ("job", "server"))
+        self._metrics = ray_metrics("server")
+        self._round_kind = None  # the kind of the round being served (from its common header)
         self._handle = ray.get_runtime_context().current_actor
         self._register()
+        log.info("job %s: attention server %d up on node %s (pid %d, backend %s)", name, index, self.node,
+                 os.getpid(), backend)
         self._thread = threading.Thread(target=self._serve, name=f"distca-server-{index}", daemon=True)
         self._thread.start()
         threading.Thread(target=self._control, name=f"distca-server-{index}-control", daemon=True).start()
@@ -161,9 +172,11 @@ class AttentionServer:
                     time.sleep(_REGISTER_RETRY_S)
                     continue
                 registered, self.member.scheduler_lost = True, False
+                log.info("server %d: registered again with the restarted scheduler", self.index)
             try:
                 self.member.poll(self.member.watch_epoch, POLL_S)
             except SchedulerLost:  # its epoch died with it; a new one is numbered past it
+                log.warning("server %d: the job's scheduler died; registering again once it is back", self.index)
                 registered = False
 
     # ---- the serving loop -------------------------------------------------------------------------
@@ -198,6 +211,8 @@ class AttentionServer:
                 num_clients = world_rank - plan_index  # world ranks: clients first, then servers
                 device = torch.device("cuda" if device_type == "cuda" else "cpu")
                 self.state = f"joining epoch {epoch}"
+                log.info("server %d: joining group epoch %d as world rank %d of %d (plan server %d, %s)",
+                         self.index, epoch, world_rank, world_size, plan_index, device_type)
                 self._retire(participants, keep=0)
                 try:
                     member.join(epoch, world_rank, world_size, device, step=-1)
@@ -219,12 +234,17 @@ class AttentionServer:
             except DistCAError:  # no group (left after a failure): wait for the next assignment
                 continue
             self.rounds_served += 1
-            self._count(participants)
+            sent = self._count(participants)  # this round's bytes (and a failed round's before it)
             self._note_held(participants)
-            self._rounds_metric.inc(tags={"job": self.name, "server": str(self.index)})
+            tags = {JOB_LABEL: self.name, "server": str(self.index)}
+            self._metrics["distca_rounds_served"].inc(tags=dict(tags, round=self._round_kind.value))
+            for kind, n in sent.items():
+                if n > 0:
+                    self._metrics["distca_server_bytes_sent"].inc(n, tags=dict(tags, round=kind))
 
     def _participant(self, header, device, participants: OrderedDict) -> Participant:
         """The participant of the header's batch, built from its part on first sight."""
+        self._round_kind = header.kind
         key = (header.step, header.batch, header.dtype)
         found = participants.get(key)
         if found is not None:
@@ -257,20 +277,24 @@ class AttentionServer:
             self._retired_seconds = {ph: self._retired_seconds.get(ph, 0.0) + s for ph, s in p.timings.items()}
             self._retired_traffic = sum_traffic([self._retired_traffic, as_traffic(p.traffic)])
 
-    def _count(self, participants: OrderedDict) -> None:
-        """Totals over every round served: retired participants' counters plus the live ones'."""
+    def _count(self, participants: OrderedDict) -> dict[str, int]:
+        """Totals over every round served: retired participants' counters plus the live ones'.
+        Returns the bytes sent since the last call, by round kind."""
+        before = {kind: sum(per.values()) for kind, per in self.traffic.items()}
         seconds = dict(self._retired_seconds)
         for p in participants.values():
             for ph, s in p.timings.items():
                 seconds[ph] = seconds.get(ph, 0.0) + s
         self.phase_seconds = seconds
         self.traffic = sum_traffic([self._retired_traffic] + [as_traffic(p.traffic) for p in participants.values()])
+        return {kind: sum(per.values()) - before.get(kind, 0) for kind, per in self.traffic.items()}
 
     def _failed(self, failure: GroupFailure) -> None:
         """The failure is reported (GroupMember did); keep serving once the scheduler assigns a
         new epoch."""
         self.last_error = str(failure)[:500]
         self.failures = self.failures[-99:] + [time.time()]
+        log.warning("server %d: %s", self.index, self.last_error)
         self.state = "waiting"
 
 

@@ -3,12 +3,14 @@
 Each membership of clients and dedicated servers is one *group epoch*: a standalone process group
 (not the process-global default group, so a group can be dropped and re-formed after a failure
 without restarting anyone). World rank 0 hosts the rendezvous ``TCPStore``; the scheduler actor
-relays its address and hands out the ranks.
+relays its address and hands out the ranks. The store and gloo's pairs listen on the node's
+address only (docs/security.md).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Callable, Sequence
 
 import torch
@@ -77,13 +79,30 @@ class TorchDistTransport:
                 pass
 
 
+def listen_on(host: str) -> tuple[int, int]:
+    """A listening TCP socket bound to ``host`` (this node's address) on a free port, as
+    ``(port, fd)``; the caller's ``TCPStore`` takes the fd over (and closes it).
+
+    ``TCPStore(host, 0, ..., is_master=True)`` alone listens on every interface (``*:port``): the
+    store is unauthenticated, so it must answer on the address the group's members use only
+    (docs/security.md).
+
+    Raises:
+        OSError: ``host`` is not an address of this node.
+    """
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, 0), family=family)
+    return sock.getsockname()[1], sock.detach()
+
+
 def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: float,
                device: torch.device, publish: Callable[[str, int], None],
                lookup: Callable[[], tuple[str, int]]) -> TorchDistTransport:
     """Form (or join) group epoch ``epoch``.
 
-    World rank 0 starts a ``TCPStore`` on ``host`` and ``publish(host, port)``-es it; the others
-    ``lookup()`` the address. Gloo is used for CPU devices, NCCL for CUDA.
+    World rank 0 starts a ``TCPStore`` listening on ``host`` only (:func:`listen_on`) and
+    ``publish(host, port)``-es it; the others ``lookup()`` the address. Gloo is used for CPU
+    devices, NCCL for CUDA.
 
     Raises:
         DistCAError: the store or the group could not be formed within ``timeout_s``.
@@ -91,9 +110,10 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
     device = torch.device(device)
     try:
         if rank == 0:
-            store = dist.TCPStore(host, 0, world_size, True, timeout=_td(timeout_s),
-                                  wait_for_workers=False)
-            publish(host, store.port)
+            port, fd = listen_on(host)
+            store = dist.TCPStore(host, port, world_size, True, timeout=_td(timeout_s),
+                                  wait_for_workers=False, master_listen_fd=fd)
+            publish(host, port)
         else:
             addr, port = lookup()
             store = dist.TCPStore(addr, port, world_size, False, timeout=_td(timeout_s))
@@ -107,7 +127,7 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
             opts._timeout = _td(timeout_s)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-    except (RuntimeError, DistCAError) as exc:
+    except (RuntimeError, OSError, DistCAError) as exc:
         raise DistCAError(f"could not form group epoch {epoch} as rank {rank} of {world_size}: "
                           f"{str(exc).splitlines()[0][:300]}") from None
     return TorchDistTransport(pg, rank, world_size, timeout_s, device, store=store, epoch=epoch)

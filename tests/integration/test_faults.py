@@ -21,6 +21,7 @@ from distca_cli import format_status, main as cli_main  # noqa: E402
 from distca_server import DistCAError, launch, shutdown, status  # noqa: E402
 from scheduler import CostModel, plan_batch  # noqa: E402
 from scheduler.actor import job_actor_names, scheduler_actor_name  # noqa: E402
+from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart, plan_identity, plan_parts  # noqa: E402
 
 T = 3.0  # the job's timeout
@@ -236,7 +237,8 @@ def test_report_bounds_and_device_type_are_checked_at_the_scheduler(job):
         for r in range(2):
             ray.get(sched.register_client.remote(r, 2, {"incarnation": f"x{r}"}))
         shape = {"cost": COST.to_wire(), "device_type": "tpu"}
-        answers = ray.get([sched.report.remote(0, 0, r, [5], shape) for r in range(2)], timeout=30)
+        answers = [decode_answer(a) for a in ray.get(
+            [sched.report.remote(encode_report(0, 0, r, [5], shape)) for r in range(2)], timeout=30)]
         assert answers[0] == answers[1] and answers[0]["error"] == "ValueError"
         assert "device_type must be one of ('cpu', 'cuda'), got 'tpu'" in answers[0]["message"]
     finally:

@@ -1,5 +1,5 @@
-"""The training example: data loading and packing, document-aware positions, distca == local
-training step for step, checkpoint and resume."""
+"""The training demo: data loading and packing, document-aware batches, and its Ray Train job:
+distca == local training step for step, Ray Train checkpoints and resume."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import llama_data  # noqa: E402
-from llama_data import Corpus, PackedStream, load_corpus, positions, target_mask  # noqa: E402
+from llama_data import Corpus, PackedStream, collate, load_corpus  # noqa: E402
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -85,62 +85,84 @@ def test_packing_cuts_documents_and_continues_them_in_the_next_chunk():
         assert a[1] == b[1]
 
 
-def test_positions_restart_in_every_document_and_no_target_crosses_one():
-    np.testing.assert_array_equal(positions([3, 1, 2]), [0, 1, 2, 0, 0, 1])
-    np.testing.assert_array_equal(target_mask([3, 1, 2]), [True, True, False, False, True, False])
-    assert positions([]).shape == (0,)
+def test_collated_chunks_restart_positions_and_no_target_crosses_a_document():
+    tokens = np.arange(6, dtype=np.uint8)
+    batch = collate(tokens, [3, 1, 2])
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 1, 2, -100, -100, 5]]  # each document's first token
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 3, 4, 6]
+    assert collate(tokens, [6])["cu_seq_lens_q"].tolist() == [0, 6]  # one document, said so
 
 
-# ---- training through Ray --------------------------------------------------------------------------
+# ---- training through Ray Train --------------------------------------------------------------------
 ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.torch")
+pytest.importorskip("transformers")
 train_llama = pytest.importorskip("train_llama")
+llama_worker = pytest.importorskip("llama_worker")
+llama_report = pytest.importorskip("llama_report")
 
 
 def test_a_document_looks_the_same_wherever_packing_puts_it():
     """Rotary positions restart per document and attention stays inside it, so a document's
     logits from the Hugging Face Llama do not depend on what was packed before it."""
     from distca_client.integrations import hf
-    hf.register_local(train_llama.ATTENTION["local"])
-    cfg = train_llama.TrainConfig(layers=2, hidden=32, heads=4, kv_heads=2, context=64)
-    model = train_llama.build_model(cfg, train_llama.ATTENTION["local"]).double()
-    doc = torch.randint(0, 256, (37,))
-    other = torch.randint(0, 256, (20,))
+    hf.register_local(llama_worker.ATTENTION["local"])
+    cfg = llama_worker.TrainConfig(layers=2, hidden=32, heads=4, kv_heads=2, context=64)
+    model = llama_worker.build_model(cfg, llama_worker.ATTENTION["local"]).double()
+    doc = np.random.default_rng(0).integers(0, 256, 37).astype(np.uint8)
+    other = np.random.default_rng(1).integers(0, 256, 20).astype(np.uint8)
 
-    alone = train_llama.packed_forward(model, doc, [37])
-    packed_logits = train_llama.packed_forward(model, torch.cat([other, doc]), [20, 37])
-    torch.testing.assert_close(packed_logits[20:], alone, rtol=0, atol=1e-12)
-    # the loss only counts next-byte predictions inside a document
-    loss = train_llama.next_byte_loss(packed_logits, torch.cat([other, doc]),
-                                      torch.from_numpy(target_mask([20, 37])))
-    assert torch.isfinite(loss)
+    alone = model(**collate(doc, [37])).logits[0]
+    packed = model(**collate(np.concatenate([other, doc]), [20, 37]))
+    torch.testing.assert_close(packed.logits[0, 20:], alone, rtol=0, atol=1e-12)
+    assert torch.isfinite(packed.loss)
 
 
 def test_model_config_errors_name_every_problem():
     with pytest.raises(ValueError, match="hidden=30.*heads=4"):
-        train_llama.TrainConfig(hidden=30, heads=4).validate()
+        llama_worker.TrainConfig(hidden=30, heads=4).validate()
     with pytest.raises(ValueError, match="kv_heads=3"):
-        train_llama.TrainConfig(hidden=64, heads=4, kv_heads=3).validate()
+        llama_worker.TrainConfig(hidden=64, heads=4, kv_heads=3).validate()
+
+
+def test_loss_agreement_is_relative_over_the_first_steps():
+    a = [{"step": i, "loss": 5.0 - i * 0.1} for i in range(12)]
+    b = [dict(r, loss=r["loss"] * (1 + 2e-6)) for r in a]
+    got = llama_report.loss_agreement(a, b)
+    assert got["first"] == 10 and got["agree"] and got["max_rel_first"] == pytest.approx(2e-6, rel=1e-3)
+    b[3]["loss"] += 1e-3
+    assert not llama_report.loss_agreement(a, b)["agree"]
+    b[3]["loss"] -= 1e-3
+    b[11]["loss"] += 1e-3  # after the first 10 steps: reported, not judged
+    got = llama_report.loss_agreement(a, b)
+    assert got["agree"] and got["max_abs_all"] == pytest.approx(1e-3, rel=1e-2)
+    with pytest.raises(ValueError, match="no common step"):
+        llama_report.loss_agreement(a, [])
 
 
 def _tiny(tmp_path, **kw):
-    return replace(train_llama.TrainConfig(layers=2, hidden=64, heads=4, kv_heads=2, context=512,
-                                           workers=2, min_shard=32, runs_dir=str(tmp_path)), **kw)
+    return replace(llama_worker.TrainConfig(layers=2, hidden=64, heads=4, kv_heads=2, context=512,
+                                            workers=2, min_shard=32, runs_dir=str(tmp_path)), **kw)
 
 
 def test_distca_training_equals_local_training(local_ray, tmp_path):
-    """Same seed, same data: 3 AdamW steps with attention on 2 dedicated servers and with local
-    attention give the same losses and the same parameters (float32)."""
+    """Same seed, same data: 3 AdamW steps of two Ray Train workers with attention on 2 dedicated
+    servers and with local attention give the same losses and the same parameters (float32)."""
     base = _tiny(tmp_path, steps=3, mode="dedicated", servers=2)
     distca = train_llama.train(replace(base, name="d", attention="distca"), progress=False)
     local = train_llama.train(replace(base, name="l", attention="local"), progress=False)
 
     for a, b in zip(distca["steps"], local["steps"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["loss"], b["loss"])
+    assert llama_report.loss_agreement(distca["steps"], local["steps"])["agree"]
     assert distca["steps"][0]["loss"] == pytest.approx(np.log(256), abs=0.1)  # starts uniform
+    assert all(s["plans_match_ranks"] for s in distca["steps"])  # Train rank r is distca client rank r
     assert distca["model_state"].keys() == local["model_state"].keys()
     for name, p in distca["model_state"].items():
         torch.testing.assert_close(p, local["model_state"][name], rtol=0, atol=1e-5, msg=name)
-    init = train_llama.build_model(base, "sdpa").state_dict()
+    init = llama_worker.build_model(base, "sdpa").state_dict()
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(distca["model_state"][q_proj], init[q_proj])
 
@@ -155,19 +177,26 @@ def test_distca_training_equals_local_training(local_ray, tmp_path):
         assert {"loss", "step_time_s", "imbalance_before", "imbalance_after", "bytes"} <= step.keys()
         assert step["bytes"] > 0  # dedicated servers: every row moves
         assert step["imbalance_after"] <= step["imbalance_before"] + 1e-9
-        assert len(step["server_flops"]) == 2
+        assert len(step["server_flops"]) == 2 and len(step["rank_losses"]) == 2
         assert sum(step["server_flops"]) == pytest.approx(sum(step["rank_flops"]))
-    for name in ("loss.png", "balance.png", "checkpoint.pt"):
+    for name in ("loss.png", "balance.png"):
         assert (run / name).stat().st_size > 0
+    # the final checkpoint is Ray Train's, in the run's Train storage
+    assert Path(distca["checkpoint"]).parent == (run / train_llama.TRAIN_DIR).resolve()
+    assert llama_worker.read_state(distca["checkpoint"])["step"] == 3
     assert not (tmp_path / "l" / "balance.png").exists()  # nothing is balanced with local attention
 
 
 def test_resume_continues_at_the_saved_step_with_identical_parameters(local_ray, tmp_path):
     base = _tiny(tmp_path, attention="local", context=256)
-    straight = train_llama.train(replace(base, name="straight", steps=3), progress=False)
-    train_llama.train(replace(base, name="resumed", steps=2), progress=False)
-    ckpt = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
-    assert ckpt["step"] == 2 and ckpt["optimizer"]["state"]
+    # save_every=1: a Ray Train checkpoint after every step; the run keeps only its latest
+    straight = train_llama.train(replace(base, name="straight", steps=3, save_every=1), progress=False)
+    kept = [p for p in (tmp_path / "straight" / train_llama.TRAIN_DIR).glob("checkpoint_*") if p.is_dir()]
+    assert [k.resolve() for k in kept] == [Path(straight["checkpoint"]).resolve()]
+    assert llama_worker.read_state(kept[0])["step"] == 3
+    first = train_llama.train(replace(base, name="resumed", steps=2), progress=False)
+    ckpt = torch.load(Path(first["checkpoint"]) / llama_worker.MODEL_FILE, weights_only=True)
+    assert llama_worker.read_state(first["checkpoint"])["step"] == 2 and ckpt["optimizer"]["state"]
     resumed = train_llama.train(replace(base, name="resumed", steps=3, resume=True), progress=False)
 
     assert [s["step"] for s in resumed["steps"]] == [0, 1, 2]
@@ -178,6 +207,8 @@ def test_resume_continues_at_the_saved_step_with_identical_parameters(local_ray,
         train_llama.train(replace(base, name="resumed", steps=4, hidden=32, resume=True), progress=False)
     with pytest.raises(ValueError, match="nothing to do"):
         train_llama.train(replace(base, name="resumed", steps=3, resume=True), progress=False)
+    with pytest.raises(ValueError, match="no Ray Train checkpoint"):
+        train_llama.train(replace(base, name="never-ran", steps=3, resume=True), progress=False)
 
 
 def test_command_line_defaults_are_the_demo():

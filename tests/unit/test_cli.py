@@ -1,9 +1,19 @@
-"""The distca command line parses its subcommands without importing torch or ray."""
+"""The distca command line: its subcommands parse without importing torch or ray, its tables,
+and the errors a user meets before any Ray cluster is involved (one line, exit status 1)."""
 
+import io
+import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
-from distca_cli import build_parser, format_status
+import pytest
+
+from distca_cli import build_parser, format_status, main
+from distca_cli.connect import CLIError, connect
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_subcommands_registered():
@@ -12,7 +22,16 @@ def test_subcommands_registered():
                  ["simulate", "--gpus", "16", "--context", "16K"]):
         args = parser.parse_args(argv)
         assert callable(args.func)
-    assert parser.parse_args(["up"]).servers == 1
+    assert parser.parse_args(["up"]).servers is None  # 1 in dedicated mode, refused in in-place mode
+    up = parser.parse_args(["up", "--min-shard", "64", "--timeout", "30", "--failure-grace", "2",
+                            "--start-timeout", "90", "--server-restarts", "3", "--scheduler-restarts", "0",
+                            "--backend", "torch_cpu", "--address", "10.0.0.1:6379"])
+    assert (up.min_shard, up.timeout, up.failure_grace, up.start_timeout, up.server_restarts,
+            up.scheduler_restarts, up.backend, up.address) == (64, 30.0, 2.0, 90.0, 3, 0, "torch_cpu", "10.0.0.1:6379")
+    st = parser.parse_args(["status", "--watch", "--interval", "0.5"])
+    assert st.watch and not st.json and st.interval == 0.5
+    with pytest.raises(SystemExit):  # --json and --watch exclude each other
+        parser.parse_args(["status", "--json", "--watch"])
 
 
 def test_cli_import_is_light():
@@ -20,6 +39,41 @@ def test_cli_import_is_light():
             "c.build_parser(); print('torch' in sys.modules, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def _run_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "distca_cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+
+
+def test_servers_in_inplace_mode_refused_in_one_line():
+    out = _run_cli("up", "--mode", "inplace", "--servers", "4")
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distca up: --servers 4 is for dedicated mode")
+    assert "every client rank serves its share" in lines[0]
+
+
+def test_bad_settings_refused_before_ray():
+    for argv, words in ((["--min-shard", "0"], "min_shard must be a positive int, got 0"),
+                        (["--epsilon", "-1"], "epsilon must be a finite number >= 0, got -1.0"),
+                        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+                        (["--start-timeout", "nan"], "--start-timeout must be a finite number >= 0, got nan")):
+        out = _run_cli("up", *argv, "--address", "127.0.0.1:1")  # never reached
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines() == [f"distca up: {words}"]
+
+
+def test_no_cluster_at_the_address_is_one_line():
+    with socket.socket() as s:  # a loopback port nobody listens at
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run_cli("status", "--address", f"127.0.0.1:{port}")
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"distca status: cannot reach a Ray cluster at 127.0.0.1:{port}")
+    with pytest.raises(CLIError, match="cannot reach"):
+        connect(f"127.0.0.1:{port}")
 
 
 def test_format_status_table():
@@ -36,3 +90,54 @@ def test_format_status_table():
     lines = text.splitlines()
     assert lines[-2].split()[:4] == ["0", "node-a", "serving", "40"]
     assert lines[-1].split()[:3] == ["1", "node-b", "dead"]
+
+
+def _status(**server):
+    return {"name": "j", "mode": "dedicated", "world_size": 3, "clients": [0, 2], "clients_gone": [1],
+            "epoch": 1, "next_step": 4, "steps_planned": 4, "last": {},
+            "servers": [dict({"server": 0, "node": "127.0.0.1", "state": "serving", "rounds_served": 12,
+                              "last_flops": 2.5e9, "last_tasks": 3, "last_error": "", "bytes_sent": 3 * 2**20},
+                             **server),
+                        {"server": 1, "node": "127.0.0.1", "state": "unreachable", "rounds_served": None,
+                         "last_flops": None, "last_tasks": None, "last_error": None, "bytes_sent": None}]}
+
+
+def test_format_status_bytes_errors_and_gone_clients():
+    text = format_status(_status(last_error="server 0: step 3 failed; lost: attention server 1"))
+    assert "live [0, 2], gone [1]" in text.splitlines()[0]
+    header, row0, row1 = text.splitlines()[-3:]
+    assert "MiB sent" in header and header.endswith("last error")
+    assert row0.split()[:7] == ["0", "127.0.0.1", "serving", "12", "2.50", "3", "3.0"]
+    assert row0.endswith("lost: attention server 1")
+    assert row1.split() == ["1", "127.0.0.1", "unreachable", "-", "-", "-", "-"]  # no stale load
+
+
+def test_watch_redraws_until_count_and_keeps_the_last_table_on_errors():
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    from distca_cli.watch import watch
+    answers = [_status(rounds_served=12), CLIError("no distca job named 'j' on this Ray cluster"),
+               _status(rounds_served=20)]
+    fetched = []
+
+    def fetch():
+        a = answers[len(fetched)]
+        fetched.append(a)
+        if isinstance(a, Exception):
+            raise a
+        return a
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, force_terminal=True, color_system=None)  # every frame written
+    assert watch(fetch, interval_s=0.01, count=3, console=console) == 0
+    assert len(fetched) == 3
+    out = buf.getvalue()
+    assert "no distca job named 'j'" in out and "unreachable" in out and "MiB sent" in out
+    assert "20" in out.split("no distca job named")[-1]  # the table after the error is the new one
+    with pytest.raises(CLIError, match="interval"):
+        watch(fetch, interval_s=0)
+
+
+def test_json_status_is_json():
+    st = _status()
+    assert json.loads(json.dumps(st, default=str))["servers"][1]["state"] == "unreachable"

@@ -243,6 +243,19 @@ def test_client_reporting_twice():
     assert repeat.answer is c.answer(0, 0, 0) and "part" in repeat.answer
 
 
+def test_windowed_shapes_plan_with_the_window():
+    """Clients of a sliding-window layer report its window: the batch is planned with it and every
+    part carries it (a layer without one is a batch of its own)."""
+    c = make()
+    shape = dict(SHAPE, window=64)
+    assert c.report(0, 0, 0, LENS[0], shape).answer is None
+    assert c.report(0, 0, 1, LENS[1], shape).plan
+    c.plan(0, 0, c.servers_pinged({0: "alive", 1: "alive"}))
+    part = PlanPart.from_msgpack(c.answer(0, 0, 0)["part"])
+    assert part.window == 64
+    assert all(t[5] == max(0, t[3] - 63) for t in part.client_tasks.tolist())
+
+
 # ---- bad input: the same ValueError for every client --------------------------------------------------
 @pytest.mark.parametrize("shape1, match", [
     ({"cost": [4, 2, 32, 2], "device_type": "cpu"}, r"disagree on the attention shape: ranks \[0\] sent .*16.*; ranks \[1\] sent .*32"),
@@ -251,8 +264,11 @@ def test_client_reporting_twice():
     ({"cost": [4, 2, 16], "device_type": "cpu"}, r"rank 1: an attention shape must be four ints"),
     ({"cost": COST.to_wire(), "device_type": "tpu"}, r"rank 1: device_type must be one of .*'tpu'"),
     ({"num_heads_q": 4, "num_heads_kv": 2, "head_dim": 16, "dtype_bytes": 2, "device_type": "cpu"},
-     r"rank 1: the attention shape must be a dict with keys 'cost' and 'device_type'"),
+     r"rank 1: the attention shape must be a dict with keys 'cost', 'device_type' and optionally 'window'"),
     ("llama", "rank 1: the attention shape must be a dict"),
+    ({"cost": COST.to_wire(), "device_type": "cpu", "window": 64},
+     r"disagree on the attention shape: .*'window': None.*'window': 64"),
+    ({"cost": COST.to_wire(), "device_type": "cpu", "window": 0}, r"rank 1: window must be a positive int"),
 ])
 def test_bad_or_mismatched_shapes_are_a_value_error_for_all(shape1, match):
     c = make()
@@ -532,10 +548,27 @@ def test_status_rows():
     assert st["world_size"] == 2 and st["clients"] == [0, 1] and st["epoch"] == 0
     assert st["servers"] == [
         {"server": 0, "node": "srv0", "state": "suspect", "rounds_served": None, "last_flops": None,
-         "last_tasks": None, "last_held_bytes": None},
+         "last_tasks": None, "last_held_bytes": None, "last_error": None, "bytes_sent": None},
         {"server": 1, "node": "srv1", "state": "alive", "rounds_served": None,
          "last_flops": st["last"]["server_flops"][1], "last_tasks": st["last"]["server_tasks"][1],
-         "last_held_bytes": st["last"]["server_held_bytes"][1]}]
+         "last_held_bytes": st["last"]["server_held_bytes"][1], "last_error": None, "bytes_sent": None}]
+    assert st["servers"][1]["last_flops"] > 0
+    # server 1 dies after the plan: its row keeps no stale load (the plan record still has it)
+    c.servers_pinged({0: "alive", 1: "dead"})
+    st = c.status()
+    assert [(s["state"], s["last_flops"], s["last_tasks"]) for s in st["servers"]] == [
+        ("alive", None, None), ("dead", None, None)]
+    assert 1 in st["last"]["server_flops"]
+
+
+def test_status_rows_inplace():
+    c = make("inplace", servers=0)
+    run_step(c, 0)
+    c.unregister_client(1, "c1")
+    rows = c.status()["servers"]
+    assert [(s["server"], s["node"], s["state"]) for s in rows] == [(0, "node0", "in-place"),
+                                                                    (1, "?", "unregistered")]
+    assert rows[0]["last_flops"] == c.last["server_flops"][0] and rows[1]["last_flops"] is None
 
 
 def test_bad_mode_and_server_index():

@@ -1,5 +1,6 @@
 """causal_pairs and CostModel: FLOPs and bytes of CA-tasks, checked against brute force."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,57 +11,85 @@ from scheduler.cost import (
     RoundKind,
     CostModel,
     causal_pairs,
+    doc_pairs,
+    window_arg,
+    window_kv_start,
 )
 
 
-def brute_pairs(q_start, q_end, kv_start, kv_end):
-    """Count (i, j) with the bottom-right rule, straight from its definition."""
-    q_len, kv_len = q_end - q_start, kv_end - kv_start
+def brute_pairs(q_start, q_end, kv_start, kv_end, window=None):
+    """Count (i, j) with j <= i (and j >= i - window + 1), positions in the document, straight
+    from the definition."""
     n = 0
     for i in range(q_start, q_end):
         for j in range(kv_start, kv_end):
-            if j - kv_start <= (i - q_start) + (kv_len - q_len):
+            if j <= i and (window is None or j >= i - window + 1):
                 n += 1
     return n
 
 
 @settings(max_examples=400, deadline=None)
 @given(q_start=st.integers(0, 40), q_len=st.integers(0, 30),
-       kv_start=st.integers(0, 40), kv_len=st.integers(0, 30))
-def test_causal_pairs_matches_brute_force(q_start, q_len, kv_start, kv_len):
-    got = causal_pairs(q_start, q_start + q_len, kv_start, kv_start + kv_len)
-    assert got == brute_pairs(q_start, q_start + q_len, kv_start, kv_start + kv_len)
+       kv_start=st.integers(0, 40), kv_len=st.integers(0, 30),
+       window=st.one_of(st.none(), st.integers(1, 45)))
+def test_causal_pairs_matches_brute_force(q_start, q_len, kv_start, kv_len, window):
+    got = causal_pairs(q_start, q_start + q_len, kv_start, kv_start + kv_len, window)
+    assert got == brute_pairs(q_start, q_start + q_len, kv_start, kv_start + kv_len, window)
     assert isinstance(got, int)
     assert 0 <= got <= q_len * kv_len
+    # the vectorised form is the same function
+    arr = causal_pairs(*(np.array([x], dtype=np.int64) for x in (q_start, q_start + q_len, kv_start,
+                                                                 kv_start + kv_len)), window)
+    assert arr.tolist() == [got]
 
 
 @pytest.mark.parametrize("q, kv", [
     ((0, 0), (0, 0)),      # both empty
     ((0, 5), (0, 0)),      # no keys
     ((3, 3), (0, 10)),     # no queries
-    ((0, 10), (0, 4)),     # q_len > kv_len: the first 6 rows see nothing
+    ((0, 10), (0, 4)),     # keys [0, 4): rows 0..3 see a prefix, the rest all four
+    ((6, 10), (0, 10)),    # kv_end == q_end: the kernels' bottom-right alignment
     ((0, 10), (0, 1)),
     ((0, 1), (0, 1)),
     ((0, 7), (0, 7)),      # square: l (l + 1) / 2
     ((5, 7), (0, 7)),      # full-prefix shard
-    ((2, 9), (4, 20)),     # arbitrary offsets
+    ((2, 9), (4, 20)),     # keys past the queries see nothing
+    ((10, 20), (0, 5)),    # every pair visible (a partial-KV block of the past)
 ])
-def test_causal_pairs_hand_cases(q, kv):
-    assert causal_pairs(*q, *kv) == brute_pairs(*q, *kv)
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 100])
+def test_causal_pairs_hand_cases(q, kv, window):
+    assert causal_pairs(*q, *kv, window) == brute_pairs(*q, *kv, window)
 
 
 def test_causal_pairs_closed_forms():
     for l in range(0, 50):
-        assert causal_pairs(0, l, 0, l) == l * (l + 1) // 2
+        assert causal_pairs(0, l, 0, l) == l * (l + 1) // 2 == doc_pairs(l)
+        for w in (1, 5, 49, 50, 60):
+            want = l * (l + 1) // 2 if l <= w else w * (w + 1) // 2 + (l - w) * w
+            assert doc_pairs(l, w) == causal_pairs(0, l, 0, l, w) == want
     # full-prefix shard: sum_{t=q_start}^{q_end-1} (t + 1)
     for qs in range(0, 20):
         for qe in range(qs, 25):
             assert causal_pairs(qs, qe, 0, qe) == sum(t + 1 for t in range(qs, qe))
-    # q_len > kv_len: only the last kv_len rows see keys
-    assert causal_pairs(0, 10, 0, 4) == 1 + 2 + 3 + 4
+            # full-window shard: keys from max(0, q_start - W + 1), sum of min(t + 1, W)
+            for w in (1, 4, 9):
+                assert causal_pairs(qs, qe, window_kv_start(qs, w), qe, w) == sum(
+                    min(t + 1, w) for t in range(qs, qe))
+    # a window longer than the document changes nothing
+    assert causal_pairs(3, 10, 0, 10, 10) == causal_pairs(3, 10, 0, 10, 4096) == causal_pairs(3, 10, 0, 10)
     # large values stay exact integers
     l = 10**7
     assert causal_pairs(0, l, 0, l) == l * (l + 1) // 2
+    assert causal_pairs(0, l, 0, l, 4096) == 4096 * 4097 // 2 + (l - 4096) * 4096
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "7", [7]])
+def test_window_validation(bad):
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        window_arg(bad)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        causal_pairs(0, 4, 0, 4, bad)
+    assert window_arg(None) is None and window_arg(np.int64(5)) == 5
 
 
 def test_causal_pairs_negative_range():

@@ -18,7 +18,8 @@ from scheduler.baselines import no_balance, per_doc_cp, wlb_packing
 SCALE = float(os.environ.get("DISTCA_HYPOTHESIS_SCALE", "1"))
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 I64 = np.dtype("<i8")
-KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "keep_activations", "cost",
+KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "window", "keep_activations",
+        "cost",
         "doc_counts", "doc_lens", "task_counts", "tasks")
 
 
@@ -43,7 +44,8 @@ def plans(draw):
         eps = draw(st.one_of(st.sampled_from([0.0, 0.05, 0.2]),
                              st.floats(0, 10, allow_nan=False, allow_infinity=False)))
         return plan_batch(lens, servers, cost=cost, epsilon=eps, mode=mode,
-                          min_shard=draw(st.sampled_from([1, 16, 128])))
+                          min_shard=draw(st.sampled_from([1, 16, 128])),
+                          window=draw(st.sampled_from([None, None, 1, 7, 128, 4096])))
     if kind == "no_balance":
         return no_balance(lens, servers, cost=cost, mode=mode)
     if kind == "per_doc_cp":
@@ -319,6 +321,24 @@ def m_epsilon(obj, rng):
     return obj
 
 
+def m_window(obj, rng):
+    obj["window"] = [0, -1, True, 1.5, "128", [16], 2**63, {"w": 1}][rng.integers(8)]
+    return obj
+
+
+def m_window_disagrees(obj, rng):  # tasks cut for another window (or for none)
+    tasks = tasks_of(obj)
+    w = obj["window"]
+    # kv_start == max(0, q_start - W + 1): with window 1 every task starting past 0 needs keys
+    # from its q_start, with no window from 0.
+    obj["window"] = 1 if w is None else None
+    if not ((tasks[:, 2] >= 1) if w is None else (tasks[:, 2] >= w)).any():
+        obj["window"] = w
+        tasks[0, 4] += 1  # kv_start past the one the window asks for
+        put(obj, "tasks", tasks)
+    return obj
+
+
 def m_min_shard(obj, rng):
     obj["min_shard"] = [0, -1, True, 1.5, "128", None, [16], 2**63, 2**64 - 1][rng.integers(9)]
     return obj
@@ -382,7 +402,7 @@ MUTATORS = [m_doc_len_negative, m_doc_len_zero, m_doc_len_shorter, m_doc_len_lon
             m_task_overlap, m_task_gap, m_task_longer, m_task_dropped, m_kv_end, m_kv_start,
             m_q_end_past_doc, m_src_rank, m_doc_index, m_task_negative, m_num_servers, m_cost,
             m_epsilon, m_doc_counts, m_doc_moves_rank, m_extra_empty_rank, m_bin_wrong_type,
-            m_min_shard, m_min_shard_above_a_shard]
+            m_min_shard, m_min_shard_above_a_shard, m_window, m_window_disagrees]
 
 
 def malformed_messages():
@@ -570,10 +590,22 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(2, 0, 0, 3, 0, 3)]]), "src_rank"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(-1, 0, 0, 3, 0, 3)]]), "src_rank"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 1, 0, 3, 0, 3)]]), "does not have"),
-    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 1, 3)]]), "full-prefix"),
-    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 0, 2)]]), "full-prefix"),
-    (dict(server_tasks=[[T(0, 0, 0, 5, 0, 5)], [T(1, 0, 0, 3, 0, 3)]]), "full-prefix"),
-    (dict(server_tasks=[[T(0, 0, 2, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "full-prefix"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 1, 3)]]), "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 3, 0, 2)]]), "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 5, 0, 5)], [T(1, 0, 0, 3, 0, 3)]]), "not a CA-task inside"),
+    (dict(server_tasks=[[T(0, 0, 2, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "not a CA-task inside"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 3)], [T(1, 0, 0, 3, 0, 4)]]), "not a CA-task inside"),
+    # partial-KV: keys of one shard split with a gap, with an overlap, or past the diagonal
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 1)], [T(0, 0, 0, 4, 2, 4), T(1, 0, 0, 3, 0, 3)]]),
+     "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 2)], [T(0, 0, 0, 4, 1, 4), T(1, 0, 0, 3, 0, 3)]]),
+     "tile its keys"),
+    (dict(server_tasks=[[T(0, 0, 2, 4, 0, 2), T(0, 0, 0, 2, 0, 2)], [T(0, 0, 2, 4, 2, 4), T(1, 0, 0, 3, 0, 3)]],
+          min_shard=2), None),
+    (dict(server_tasks=[[T(0, 0, 2, 4, 0, 1), T(0, 0, 0, 2, 0, 2)], [T(0, 0, 2, 4, 1, 4), T(1, 0, 0, 3, 0, 3)]],
+          min_shard=2), "key pieces shorter than min_shard=2"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(0, 0, 0, 2, 0, 2), T(1, 0, 0, 3, 0, 3)]]),
+     "query ranges overlap without being equal"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], []]), "no task"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 1, 3, 0, 3)]]), "does not start at 0"),
     (dict(server_tasks=[[T(0, 0, 0, 2, 0, 2)], [T(1, 0, 0, 3, 0, 3)]]), "stop before the end"),
@@ -582,15 +614,26 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
     (dict(server_tasks=[[T(0, 0, 0, 3, 0, 3)], [T(0, 0, 2, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]]),
      "overlapping or missing"),
     (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(0, 0, 0, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]]),
-     "overlapping or missing"),
+     "tile its keys"),
     (dict(server_tasks=[[T(0, 0, 0, 1, 0, 1)], [T(0, 0, 1, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]], min_shard=2),
      r"shorter than min_shard=2: \(rank 0, doc 0\)"),
     (dict(min_shard=0), "min_shard"),
     (dict(min_shard=True), "min_shard"),
+    (dict(window=0), "window must be a positive int"),
+    (dict(window=2.5), "window must be a positive int"),
+    (dict(window=True), "window must be a positive int"),
+    # window 2: the shard [2, 3) needs keys [1, 3), not the prefix [0, 3)
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 2, 0, 2), T(1, 0, 2, 3, 0, 3)]], window=2),
+     "tile its keys"),
     (dict(doc_lens_per_rank=[[2**62, 2**62], [3]]), r"rank 0: documents of 9223372036854775808 tokens"),
 ])
 def test_plan_rejects(change, match):
+    """Every bad argument, task set or window is a ValueError naming it."""
     Plan(**GOOD)  # the unchanged arguments are valid
+    if match is None:  # a valid variation (a shard split on the key axis)
+        plan = Plan(**{**GOOD, **change})
+        assert Plan.from_msgpack(plan.to_msgpack()) == plan
+        return
     with pytest.raises(ValueError, match=match):
         Plan(**{**GOOD, **change})
 
@@ -604,10 +647,10 @@ def test_plan_sorts_tasks_into_wire_order():
 
 
 # ---- type-strict version and overflow-proof counts ----------------------------------------------
-@pytest.mark.parametrize("version", [True, 2, 3.0])
+@pytest.mark.parametrize("version", [True, 1, 2, 3.0])
 def test_version_must_be_the_int_3(version):
-    """Version 2 added ``min_shard``, version 3 ``keep_activations``; a version-2 plan (or a float
-    or bool) is refused."""
+    """Version 2 added ``min_shard``, version 3 ``window`` and ``keep_activations``; an older plan
+    (or a float or bool 3) is refused."""
     obj = decode_map(base_plans()[0])
     obj["version"] = version
     with pytest.raises(ValueError):
@@ -734,3 +777,16 @@ def test_rank_token_totals_must_fit_int64():
         Plan.from_msgpack(pack(obj))
     with pytest.raises(ValueError, match="rank 1: documents of"):
         plan_batch([[9], [2**62, 2**62]], 2, cost=COST)
+
+
+def test_windowed_plan_round_trip_and_window_in_the_descriptor():
+    plan = Plan(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=COST, window=2,
+                server_tasks=[[T(0, 0, 0, 4, 0, 4)], [T(1, 0, 0, 2, 0, 2), T(1, 0, 2, 3, 1, 3)]])
+    obj = decode_map(plan)
+    assert obj["window"] == 2 and obj["version"] == 3
+    back = Plan.from_msgpack(plan.to_msgpack())
+    assert back == plan and back.window == 2
+    # the same tasks without the window: plans differ, and the descriptor refuses the pair
+    obj["window"] = None
+    with pytest.raises(ValueError, match="tile its keys"):
+        Plan.from_msgpack(pack(obj))

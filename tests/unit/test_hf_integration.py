@@ -29,10 +29,14 @@ def _config(family):
         return transformers.Qwen3Config(**TINY, head_dim=16)
     if family == "mistral":  # the window is longer than every document
         return transformers.MistralConfig(**TINY, sliding_window=64)
+    if family == "mistral_w4":  # a window shorter than most documents
+        return transformers.MistralConfig(**TINY, sliding_window=4)
+    if family == "qwen2_mixed":  # layer 0 full attention, layer 1 a window of 3
+        return transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3, max_window_layers=1)
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_w4", "qwen2_mixed"]
 
 
 def _model(family, attn, state=None):
@@ -144,11 +148,11 @@ def test_unsupported_inputs_are_refused():
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         _model("llama", "distca")(**batch)
     cfg = _config("mistral")
-    cfg.sliding_window = 4
+    cfg.sliding_window = 0
     hf.register(DistCAClient.local(1))
-    short = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca")
-    with pytest.raises(ValueError, match="sliding_window=4"):
-        short(**_packed_batch())
+    zero = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca")
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        zero(**_packed_batch())
     with pytest.raises(ValueError, match="KV cache"):  # generation decodes against a cache
         _model("llama", "distca").eval().generate(torch.zeros(1, 3, dtype=torch.long),
                                                   max_new_tokens=2, do_sample=False)
@@ -167,3 +171,15 @@ def test_register_local_runs_varlen_attention_with_the_same_documents():
         assert _rel(p.grad, ref_grads[name]) <= 1e-5, name
     with pytest.raises(ValueError, match="backend"):
         hf.register_local(backend="no-such-kernel")
+
+
+def test_windowed_and_full_layers_get_one_plan_each():
+    """Qwen2 with a window on layer 1 only: a step binds two batches of the same documents, one
+    planned with the window and one without, and the result still equals sdpa."""
+    assert _config("qwen2_mixed").layer_types == ["full_attention", "sliding_attention"]
+    client = DistCAClient.local(3, min_shard=2)
+    _check_against_reference("qwen2_mixed", client, _packed_batch())
+    windows = sorted((b.plan.window or 0) for b in client._step_batches)
+    assert windows == [0, 3]
+    full, windowed = sorted(client._step_batches, key=lambda b: b.plan.window or 0)
+    assert windowed.plan.comm_bytes()["forward"]["k"] <= full.plan.comm_bytes()["forward"]["k"]

@@ -19,15 +19,16 @@ batches = st.lists(st.lists(st.integers(1, 500), max_size=5), min_size=1, max_si
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches, st.sampled_from(["inplace", "dedicated"]), st.integers(1, 4))
-def test_parts_round_trip_and_give_the_plans_layout(doc_lens, mode, servers):
+@given(batches, st.sampled_from(["inplace", "dedicated"]), st.integers(1, 4), st.sampled_from([None, 1, 7, 64]))
+def test_parts_round_trip_and_give_the_plans_layout(doc_lens, mode, servers, window):
     servers = len(doc_lens) if mode == "inplace" else servers
-    plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8)
+    plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8, window=window)
     parts = plan_parts(plan, step=3, batch=1)
     assert len(parts) == plan.num_participants
     for part in parts:
         back = PlanPart.from_msgpack(part.to_msgpack())
         assert (back.step, back.batch, back.rank, back.server) == (3, 1, part.rank, part.server)
+        assert back.window == window
         assert np.array_equal(back.client_tasks, part.client_tasks)
         assert np.array_equal(back.server_tasks, part.server_tasks)
         if part.rank is not None:
@@ -58,6 +59,9 @@ def _mutations(part: PlanPart):
     yield "distca.part v2", with_(version=1)
     yield "distca.part v2", with_(version=True)
     yield "keep_activations", with_(keep_activations=1)
+    yield "window", with_(window=0)
+    yield "window", with_(window="7")
+    yield "not a CA-task", with_(window=1)  # tasks cut with no window
     yield "mode", with_(mode="sideways")
     yield "participant", with_(participant=99)
     yield "rank", with_(rank=None)
@@ -99,14 +103,15 @@ def _validated(plan, p, step, batch):
                     doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
                     client_tasks=arr[arr[:, 1] == rank] if rank is not None else arr[:0],
                     server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0],
-                    keep_activations=plan.keep_activations)
+                    window=plan.window, keep_activations=plan.keep_activations)
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches, st.sampled_from(["inplace", "dedicated"]), st.integers(1, 5), st.integers(0, 9))
-def test_one_pass_cut_equals_the_validated_cut(doc_lens, mode, servers, step):
+@given(batches, st.sampled_from(["inplace", "dedicated"]), st.integers(1, 5), st.integers(0, 9),
+       st.sampled_from([None, 1, 7, 128]))
+def test_one_pass_cut_equals_the_validated_cut(doc_lens, mode, servers, step, window):
     servers = len(doc_lens) if mode == "inplace" else servers
-    plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8)
+    plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8, window=window)
     parts = plan_parts(plan, step, 1)
     assert [p.participant for p in parts] == list(range(plan.num_participants))
     for p, part in enumerate(parts):
@@ -114,7 +119,7 @@ def test_one_pass_cut_equals_the_validated_cut(doc_lens, mode, servers, step):
         single = plan_part(plan, p, step, 1)
         for got in (part, single):
             for name in ("step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant",
-                         "rank", "server", "doc_lens"):
+                         "rank", "server", "doc_lens", "window"):
                 assert getattr(got, name) == getattr(want, name), name
             assert got.client_tasks.dtype == np.int64 and got.client_tasks.shape[1:] == (7,)
             assert np.array_equal(got.client_tasks, want.client_tasks)

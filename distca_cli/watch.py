@@ -1,0 +1,60 @@
+"""``distca status --watch``: the status table, live, redrawn in place every few seconds (rich).
+
+Rich is in the ``monitoring`` extra; without it ``--watch`` says so in one line. The table has the
+columns of ``distca status`` (:data:`distca_cli.COLUMNS`): servers, their state, rounds served,
+the last plan's load, bytes sent and their last error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .connect import CLIError
+
+__all__ = ["render", "watch"]
+
+
+def render(st: dict, note: str = ""):
+    """The rich table of a status dict, ``note`` under it; servers not serving in red."""
+    from rich.table import Table
+
+    from . import COLUMNS, status_header
+
+    table = Table(*(title for title, _, _ in COLUMNS), title="\n".join(status_header(st)),
+                  title_justify="left", caption=note or None, expand=False)
+    for s in st["servers"]:
+        state = s["state"]
+        style = "red" if state in ("dead", "unreachable", "suspect", "unregistered", "gone") else None
+        table.add_row(*(cell(s) for _, _, cell in COLUMNS), style=style)
+    return table
+
+
+def watch(fetch: Callable[[], dict], interval_s: float = 2.0, count: int | None = None, console=None) -> int:
+    """Redraw ``fetch()``'s status every ``interval_s`` seconds until Ctrl-C (or ``count``
+    redraws). A fetch that fails with a one-line error (e.g. the job went down) keeps the last
+    table and shows that line under it, and the watch goes on; a first fetch that fails ends it.
+
+    Raises:
+        CLIError: rich is not installed, a bad interval, or the first fetch failed.
+    """
+    if not interval_s > 0:
+        raise CLIError(f"--interval must be > 0 seconds, got {interval_s!r}")
+    try:
+        from rich.live import Live
+    except ImportError:
+        raise CLIError("--watch needs rich: pip install 'distca[monitoring]'") from None
+    st, error = fetch(), ""  # a missing job is an error before the live view starts
+    shown = 0
+    with Live(render(st), console=console, auto_refresh=False) as live:
+        while True:
+            note = time.strftime("%H:%M:%S") + f"  refreshed every {interval_s:g} s; Ctrl-C to stop"
+            live.update(render(st, f"{error}\n{note}" if error else note), refresh=True)
+            shown += 1
+            if count is not None and shown >= count:
+                return 0
+            time.sleep(interval_s)
+            try:
+                st, error = fetch(), ""
+            except CLIError as exc:  # keep the last table, say what went wrong under it
+                error = str(exc)

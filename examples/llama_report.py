@@ -1,0 +1,161 @@
+"""Reporting of the training demo: the per-step line, the summary table, the distca-vs-local
+check and the two plots (loss.png, balance.png). Pure functions of the runs' metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from llama_data import PackedStream
+    from llama_worker import TrainConfig
+
+# The demo's check that distca and local attention train the same model: over the first steps
+# (before rounding differences compound through the optimizer) the losses agree to this relative
+# difference, a few float32 roundings of a loss near ln 256 (float32 machine epsilon is 1.2e-7).
+AGREE_STEPS, AGREE_RTOL = 10, 1e-5
+
+
+def rank_flops(cost, doc_lens_per_rank: list[list[int]]) -> list[float]:
+    """Forward attention FLOPs (one layer) of each rank's own documents: the load with no balancing."""
+    return [sum(cost.doc_flops(n) for n in lens) for lens in doc_lens_per_rank]
+
+
+def imbalance(loads: list[float]) -> float:
+    """max/mean of per-rank or per-server FLOPs (1.0 when there is no load)."""
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_step(r: dict) -> str:
+    return (f"step {r['step']:4d}  loss {r['loss']:.4f}  time {r['step_time_s']:.2f} s  "
+            f"imbalance {r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f}  "
+            f"moved {_mib(r['bytes'])}  docs {r['documents']:3d} (longest {r['longest']})")
+
+
+def summary_table(runs: list[dict]) -> str:
+    """One row per run: loss first -> last, step time, tokens/s, imbalance, bytes moved."""
+    head = ("run", "attention", "steps", "loss first", "loss last10", "step time", "tokens/s",
+            "imbalance before", "after", "moved/step", "wall")
+    rows = []
+    for m in runs:
+        s = m["steps"]
+        how = m["attention"] + (f" ({m['mode']}, {m['servers']} servers)" if m["attention"] == "distca" else "")
+        times = [r["step_time_s"] for r in s[1:]] or [s[0]["step_time_s"]]  # step 0 warms up
+        rows.append((m["name"], how, str(len(s)), f"{s[0]['loss']:.3f}",
+                     f"{np.mean([r['loss'] for r in s[-10:]]):.3f}", f"{np.mean(times):.2f} s",
+                     f"{m['tokens_per_step'] / np.mean(times):,.0f}",
+                     f"{np.mean([r['imbalance_before'] for r in s]):.2f}",
+                     f"{np.mean([r['imbalance_after'] for r in s]):.2f}",
+                     _mib(np.mean([r["bytes"] for r in s])), f"{m['wall_s']:.0f} s"))
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def runs_to_compare(cfg: TrainConfig) -> list[dict]:
+    """Metrics of this run and its counterpart (``<name>-local`` or ``<name>`` without it)."""
+    names = [cfg.name, cfg.name.removesuffix("-local") if cfg.name.endswith("-local") else cfg.name + "-local"]
+    found = []
+    for n in dict.fromkeys(names):
+        path = Path(cfg.runs_dir) / n / "metrics.json"
+        if path.exists():
+            found.append(json.loads(path.read_text()))
+    return found
+
+
+def loss_agreement(distca: list[dict], local: list[dict]) -> dict:
+    """How closely two runs' per-step losses agree: ``first`` (steps compared at the start),
+    ``max_rel_first`` (largest relative difference over them), ``max_abs_all`` (largest absolute
+    difference over every shared step) and ``agree`` (``max_rel_first <= AGREE_RTOL``).
+
+    Raises:
+        ValueError: the runs share no step.
+    """
+    pairs = [(a["loss"], b["loss"]) for a, b in zip(distca, local) if a["step"] == b["step"]]
+    if not pairs:
+        raise ValueError(f"loss_agreement: no common step ({len(distca)} and {len(local)} steps)")
+    first = min(AGREE_STEPS, len(pairs))
+    rel = max(abs(a - b) / abs(b) for a, b in pairs[:first])
+    return {"first": first, "max_rel_first": rel, "max_abs_all": max(abs(a - b) for a, b in pairs),
+            "steps": len(pairs), "agree": rel <= AGREE_RTOL}
+
+
+def plot_loss(path: Path, runs: list[dict]) -> None:
+    """Loss per step of each run (distca solid, local dashed: they lie on top of each other)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for m in sorted(runs, key=lambda m: m["attention"]):
+        s = m["steps"]
+        distca = m["attention"] == "distca"
+        ax.plot([r["step"] for r in s], [r["loss"] for r in s],
+                color="C0" if distca else "C1", ls="-" if distca else (0, (4, 3)), lw=2 if distca else 1.6,
+                label=f"{m['name']}: {m['attention']} attention"
+                      + (f" ({m['mode']}, {m['servers']} servers)" if distca else " (varlen_attention)"))
+    m = runs[0]
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title(f"LlamaForCausalLM on bytes, {m['model']['parameters'] / 1e6:.2f} M parameters, "
+                 f"{m['workers']} Ray Train workers x {m['config']['context']} tokens\n"
+                 f"{m['data']['documents']} documents from {m['data']['source']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_balance(path: Path, stream: PackedStream, cfg: TrainConfig, cost, sample: dict) -> None:
+    """Attention FLOPs of one step: per rank with no balancing, and per server under distca's plan.
+
+    The plan is recomputed here with the scheduler's own planner and inputs (a pure function of
+    them), so each bar can be drawn as its pieces: documents on the left, CA-tasks (shards) on the
+    right, coloured by the rank whose documents they are.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scheduler import plan_batch
+    lens = [c[1] for c in stream.batch(sample["step"], cfg.workers)]
+    num_servers = cfg.num_servers
+    plan = plan_batch(lens, num_servers, cost=cost, epsilon=cfg.epsilon, mode=cfg.mode, min_shard=cfg.min_shard)
+    gf = 1e-9
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(9, 4.2), sharey=True,
+                                 gridspec_kw={"width_ratios": [cfg.workers, num_servers]})
+    segment = {"edgecolor": "white", "linewidth": 0.8, "width": 0.7}
+    for r, docs in enumerate(lens):
+        bottom = 0.0
+        for n in docs:
+            a0.bar(r, cost.doc_flops(n) * gf, bottom=bottom, color=f"C{r}", **segment)
+            bottom += cost.doc_flops(n) * gf
+    for s, tasks in enumerate(plan.server_tasks):
+        bottom = 0.0
+        for t in tasks:
+            flops = cost.task_flops(t.q_start, t.q_end, t.kv_start, t.kv_end) * gf
+            a1.bar(s, flops, bottom=bottom, color=f"C{t.src_rank}", **segment)
+            bottom += flops
+    for r in range(cfg.workers):  # legend entries only
+        a0.bar(0, 0, color=f"C{r}", label=f"rank {r}'s documents")
+    for ax, loads, title in ((a0, plan.rank_loads(), "before: each rank's documents\n(one block per document)"),
+                             (a1, plan.server_loads(), f"after: distca plan, {cfg.mode}\n(one block per CA-task)")):
+        ax.axhline(np.mean(loads) * gf, color="k", ls="--", lw=1, label="mean")
+        ax.set_title(f"{title}; max/mean {imbalance(loads):.2f}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    a0.set_xticks(range(cfg.workers), [f"rank {r}" for r in range(cfg.workers)])
+    a1.set_xticks(range(num_servers), [f"server {s}" for s in range(num_servers)])
+    a0.set_ylabel("forward attention GFLOPs per layer")
+    a0.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"step {sample['step']} (the run's most imbalanced): {sample['documents']} documents, "
+                 f"longest {sample['longest']} tokens; {_mib(sample['bytes'])} moved in the step", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

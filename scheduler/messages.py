@@ -1,0 +1,87 @@
+"""A client's report to the scheduler and the scheduler's answer, as they travel: msgpack bytes.
+
+One report per client per ``(step, batch)`` is the control plane's only call on the hot path, so
+its cost per call bounds a step of many clients. Ray serialises every argument and the return
+value of an actor call on its own; measured on the scheduler actor (``bench/control_plane.py``),
+a call with five arguments (step, batch, rank, documents, shape) returning a dict costs it about
+twice the CPU of a plain ping, one ``bytes`` argument returning ``bytes`` about 1.25 times. So
+both directions are one msgpack message each:
+
+- the request, a :mod:`scheduler.descriptor` of format ``distca.report``: ``step``, ``batch``,
+  ``rank``, ``doc_lens`` (an int64 ``bin``: the documents' token counts in packing order) and
+  ``shape`` (``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``);
+- the answer, the coordinator's answer map as it is: ``{"part": bytes, "group": {...}}`` or an
+  error answer (:func:`scheduler.coordinator.error_answer`). The part inside stays the msgpack
+  :class:`~scheduler.parts.PlanPart` the coordinator encoded once; nothing is re-encoded.
+
+Only the request crosses a trust boundary (the scheduler decodes what any client sends); step,
+batch, rank and shape are checked by :meth:`Coordinator.report`, as for a call made in process.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+
+from . import descriptor
+from .checks import INT64_MAX
+
+FORMAT, VERSION = "distca.report", 1
+_KEYS = frozenset({"step", "batch", "rank", "doc_lens", "shape"})
+
+
+def encode_report(step: int, batch: int, rank: int, doc_lens, shape: dict) -> bytes:
+    """Client ``rank``'s report of ``(step, batch)``: ``doc_lens`` (ints >= 0, any int
+    array-like) and the attention ``shape`` map, as one ``distca.report`` message.
+
+    Raises:
+        ValueError: a document length that is not an int in ``[0, 2**63)``.
+    """
+    if isinstance(doc_lens, np.ndarray):
+        ints = doc_lens.ndim == 1 and (not doc_lens.size or doc_lens.dtype.kind in "iu")
+    else:  # one check per element type, not per element (the client sends thousands)
+        doc_lens = list(doc_lens)
+        ints = all(issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
+                   for t in set(map(type, doc_lens)))
+    arr = np.asarray(doc_lens) if ints else None
+    if arr is None or (arr.size and (arr.min() < 0 or arr.max() > INT64_MAX)):
+        shown = doc_lens.ravel()[:5].tolist() if isinstance(doc_lens, np.ndarray) else doc_lens[:5]
+        raise ValueError(f"doc_lens must be a 1-D sequence of ints in [0, 2**63), got {shown}")
+    return descriptor.pack(FORMAT, VERSION, {"step": step, "batch": batch, "rank": rank,
+                                             "doc_lens": descriptor.int_bin(arr), "shape": shape})
+
+
+def decode_report(data) -> tuple:
+    """``(step, batch, rank, doc_lens, shape)`` of a report message; ``doc_lens`` a list of
+    Python ints. Values other than the documents are returned as sent (the coordinator checks
+    them).
+
+    Raises:
+        ValueError: not a ``distca.report`` v1 message (malformed msgpack, other keys, another
+            format or version), or ``doc_lens`` not int64 bytes of values >= 0.
+    """
+    obj = descriptor.unpack(data, FORMAT, VERSION, _KEYS, "report")
+    return obj["step"], obj["batch"], obj["rank"], descriptor.int_array(obj, "doc_lens").tolist(), obj["shape"]
+
+
+def encode_answer(answer: dict) -> bytes:
+    """The scheduler's answer map (bytes, ints, strings, bools, nested maps) as msgpack."""
+    return msgpack.packb(answer, use_bin_type=True)
+
+
+def decode_answer(data: bytes) -> dict:
+    """The answer map of :func:`encode_answer` (``bytes`` fields stay ``bytes``).
+
+    Raises:
+        ValueError: not a msgpack map.
+    """
+    try:
+        answer = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
+        raise ValueError(f"scheduler answer is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"scheduler answer must be a map, got {type(answer).__name__}")
+    return answer
+
+
+__all__ = ["FORMAT", "VERSION", "decode_answer", "decode_report", "encode_answer", "encode_report"]

@@ -1,0 +1,144 @@
+"""What a hostile descriptor and a participant of another training run can do (docs/security.md).
+
+- An actor squatting a job's scheduler name answers a client's report with malformed bytes, or
+  with a well-formed part of other documents (the same token count, so nothing else would
+  notice): the client refuses it with a ``ValueError`` before it joins any group, so no row moves.
+- A client of another Ray job (a second driver: another training run) that connects with a
+  running job's name is refused at ``connect``; the running job's next step is unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+import torch  # noqa: E402
+
+from distca_server import launch, shutdown  # noqa: E402
+from scheduler.actor import NAMESPACE, scheduler_actor_name  # noqa: E402
+from scheduler.cost import CostModel  # noqa: E402
+from scheduler.parts import plan_identity, plan_parts  # noqa: E402
+from scheduler.planner import plan_batch  # noqa: E402
+from scripts import ROOT, RUNTIME_ENV  # noqa: E402
+
+TIMEOUT = 10.0
+COST = CostModel(num_heads_q=4, num_heads_kv=2, head_dim=16, dtype_bytes=4)  # ray_workers' float32 inputs
+
+
+@ray.remote(num_cpus=0)
+class SquattingScheduler:
+    """Holds ``distca-scheduler-<name>`` and answers every report with ``payload`` as the part."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self.published = []
+
+    def register_client(self, rank, world_size, info):
+        return {"name": "squatted", "mode": "inplace", "timeout_s": TIMEOUT, "backend": "auto",
+                "next_step": 0, "scheduler": "squatter"}
+
+    def report(self, step, batch, rank, doc_lens, shape):
+        return {"part": self.payload, "group": {"epoch": 0, "world_rank": rank, "world_size": 1,
+                                                "device_type": "cpu"}}
+
+    def publish_store(self, epoch, host, port):  # a client that joined a group would call this
+        self.published.append((epoch, host, port))
+
+    def joined(self):
+        return self.published
+
+    def fail_step(self, step, rank, message):
+        return {}
+
+    def unregister_client(self, rank, incarnation):
+        pass
+
+    def watch(self, epoch, poll_s=5.0):
+        return {"state": None, "scheduler": "squatter"}
+
+
+@ray.remote(num_cpus=0)
+class Victim:
+    """A client of the squatted job: one attend on documents [4, 4]."""
+
+    def attend(self, name):
+        from distca_client import DistCAClient
+        client = DistCAClient.connect(name, rank=0, world_size=1, timeout_s=TIMEOUT)
+        q = torch.randn(8, 4, 16)
+        k, v = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+        try:
+            client.attend(q, k, v, [4, 4])
+            outcome = {"ok": True}
+        except Exception as exc:
+            outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        member = client._runtime.member
+        return dict(outcome, epoch=member.epoch, transport=member.transport is not None)
+
+
+def _other_part() -> bytes:
+    """A valid part for rank 0 of step 0 batch 0, for documents [5, 3] (the victim has [4, 4])."""
+    plan = plan_batch([[5, 3]], 1, cost=COST, epsilon=0.05, mode="inplace", min_shard=8)
+    return plan_parts(plan, 0, 0, plan_identity(plan.to_msgpack(), 0, 0))[0].to_msgpack()
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\x93garbage", "part descriptor is not valid msgpack"),
+    (None, r"answered step 0 batch 0 with the part of rank 0 step 0 batch 0, 2 documents \(8 tokens\)"),
+])
+def test_hostile_part_is_refused_before_any_group_forms(local_ray, payload, match):
+    name = f"squat-{len(payload or b'')}"
+    squatter = SquattingScheduler.options(name=scheduler_actor_name(name), namespace=NAMESPACE).remote(
+        payload if payload is not None else _other_part())
+    try:
+        out = ray.get(Victim.remote().attend.remote(name), timeout=60)
+        assert not out["ok"] and out["type"] == "ValueError", out
+        assert re.search(match, out["message"]), out["message"]
+        # Refused before joining a group: no store published, no transport, no epoch.
+        assert out["epoch"] is None and not out["transport"], out
+        assert ray.get(squatter.joined.remote()) == []
+    finally:
+        ray.kill(squatter)
+
+
+_OTHER_RUN = """
+import json, sys, ray
+from distca_client import DistCAClient
+ray.init(address=sys.argv[1], namespace="distca", log_to_driver=False)
+try:
+    DistCAClient.connect(sys.argv[2], rank=0, world_size=2, timeout_s=10)
+    print(json.dumps({"ok": True}))
+except Exception as exc:
+    print(json.dumps({"ok": False, "type": type(exc).__name__, "message": str(exc).splitlines()[-1]}))
+"""
+
+
+def test_client_of_another_run_is_refused_and_the_job_goes_on(local_ray):
+    from ray_workers import TrainWorker
+    name = "secjob"
+    launch(name=name, mode="inplace", timeout_s=TIMEOUT)  # detached: shutdown() below stops it
+    try:
+        workers = [TrainWorker.remote(name, r, 2, TIMEOUT) for r in range(2)]
+        lens = [[61, 3, 250], [140, 1, 1, 90]]
+        first = ray.get([w.step.remote(lens[r], 1) for r, w in enumerate(workers)], timeout=120)
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in first), first
+
+        # A second driver is another Ray job: another training run that picked the same name.
+        env = dict(os.environ, PYTHONPATH=RUNTIME_ENV["env_vars"]["PYTHONPATH"], RAY_AUTH_MODE="token")
+        proc = subprocess.run([sys.executable, "-c", _OTHER_RUN, ray.get_runtime_context().gcs_address, name],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        other = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert not other["ok"] and other["type"] == "ValueError", (other, proc.stderr[-2000:])
+        assert f"distca job {name!r} serves the clients of Ray job" in other["message"], other
+        assert "cannot join it as rank 0" in other["message"], other
+
+        # The job's own clients still hold their ranks: the next step is exact.
+        again = ray.get([w.step.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=120)
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in again), again
+    finally:
+        shutdown(name)

@@ -1,0 +1,105 @@
+"""A client's report and the scheduler's answer on the wire (scheduler/messages.py): round trips
+into the coordinator, refusals naming the values, malformed and fuzzed messages only ever a
+ValueError."""
+
+import random
+
+import msgpack
+import numpy as np
+import pytest
+
+from scheduler import CostModel
+from scheduler.coordinator import Coordinator
+from scheduler.messages import decode_answer, decode_report, encode_answer, encode_report
+from scheduler.parts import PlanPart
+
+COST = CostModel(num_heads_q=4, num_heads_kv=2, head_dim=8, dtype_bytes=2)
+SHAPE = {"cost": COST.to_wire(), "device_type": "cpu"}
+
+
+@pytest.mark.parametrize("lens", [[5, 7, 1], [], np.array([3, 9], dtype=np.int32), [np.int64(4), 2],
+                                  (2**63 - 1,), np.array([8], dtype=np.uint16)])
+def test_report_round_trip(lens):
+    data = encode_report(3, 1, 2, lens, SHAPE)
+    assert type(data) is bytes
+    step, batch, rank, doc_lens, shape = decode_report(data)
+    assert (step, batch, rank, shape) == (3, 1, 2, SHAPE)
+    assert doc_lens == [int(x) for x in lens] and all(type(x) is int for x in doc_lens)
+
+
+@pytest.mark.parametrize("lens, shown", [([2.5], "[2.5]"), ([True, 3], "[True, 3]"), ([4, -1], "[4, -1]"),
+                                         ([[1, 2]], "[[1, 2]]"), ([2**64], "[18446744073709551616]"),
+                                         (["7"], "['7']"), (np.array([1.0]), "[1.0]"),
+                                         (np.array([[1, 2]]), "[1, 2]"), (np.array([True]), "[True]")])
+def test_encode_refuses_what_is_not_token_counts(lens, shown):
+    with pytest.raises(ValueError, match="doc_lens must be a 1-D sequence of ints in") as err:
+        encode_report(0, 0, 0, lens, SHAPE)
+    assert str(err.value).endswith(f"got {shown}")
+
+
+def test_decode_refuses_malformed_reports():
+    good = msgpack.unpackb(encode_report(0, 0, 1, [5, 6], SHAPE))
+    cases = {
+        b"\xc1": "not valid msgpack",
+        msgpack.packb([1, 2]): "must be a map",
+        msgpack.packb({**good, "extra": 1}): "unexpected ['extra']",
+        msgpack.packb({**good, "format": "distca.part"}): "not a distca.report v1",
+        msgpack.packb({**good, "version": 2}): "not a distca.report v1",
+        msgpack.packb({**good, "doc_lens": [5, 6]}): "field 'doc_lens' must be int64 bytes",
+        msgpack.packb({**good, "doc_lens": b"\x01" * 7}): "not a multiple of 8",
+        msgpack.packb({**good, "doc_lens": np.array([-3], dtype="<i8").tobytes()}): "negative values: [-3]",
+        "a str": "must be bytes",
+    }
+    for data, message in cases.items():
+        with pytest.raises(ValueError) as err:
+            decode_report(data)
+        assert message in str(err.value), (data, str(err.value))
+
+
+def test_fuzzed_reports_are_refused_or_decoded_never_crash():
+    rng = random.Random(0)
+    data = bytearray(encode_report(7, 0, 1, list(range(1, 40)), SHAPE))
+    decoded = 0
+    for _ in range(2000):
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        try:
+            step, batch, rank, doc_lens, shape = decode_report(bytes(flipped))
+        except ValueError:
+            continue
+        decoded += 1
+        assert all(type(x) is int and x >= 0 for x in doc_lens)
+    assert decoded > 0  # some flips only change values
+
+
+def test_reports_through_the_wire_plan_like_in_process_ones():
+    """Two clients' reports encoded and decoded reach the same plan as the in-process call, and
+    the answers survive the answer encoding: the part stays the coordinator's msgpack bytes."""
+    lens = [[300, 20, 5], [90, 1]]
+    answers = {}
+    for wire in (False, True):
+        coord = Coordinator("wire", "inplace", min_shard=8)
+        for r in range(2):
+            coord.register_client(r, 2, {"incarnation": f"i{r}"})
+        for r in range(2):
+            args = (4, 0, r, lens[r], SHAPE)
+            coord.report(*(decode_report(encode_report(*args)) if wire else args))
+        coord.plan(4, 0)
+        answers[wire] = [coord.answer(4, 0, r) for r in range(2)]
+    assert answers[True] == answers[False]
+    for r, answer in enumerate(answers[True]):
+        back = decode_answer(encode_answer(answer))
+        assert back == answer and type(back["part"]) is bytes
+        part = PlanPart.from_msgpack(back["part"])
+        assert (part.step, part.rank, part.doc_lens) == (4, r, lens[r])
+
+
+def test_error_answers_round_trip_and_bad_answers_are_refused():
+    coord = Coordinator("wire", "inplace")
+    answer = coord.report(0, 0, 0, [5], SHAPE).answer  # not registered
+    assert decode_answer(encode_answer(answer)) == answer and answer["register"] is True
+    for data, message in ((b"\xc1", "not valid msgpack"), (msgpack.packb([1]), "must be a map, got list")):
+        with pytest.raises(ValueError, match="scheduler answer") as err:
+            decode_answer(data)
+        assert message in str(err.value)
