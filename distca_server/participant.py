@@ -114,6 +114,9 @@ class Participant:
                 q_send) if q_send else np.zeros(0, np.int64)]
             self.q_merge = (PartialMerge(q_pieces, self.num_tokens, self.device)
                             if sum(map(len, q_pieces)) != self.num_tokens else None)
+            if self.q_merge is not None and self.keep_activations:  # Plan refuses it; a hand-cut part too
+                raise ValueError(f"{self._who()}: keep_activations with a query shard split on the key axis: "
+                                 f"a server's kept O and LSE would be partial")
             # All rows go to the own server, in order: its results are the outputs as they are.
             self.results_home = (own is not None and not any(self.client_q_rows)
                                  and _is_identity(lay.q_index[own], self.num_tokens)
