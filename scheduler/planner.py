@@ -136,17 +136,24 @@ def _finishable(rest: int, keep: int, fits: int, ms: int) -> bool:
     return -(-rest // fits) * ms <= rest  # the source keeping none
 
 
-def _held_cap_bound(lens: np.ndarray, num_servers: int, cost: CostModel, min_shard: int) -> int:
+def _held_cap_bound(lens: np.ndarray, num_servers: int, cost: CostModel, min_shard: int,
+                    window: int | None = None) -> int:
     """Bytes no plan can keep every server's held activations below (kept activations): the
     mean (every token's Q, O, LSE rows and K, V rows are held somewhere), and for each document
-    the server holding its first shard, which needs all its KV rows and at least ``min_shard`` Q
-    rows (the whole document when it is shorter)."""
+    the server holding its first shard, which needs at least ``min_shard`` Q rows (the whole
+    document when it is shorter) and the KV rows of its first band ``[0, min_shard)``: all of
+    them without a window, the band's windows (:func:`_kv_rows`) with one."""
     hq, hkv = cost.held_row_bytes()
     if not len(lens):
         return 0
     total = int(lens.sum()) * (hq + hkv)
     longest = int(lens.max())
-    return max(-(-total // num_servers), longest * hkv + min(longest, min_shard) * hq)
+    if window is None or window >= longest:
+        first = longest * hkv + min(longest, min_shard) * hq
+    else:  # the longest document need not hold the most: its band's KV is only its windows
+        first = max(_kv_rows(l, 0, min(min_shard, (l + 1) // 2), window) * hkv + min(l, min_shard) * hq
+                    for l in set(lens.tolist()))
+    return max(-(-total // num_servers), first)
 
 
 def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
@@ -796,7 +803,7 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         if not keep_activations:
             raise ValueError(f"max_held_bytes_per_server={cap} needs keep_activations=True (stateless "
                              f"servers hold nothing between rounds)")
-        need = _held_cap_bound(lens, int(num_servers), cost, int(min_shard))
+        need = _held_cap_bound(lens, int(num_servers), cost, int(min_shard), window)
         if cap < need:
             raise ValueError(f"max_held_bytes_per_server={cap} is infeasible: every plan of this batch "
                              f"holds at least {need} bytes on some server (the mean over "
