@@ -25,31 +25,42 @@ class DistCAAttention(torch.autograd.Function):
     """``out = attention(q, k, v)`` whose forward round already runs (or ran) in ``pending``.
 
     ``pending`` has ``result() -> (out, lse)`` (the queued forward round) and ``step``, the
-    :class:`~distca_server.runtime.base.PlannedBatch` whose ``backward(q, k, v, out, lse, dout,
-    softmax_scale) -> (dq, dk, dv)`` runs the backward round on the same plan. Saves q, k, v, out and the LSE (float32, or float64 for float64 inputs; FlashAttention-2
-    Alg. 2 recomputes the softmax from it), nothing quadratic.
+    :class:`~distca_server.runtime.base.PlannedBatch` that runs the backward round on the same plan.
+
+    Kept activations (``pending.kept`` is a key): the servers hold this round's Q, K, V, O and LSE
+    rows, so nothing is saved here and the backward round sends dO only
+    (``step.backward_kept``). Stateless: saves q, k, v, out and the LSE (float32, or float64 for
+    float64 inputs; FlashAttention-2 Alg. 2 recomputes the softmax from it), nothing quadratic,
+    and ``step.backward(q, k, v, out, lse, dout, softmax_scale)`` resends them.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, pending, softmax_scale):
         out, lse = pending.result()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kept = pending.kept
+        if ctx.kept is None:
+            ctx.save_for_backward(q, k, v, out, lse)
         ctx.step, ctx.softmax_scale = pending.step, softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward("DistCAClient.attend")
+        if ctx.kept is not None:
+            dq, dk, dv = ctx.step.backward_kept(ctx.kept, dout.contiguous(), ctx.softmax_scale)
+            return dq, dk, dv, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.step.backward(q, k, v, out, lse, dout.contiguous(), ctx.softmax_scale)
         return dq, dk, dv, None, None
 
 
 class Pending:
-    """A queued forward round (its future) and ``step``, the planned batch it belongs to."""
+    """A queued forward round (its future) and ``step``, the planned batch it belongs to;
+    ``kept``: the key its activations are kept under on the servers (the future's), or None."""
 
     def __init__(self, step, future, timeout_s: float | None = None):
         self.step, self.future, self.timeout_s = step, future, timeout_s
+        self.kept = getattr(future, "kept", None)
 
     def result(self):
         return self.future.result(self.timeout_s)

@@ -23,6 +23,12 @@ class DistCAClient:
     batch (``doc_lens``, attention shape, device) of a step is planned once, so every layer of a
     step reuses its plan. A step ends once every grad-requiring forward round has had its backward
     round, or at :meth:`new_step`.
+
+    Kept activations (``keep_activations=True``, the default): a forward round that will have a
+    backward round (grad enabled and q, k or v requiring grad) leaves its Q, K, V rows and its O
+    and LSE on the servers that computed them, and the client saves none of them for autograd;
+    that layer's backward round sends dO only and returns dQ, dK, dV. Forward-only rounds
+    (evaluation, ``torch.no_grad``) keep nothing, whatever the setting.
     """
 
     def __init__(self, runtime: Runtime):
@@ -33,7 +39,8 @@ class DistCAClient:
     @classmethod
     def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
               mode: str = "inplace", *, num_ranks: int | None = None, min_shard: int = 128,
-              timeout_s: float = 60.0) -> "DistCAClient":
+              timeout_s: float = 60.0, keep_activations: bool = True,
+              max_held_bytes_per_server: int | None = None) -> "DistCAClient":
         """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
 
         Args:
@@ -45,6 +52,11 @@ class DistCAClient:
                 ``num_servers``; must equal it in in-place mode).
             min_shard: smallest shard (tokens) of a split document.
             timeout_s: how long an all-to-all waits for a participant.
+            keep_activations: servers keep each layer's activations from its forward round until
+                its backward round (see the class doc); False: every backward round resends Q, K,
+                V, O and LSE.
+            max_held_bytes_per_server: with ``keep_activations``, the planner's cap on the bytes
+                one layer of one batch leaves held on a server (see :func:`scheduler.plan_batch`).
 
         Raises:
             ValueError: any argument out of range, naming it.
@@ -66,26 +78,39 @@ class DistCAClient:
             problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
         if not is_number(timeout_s) or not 0 < timeout_s < float("inf"):
             problems.append(f"timeout_s={timeout_s!r} (must be finite and > 0)")
+        if type(keep_activations) is not bool:
+            problems.append(f"keep_activations={keep_activations!r} (must be a bool)")
+        if max_held_bytes_per_server is not None and (not is_int(max_held_bytes_per_server)
+                                                      or max_held_bytes_per_server < 1
+                                                      or keep_activations is not True):
+            problems.append(f"max_held_bytes_per_server={max_held_bytes_per_server!r} (must be an int >= 1, "
+                            f"with keep_activations=True)")
         if problems:
             raise ValueError("DistCAClient.local: " + "; ".join(problems))
         return cls(LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
-                                int(min_shard), float(timeout_s)))
+                                int(min_shard), float(timeout_s), keep_activations,
+                                None if max_held_bytes_per_server is None else int(max_held_bytes_per_server)))
 
     @classmethod
     def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,
-                *, timeout_s: float | None = None) -> "DistCAClient":
+                *, timeout_s: float | None = None, keep_activations: bool | None = None) -> "DistCAClient":
         """Join job ``name`` on the current Ray cluster as client ``rank`` of ``world_size``.
 
         Call it from any Ray task or actor (Ray Train workers included: rank and world size then
         come from the Train context; elsewhere from ``RANK``/``WORLD_SIZE`` if not given). A client
         that restarted after a failure rejoins the same way.
 
+        ``keep_activations`` is the job's setting (``distca_server.launch(keep_activations=...)``,
+        on by default): every client and server of a plan must agree, so it is chosen once per
+        job. Passing it here checks that the job runs with that setting.
+
         Raises:
-            ValueError: no job of that name, or rank/world size missing or inconsistent.
+            ValueError: no job of that name, rank/world size missing or inconsistent, or a
+                ``keep_activations`` other than the job's.
             DistCAError: Ray is not initialised or the scheduler does not answer.
         """
         from distca_server.runtime.ray_client import RayClientRuntime
-        return cls(RayClientRuntime(name, rank, world_size, timeout_s))
+        return cls(RayClientRuntime(name, rank, world_size, timeout_s, keep_activations))
 
     def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                      softmax_scale: float | None = None, window: int | None = None) -> "AttendHandle":

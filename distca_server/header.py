@@ -2,7 +2,7 @@
 which round comes next and that every pair of participants agrees on what moves between them.
 
 Each participant sends every peer one row of :data:`HEADER_BYTES`: the round
-``(step, batch, seq, kind, dtype, softmax_scale, plan_id)`` (a client's; a dedicated server sends
+``(step, batch, seq, kind, dtype, softmax_scale, plan_id, kept)`` (a client's; a dedicated server sends
 zeros, it learns the round from the clients) and its *claims* about that peer: its participant
 index, the bytes it will send the peer and expects from it in the round's dispatch and return
 exchanges, and a digest of the CA-tasks between the two (the tasks it sends the peer's server, and
@@ -33,7 +33,7 @@ from scheduler.tasks import participant_roles
 from .dtypes import DTYPE_CODES, DTYPES_BY_CODE
 from .transport.base import all_to_all
 
-_ROUND = 7  # step, batch, seq, kind, dtype, scale bits, plan id
+_ROUND = 8  # step, batch, seq, kind, dtype, scale bits, plan id, kept
 _CLAIMS = 8  # participant, has claims, dispatch send/recv, return send/recv bytes, digest out/in
 HEADER_BYTES = 8 * (_ROUND + _CLAIMS)
 _U64 = (1 << 64) - 1
@@ -46,9 +46,11 @@ def _signed(x: int) -> int:
 
 @dataclass(frozen=True)
 class RoundHeader:
-    """``(step, batch, seq, kind, dtype, softmax_scale, plan_id)`` of one round; ``seq`` counts
-    the rounds of the step on this client; ``plan_id`` is the id every part of the batch's plan
-    carries (:func:`scheduler.parts.plan_identity`)."""
+    """``(step, batch, seq, kind, dtype, softmax_scale, plan_id, kept)`` of one round; ``seq``
+    counts the rounds of the step on this client; ``plan_id`` is the id every part of the batch's
+    plan carries (:func:`scheduler.parts.plan_identity`). ``kept`` (kept-activation plans): in a
+    forward round, the key under which servers keep its rows until its backward round; in a
+    backward round, the key of the forward round whose rows it uses; -1 for none."""
 
     step: int
     batch: int
@@ -57,11 +59,12 @@ class RoundHeader:
     dtype: torch.dtype
     softmax_scale: float
     plan_id: int = 0
+    kept: int = -1
 
     def values(self) -> list[int]:
         scale_bits = struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
         return [self.step, self.batch, self.seq, self.kind.code, DTYPE_CODES[self.dtype], scale_bits,
-                _signed(self.plan_id)]
+                _signed(self.plan_id), self.kept]
 
     @classmethod
     def decode(cls, values) -> "RoundHeader":
@@ -70,7 +73,7 @@ class RoundHeader:
         Raises:
             ValueError: an unknown dtype or round kind code.
         """
-        step, batch, seq, kind, dtype, bits, plan_id = (int(x) for x in values[:_ROUND])
+        step, batch, seq, kind, dtype, bits, plan_id, kept = (int(x) for x in values[:_ROUND])
         if dtype not in DTYPES_BY_CODE:
             raise ValueError(f"malformed round header: dtype code {dtype}")
         try:
@@ -78,10 +81,11 @@ class RoundHeader:
         except ValueError:
             raise ValueError(f"malformed round header: kind code {kind}") from None
         return cls(step, batch, seq, round_kind, DTYPES_BY_CODE[dtype],
-                   struct.unpack("<d", struct.pack("<q", bits))[0], plan_id & _U64)
+                   struct.unpack("<d", struct.pack("<q", bits))[0], plan_id & _U64, max(kept, -1))
 
     def describe(self) -> str:
-        return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}, "
+        kept = f", kept {self.kept}" if self.kept >= 0 else ""
+        return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}{kept}, "
                 f"{str(self.dtype).removeprefix('torch.')})")
 
 
@@ -139,8 +143,9 @@ def claims(participant, kind: RoundKind) -> np.ndarray:
     cq, ckv = (participant.client_q_rows, participant.client_kv_rows) if client else (zeros, zeros)
     sq, skv = (participant.server_q_rows, participant.server_kv_rows) if server else (zeros, zeros)
     out, into = _digests(part)
+    dispatch = kind.dispatch_with(part.keep_activations)
     table = np.stack([np.full(P, part.participant), np.ones(P, dtype=np.int64),
-                      nbytes(kind.dispatch, cq, ckv), nbytes(kind.dispatch, sq, skv),
+                      nbytes(dispatch, cq, ckv), nbytes(dispatch, sq, skv),
                       nbytes(kind.returns, sq, skv), nbytes(kind.returns, cq, ckv), out, into], axis=1)
     per[kind] = table.astype(np.int64)
     return per[kind]

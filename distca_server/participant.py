@@ -19,6 +19,14 @@ Where each byte is written (one copy per byte and direction):
   are summed in float32 (:class:`~distca_server.rowsum.RowScatter`).
 - a participant whose rows all stay home in order (one in-place server, or a plan that moves
   nothing) hands its tensors to the kernel as they are and copies nothing.
+
+Kept activations (a plan with ``keep_activations``): a forward round that will have a backward
+round names a key (the round's sequence number in the step); the server role keeps what it
+received and computed under it (:data:`~scheduler.cost.KEPT_TENSORS`: copies out of the reused
+receive buffer, or the client's own tensors when they were handed over as they are) until the
+backward round with that key, which dispatches only dO. Keys belong to this participant, i.e. to
+one batch of one step, so layers and batches never mix; :meth:`Participant.release` drops them
+all (step ended, a round failed).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from scheduler.cost import KV_TENSORS, RoundKind
+from scheduler.cost import KEPT_TENSORS, KV_TENSORS, RoundKind
 from scheduler.layout import client_layout_from, server_layout_from
 from scheduler.parts import PlanPart
 
@@ -37,6 +45,11 @@ from .executor import ServerExecutor
 from .rowsum import PartialMerge, RowScatter
 from .transport.base import aligned
 from .wire import RowFormat
+
+
+MAX_KEPT_ROUNDS = 1024
+"""Forward rounds (layers) whose activations one participant keeps at once; one more is refused
+with a ValueError (a loop that never runs its backward rounds would otherwise grow without end)."""
 
 
 def _is_identity(index: np.ndarray, n: int) -> bool:
@@ -62,6 +75,11 @@ class Participant:
         self.rank, self.server = part.rank, part.server
         self.traffic: dict[tuple[str, str], int] = defaultdict(int)
         self.timings: dict[str, float] = defaultdict(float)
+        self.keep_activations = part.keep_activations
+        # Server role, kept activations: key -> ({tensor: rows}, [(tensor, version)] of those
+        # shared with the client, checked for in-place changes as autograd checks saved tensors).
+        self.kept: dict[int, tuple[dict, list]] = {}
+        self.released = ""  # why kept activations were dropped (a later backward names it)
         P, S, R = part.num_participants, part.num_servers, part.num_ranks
         # The in-place participant's own server (client side) and own rank (server side).
         self.own_server = self.server if self.rank is not None else None
@@ -96,6 +114,9 @@ class Participant:
                 q_send) if q_send else np.zeros(0, np.int64)]
             self.q_merge = (PartialMerge(q_pieces, self.num_tokens, self.device)
                             if sum(map(len, q_pieces)) != self.num_tokens else None)
+            if self.q_merge is not None and self.keep_activations:  # Plan refuses it; a hand-cut part too
+                raise ValueError(f"{self._who()}: keep_activations with a query shard split on the key axis: "
+                                 f"a server's kept O and LSE would be partial")
             # All rows go to the own server, in order: its results are the outputs as they are.
             self.results_home = (own is not None and not any(self.client_q_rows)
                                  and _is_identity(lay.q_index[own], self.num_tokens)
@@ -149,7 +170,7 @@ class Participant:
         client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
         fmt, P = self.fmt, self.part.num_participants
         t0 = time.perf_counter()
-        names, back = kind.dispatch, kind.returns
+        names, back = kind.dispatch_with(self.keep_activations), kind.returns
         zeros = [0] * P
         # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
         home = self.inputs_home and all(local[n].is_contiguous() for n in names)
@@ -221,17 +242,78 @@ class Participant:
         return {n: self._typed(buf, n) for n, buf in zip(back, ret_recv)}, own_results
 
     # ---- rounds ------------------------------------------------------------------------------------
+    # ---- kept activations --------------------------------------------------------------------------
+    def _check_keep(self, keep: int | None) -> None:
+        if keep is None or self.server is None:
+            return
+        if not self.keep_activations:
+            raise ValueError(f"{self._who()}: forward round {keep} asks to keep activations, but the "
+                             f"plan was made with keep_activations=False")
+        if keep in self.kept:
+            raise ValueError(f"{self._who()}: already keeps the activations of forward round {keep}")
+        if len(self.kept) >= MAX_KEPT_ROUNDS:
+            raise ValueError(f"{self._who()}: keeps the activations of {len(self.kept)} forward rounds "
+                             f"already (at most {MAX_KEPT_ROUNDS}); run their backward rounds or start "
+                             f"a new step")
+
+    def _keep(self, keep: int, inputs: dict, results: dict, shared: bool) -> None:
+        """Keep this forward round's rows: ``inputs`` are views of the reused receive buffer
+        (copied) or, when ``shared``, the client's own tensors (referenced, like ``results``)."""
+        rows = {n: (x if shared else x.clone()) for n, x in inputs.items()}
+        rows.update(results)
+        self.kept[keep] = ({n: rows[n] for n in KEPT_TENSORS},
+                           [(t, t._version) for t in rows.values()])
+
+    def _take_kept(self, kept: int) -> dict:
+        """The rows kept under ``kept``, no longer held here (freed when the round ends)."""
+        found = self.kept.pop(kept, None)
+        if found is None:
+            why = f" (dropped: {self.released})" if self.released else ""
+            raise ValueError(f"{self._who()}: keeps no activations of forward round {kept}{why}")
+        rows, versions = found
+        if any(t._version != v for t, v in versions):
+            raise RuntimeError(f"{self._who()}: a tensor needed for the backward round of forward round "
+                               f"{kept} (q, k, v or out) was modified by an inplace operation")
+        return rows
+
+    def held_bytes(self) -> int:
+        """Bytes of kept activations this participant's server role holds now."""
+        return sum(t.numel() * t.element_size() for rows, _ in self.kept.values() for t in rows.values())
+
+    def release(self, why: str = "released") -> None:
+        """Drop every kept activation (the step ended or a round failed); a later backward round
+        naming one raises a ValueError carrying ``why``."""
+        if self.kept:
+            self.released = why
+        self.kept.clear()
+
+    def _who(self) -> str:
+        return f"server {self.server} (step {self.part.step} batch {self.part.batch})"
+
+    # ---- rounds ------------------------------------------------------------------------------------
     @torch.no_grad()  # rounds run on worker threads, where grad mode is on; autograd is above us
-    def forward(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None):
+    def forward(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None,
+                keep: int | None = None):
         """Forward round. Clients pass their local ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] and
         get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None.
 
         ``out`` and ``lse``, if given, are where the results are written (e.g. this rank's slice of
-        a batch-wide tensor): q's dtype for out, :attr:`RowFormat.lse_dtype` for lse."""
+        a batch-wide tensor): q's dtype for out, :attr:`RowFormat.lse_dtype` for lse.
+
+        ``keep`` (kept-activation plans, a forward round that will have a backward round): the
+        key under which the server role keeps its rows and results for :meth:`backward_kept`.
+
+        Raises:
+            ValueError: ``keep`` on a stateless plan, a key already kept, or
+                :data:`MAX_KEPT_ROUNDS` rounds kept already (before any byte moves).
+        """
         local = {"q": q, "k": k, "v": v} if self.rank is not None else None
+        self._check_keep(keep)
 
         def compute(x):
             o, s = self.executor.forward(x["q"], x["k"], x["v"], softmax_scale)
+            if keep is not None:
+                self._keep(keep, x, {"out": o, "lse": s}, shared=x is local)
             return {"out": o, "lse": s}
         remote, own = self._round(transport, RoundKind.FORWARD, local, compute)
         if remote is None:
@@ -258,11 +340,15 @@ class Participant:
     @torch.no_grad()
     def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
                  dv=None):
-        """Backward round: clients get ``(dq, dk, dv)`` shaped like their ``q``, ``k``, ``v``;
-        gradients of KV rows used by several servers are summed in float32 (float64).
+        """Backward round of a stateless plan: clients get ``(dq, dk, dv)`` shaped like their
+        ``q``, ``k``, ``v``; gradients of KV rows used by several servers are summed in float32
+        (float64).
 
         ``dq``, ``dk``, ``dv``, if given, are where the gradients are written (q's, k's, v's
         shape and dtype)."""
+        if self.keep_activations:
+            raise ValueError(f"{self._who()}: the plan keeps activations; its backward rounds send dO "
+                             f"only (backward_kept)")
         local = ({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
                  if self.rank is not None else None)
 
@@ -270,13 +356,42 @@ class Participant:
             g = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"], x["lse"],
                                        softmax_scale)
             return dict(zip(("dq", "dk", "dv"), g))
+        return self._backward_round(transport, local, compute, dq, dk, dv)
+
+    @torch.no_grad()
+    def backward_kept(self, transport, dout, softmax_scale: float, *, kept: int, dq=None, dk=None,
+                      dv=None):
+        """Backward round of forward round ``kept`` of a kept-activation plan: clients send only
+        ``dout`` [T, Hq, D] and get ``(dq [T, Hq, D], dk, dv [T, Hkv, D])`` in dout's dtype; the
+        server role computes from the rows it kept and frees them. Server-only participants pass
+        ``dout=None`` and get None.
+
+        Raises:
+            ValueError: the server keeps nothing under ``kept`` (never kept, already used, or
+                released after a failed round or the end of the step).
+            RuntimeError: a kept tensor shared with the client was modified in place meanwhile.
+        """
+        local = {"dout": dout} if self.rank is not None else None
+        rows = self._take_kept(kept) if self.server is not None else None
+
+        def compute(x):
+            g = self.executor.backward(x["dout"], rows["q"], rows["k"], rows["v"], rows["out"],
+                                       rows["lse"], softmax_scale)
+            return dict(zip(("dq", "dk", "dv"), g))
+        if dout is not None and (dk is None or dv is None):
+            kv = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))
+            dk = torch.empty_like(kv) if dk is None else dk
+            dv = torch.empty_like(kv) if dv is None else dv
+        return self._backward_round(transport, local, compute, dq, dk, dv, like_q=dout)
+
+    def _backward_round(self, transport, local, compute, dq, dk, dv, like_q=None):
         remote, own = self._round(transport, RoundKind.BACKWARD, local, compute)
         if remote is None:
             return None
         if self.results_home:
             return self._place(own["dq"], dq), self._place(own["dk"], dk), self._place(own["dv"], dv)
         t0 = time.perf_counter()
-        dq = torch.empty_like(q) if dq is None else dq
+        dq = torch.empty_like(local["q"] if like_q is None else like_q) if dq is None else dq
         if self.q_merge is not None:  # dQ parts of a split shard sum in float32
             self.q_merge(([own["dq"]] if own is not None else []) + [remote["dq"]], dq)
         else:
@@ -284,9 +399,9 @@ class Participant:
             if own is not None:
                 dq.index_copy_(0, self.q_own_idx, own["dq"])
         grads = []
-        for name, like, given in (("dk", k, dk), ("dv", v, dv)):
+        for name, given in (("dk", dk), ("dv", dv)):
             pieces = ([own[name]] if own is not None else []) + [remote[name]]
-            grads.append(self.kv_scatter(pieces, torch.empty_like(like) if given is None else given))
+            grads.append(self.kv_scatter(pieces, torch.empty_like(local[name[1]]) if given is None else given))
         self.timings["unpack"] += time.perf_counter() - t0
         return dq, grads[0], grads[1]
 

@@ -449,16 +449,17 @@ class SchedulerActor:
             if self.mode == "inplace":  # the rows are the clients: a gone one serves nothing
                 for row in st["servers"]:
                     if row["server"] in gone:
-                        row.update(state="gone", last_flops=None, last_tasks=None)
+                        row.update(state="gone", last_flops=None, last_tasks=None, last_held_bytes=None)
         for row in st["servers"]:
             if row["state"] == "dead" or row["server"] not in self.handles:
                 continue
             try:
                 stats = await asyncio.wait_for(self.handles[row["server"]].stats.remote(), timeout=PING_TIMEOUT_S)
                 row.update(rounds_served=stats["rounds_served"], state=stats["state"],
-                           last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]))
+                           last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]),
+                           peak_held_bytes=stats["peak_held_bytes"])  # kept activations, most ever held
             except Exception:  # a dead actor answers with some Ray error
-                row.update(state="unreachable", last_flops=None, last_tasks=None)
+                row.update(state="unreachable", last_flops=None, last_tasks=None, last_held_bytes=None)
         return st
 
     def metric_names(self) -> list[str]:

@@ -138,11 +138,12 @@ class PlanCut:
 
 
 def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer, window=None) -> PlanCut:
+                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None) -> PlanCut:
     try:
         start = timer()
         plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
-                          min_shard=min_shard, window=window)
+                          min_shard=min_shard, window=window, keep_activations=keep_activations,
+                          max_held_bytes_per_server=max_held_bytes_per_server)
         planned = timer()
         whole = plan.to_msgpack()
         parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]
@@ -194,6 +195,9 @@ class Coordinator:
         max_report_docs, max_report_tokens: the most documents and tokens one client may report
             for one batch; a larger report is a ``ValueError`` for every client of the batch.
         timer: clock for measuring planning and cutting (seconds; default ``time.perf_counter``).
+        keep_activations, max_held_bytes_per_server: planner settings (see
+            :func:`scheduler.plan_batch`): servers keep each layer's activations until its
+            backward round (default), under an optional per-server cap.
 
     Raises:
         ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε, ``min_shard``
@@ -203,7 +207,8 @@ class Coordinator:
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05, min_shard: int = 128,
                  timeout_s: float = 60.0, failure_grace_s: float = 1.0, backend: str = "auto",
                  max_report_docs: int = MAX_REPORT_DOCS, max_report_tokens: int = MAX_REPORT_TOKENS,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, keep_activations: bool = True,
+                 max_held_bytes_per_server: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
         finite_nonnegative("epsilon", epsilon)
@@ -211,6 +216,11 @@ class Coordinator:
         self.max_report_docs = positive_int("max_report_docs", max_report_docs)
         self.max_report_tokens = positive_int("max_report_tokens", max_report_tokens)
         self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
+        if type(keep_activations) is not bool:
+            raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+        if max_held_bytes_per_server is not None:
+            positive_int("max_held_bytes_per_server", max_held_bytes_per_server)
+        self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
         self.timeout_s, self.failure_grace_s, self.backend = timeout_s, failure_grace_s, backend
         self.timer = timer
         self.world_size: int | None = None
@@ -259,7 +269,8 @@ class Coordinator:
         self.clients[int(rank)] = dict(info, rank=int(rank))
         self._rebuild(info)
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
-                "backend": self.backend, "next_step": max(self.next_step, self.floor)}
+                "backend": self.backend, "next_step": max(self.next_step, self.floor),
+                "keep_activations": self.keep_activations}
 
     def _rebuild(self, info: dict) -> None:
         """Take a registering member's last step and epoch into account (after a scheduler
@@ -406,7 +417,8 @@ class Coordinator:
         W = self.world_size
         return partial(_plan_and_cut, [state.reports[r][0] for r in range(W)],
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
-                       self.min_shard, step, batch, self.timer, state.shape[2])
+                       self.min_shard, step, batch, self.timer, self.keep_activations,
+                       self.max_held_bytes_per_server, state.shape[2])
 
     def _oversized(self, rank: int, doc_lens) -> str | None:
         """The message refusing a report above the bounds, or None (bad lengths are the
@@ -561,6 +573,7 @@ class Coordinator:
         self.last = {"step": step, "batch": batch, "imbalance_before": before, "imbalance_after": after,
                      "plan_ms": plan_ms, "cut_ms": cut_ms, "bytes": {k: comm[k]["total"] for k in comm},
                      "server_flops": dict(zip(ids, loads)), "server_tasks": dict(zip(ids, tasks)),
+                     "server_held_bytes": dict(zip(ids, plan.held_bytes())),
                      "num_tasks": sum(tasks), "epoch": self.epoch}
         return self.last
 
@@ -652,8 +665,8 @@ class Coordinator:
     def status(self) -> dict:
         """Job state for ``distca status``: settings, clients, epoch, last plan, and one row per
         server: ``{"server", "node", "state", "rounds_served", "last_flops", "last_tasks",
-        "last_error", "bytes_sent"}`` (``rounds_served``, ``last_error`` and ``bytes_sent`` are
-        None here: the wrapper asks live servers). Only a server that is alive shows the last
+        "last_error", "bytes_sent", "last_held_bytes"}`` (``rounds_served``, ``last_error`` and
+        ``bytes_sent`` are None here: the wrapper asks live servers). Only a server that is alive shows the last
         plan's load: a dead or suspect one serves none of it now. In in-place mode the rows are
         the client ranks that serve (state ``"in-place"``, or ``"unregistered"`` once gone)."""
         servers = []
@@ -668,6 +681,7 @@ class Coordinator:
             servers.append({"server": sid, "node": s.get("node", "?"), "state": s["state"], "rounds_served": None,
                             "last_flops": self.last.get("server_flops", {}).get(sid) if alive else None,
                             "last_tasks": self.last.get("server_tasks", {}).get(sid) if alive else None,
+                            "last_held_bytes": self.last.get("server_held_bytes", {}).get(sid) if alive else None,
                             "last_error": None, "bytes_sent": None})
         return {"name": self.name, "mode": self.mode, "world_size": self.world_size,
                 "clients": sorted(self.clients), "epoch": self.epoch,

@@ -13,22 +13,40 @@ import numpy as np
 
 # Rows of these tensors follow the KV rows of a document; every other tensor follows the query shard.
 KV_TENSORS = frozenset({"k", "v", "dk", "dv"})
+# What a server keeps of a forward round until that layer's backward round when activations are
+# kept: the rows it received and its results. The backward round then dispatches only dO.
+KEPT_TENSORS = ("q", "k", "v", "out", "lse")
 
 
 class RoundKind(str, Enum):
     """The two uses of a plan in a step, and the tensors each one moves (DESIGN "round").
 
-    A round is a dispatch all-to-all (clients -> servers: :attr:`dispatch`, in wire order) and a
-    return all-to-all (servers -> clients: :attr:`returns`). The value is the name used in
+    A round is a dispatch all-to-all (clients -> servers: :meth:`dispatch_with`, in wire order)
+    and a return all-to-all (servers -> clients: :attr:`returns`). The value is the name used in
     metrics, ``Plan.comm_bytes()`` and traffic counters; :attr:`code` is the round header's int.
+
+    With kept activations (``keep_activations=True``) the servers hold :data:`KEPT_TENSORS` of
+    each forward round until its backward round, which then dispatches only ``dout``. The forward
+    round is the same either way.
     """
 
     FORWARD = "forward"
     BACKWARD = "backward"
 
+    def dispatch_with(self, keep_activations: bool) -> tuple[str, ...]:
+        """The tensors clients send servers in this round, in wire order."""
+        if self is RoundKind.FORWARD:
+            return ("q", "k", "v")
+        return ("dout",) if keep_activations else ("q", "k", "v", "out", "lse", "dout")
+
+    def tensors_with(self, keep_activations: bool) -> tuple[str, ...]:
+        """Every tensor that crosses the network in this round: dispatch, then return."""
+        return self.dispatch_with(keep_activations) + self.returns
+
     @property
     def dispatch(self) -> tuple[str, ...]:
-        return ("q", "k", "v") if self is RoundKind.FORWARD else ("q", "k", "v", "out", "lse", "dout")
+        """:meth:`dispatch_with` of a stateless round (the servers keep nothing)."""
+        return self.dispatch_with(False)
 
     @property
     def returns(self) -> tuple[str, ...]:
@@ -36,8 +54,8 @@ class RoundKind(str, Enum):
 
     @property
     def tensors(self) -> tuple[str, ...]:
-        """Every tensor that crosses the network in this round: dispatch, then return."""
-        return self.dispatch + self.returns
+        """:meth:`tensors_with` of a stateless round."""
+        return self.tensors_with(False)
 
     @property
     def code(self) -> int:
@@ -210,19 +228,25 @@ class CostModel:
             return self.num_heads_q * self.head_dim * self.dtype_bytes
         raise ValueError(f"unknown tensor {tensor!r}; expected one of {RoundKind.BACKWARD.tensors}")
 
-    def step_row_bytes(self) -> tuple[int, int]:
+    def _row_bytes(self, names) -> tuple[int, int]:
+        """``(bytes per query row, bytes per KV row)`` of the tensors ``names``."""
+        q_row = sum(self.bytes_per_token(n) for n in names if n not in KV_TENSORS)
+        kv_row = sum(self.bytes_per_token(n) for n in names if n in KV_TENSORS)
+        return q_row, kv_row
+
+    def step_row_bytes(self, keep_activations: bool = False) -> tuple[int, int]:
         """Bytes per query row and per KV row moved over one forward plus one backward round.
 
         Returns ``(q_row_bytes, kv_row_bytes)``; the planner ranks moves by FLOPs per these bytes.
+        With ``keep_activations`` the backward round sends dO instead of Q, K, V, O, LSE, dO.
         """
-        q_row = kv_row = 0
-        for kind in RoundKind:
-            for name in kind.tensors:
-                if name in KV_TENSORS:
-                    kv_row += self.bytes_per_token(name)
-                else:
-                    q_row += self.bytes_per_token(name)
-        return q_row, kv_row
+        return self._row_bytes([n for kind in RoundKind for n in kind.tensors_with(keep_activations)])
+
+    def held_row_bytes(self) -> tuple[int, int]:
+        """Bytes a server holds per received query row and per received KV row from a forward
+        round until its backward round when activations are kept (:data:`KEPT_TENSORS`):
+        ``(q + out + lse, k + v)``."""
+        return self._row_bytes(KEPT_TENSORS)
 
     def to_wire(self) -> list[int]:
         """The one msgpack form of an attention shape: ``[num_heads_q, num_heads_kv, head_dim,

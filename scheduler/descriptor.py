@@ -99,6 +99,14 @@ def number_field(obj: dict, key: str) -> float:
     return finite_nonnegative(f"field {key!r}", obj[key])
 
 
+def bool_field(obj: dict, key: str) -> bool:
+    """Field ``key``, which must be a msgpack bool."""
+    value = obj[key]
+    if type(value) is not bool:
+        raise ValueError(f"field {key!r} must be a bool, got {value!r}")
+    return value
+
+
 def choice_field(obj: dict, key: str, choices: tuple) -> str:
     """Field ``key``, which must be one of the strings ``choices``."""
     value = obj[key]
@@ -115,5 +123,5 @@ def cost_field(obj: dict, key: str = "cost") -> CostModel:
         raise ValueError(f"field {key!r}: {exc}") from None
 
 
-__all__ = ["I64", "MAX_BYTES", "choice_field", "cost_field", "int_array", "int_bin", "int_field",
+__all__ = ["I64", "MAX_BYTES", "bool_field", "choice_field", "cost_field", "int_array", "int_bin", "int_field",
            "number_field", "pack", "unpack"]

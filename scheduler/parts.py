@@ -21,9 +21,10 @@ from .tasks import (MODES, Plan, participant_count, participant_roles,
                     server_participant_index)
 
 FORMAT = "distca.part"
-VERSION = 2  # 2: the window
+VERSION = 2  # 2: the window and kept activations
 _KEYS = frozenset({"step", "batch", "mode", "num_ranks", "num_servers", "cost", "participant", "rank",
-                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id", "window"})
+                   "server", "doc_lens", "client_tasks", "server_tasks", "plan_id", "window",
+                   "keep_activations"})
 _MAX = (1 << 40) - 1
 PLAN_ID_MAX = (1 << 64) - 1
 _NO_TASKS = np.zeros((0, 7), dtype=np.int64)
@@ -49,6 +50,8 @@ class PlanPart:
             64-bit int; 0 when none was given). Every participant of a round checks that all
             agree before any byte moves.
         window: the plan's sliding window (None: full causal); the servers' kernels mask by it.
+        keep_activations: the plan's :attr:`~scheduler.tasks.Plan.keep_activations`: a server keeps
+            each forward round's rows and results until that layer's backward round (dO only).
 
     Raises:
         ValueError: any field out of range, tasks not sorted or outside their documents, or client
@@ -70,9 +73,12 @@ class PlanPart:
     server_tasks: np.ndarray
     plan_id: int = 0
     window: int | None = None
+    keep_activations: bool = False
 
     def __post_init__(self) -> None:
         self.window = window_arg(self.window)
+        if type(self.keep_activations) is not bool:
+            raise ValueError(f"keep_activations must be a bool, got {self.keep_activations!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.cost, CostModel):
@@ -170,7 +176,7 @@ class PlanPart:
             "doc_lens": descriptor.int_bin(self.doc_lens),
             "client_tasks": descriptor.int_bin(self.client_tasks),
             "server_tasks": descriptor.int_bin(self.server_tasks), "plan_id": self.plan_id,
-            "window": self.window})
+            "window": self.window, "keep_activations": self.keep_activations})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "PlanPart":
@@ -184,6 +190,7 @@ class PlanPart:
                   for key in ("step", "batch", "num_ranks", "num_servers", "participant")}
         fields["plan_id"] = descriptor.int_field(obj, "plan_id", 0, PLAN_ID_MAX)
         fields["window"] = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)
+        fields["keep_activations"] = descriptor.bool_field(obj, "keep_activations")
         for key in ("rank", "server"):
             fields[key] = descriptor.int_field(obj, key, 0, _MAX, optional=True)
         try:
@@ -208,7 +215,8 @@ class PlanPart:
             step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
             num_servers=plan.num_servers, cost=plan.cost, participant=participant, rank=rank,
             server=server, doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
-            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id, window=plan.window)
+            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id, window=plan.window,
+            keep_activations=plan.keep_activations)
         return part
 
 

@@ -88,6 +88,8 @@ _RECENT_BANDS = 8
 # most a source may have to be looked at one by one instead.
 _NEIGHBOURS = 2
 _SCAN = 6
+# Under a held-bytes cap, servers tried per source after the roomiest one refuses its pieces.
+_CAP_TRIES = 32
 
 
 def _prefix(x: int, window: int) -> int:
@@ -134,6 +136,26 @@ def _finishable(rest: int, keep: int, fits: int, ms: int) -> bool:
     return -(-rest // fits) * ms <= rest  # the source keeping none
 
 
+def _held_cap_bound(lens: np.ndarray, num_servers: int, cost: CostModel, min_shard: int,
+                    window: int | None = None) -> int:
+    """Bytes no plan can keep every server's held activations below (kept activations): the
+    mean (every token's Q, O, LSE rows and K, V rows are held somewhere), and for each document
+    the server holding its first shard, which needs at least ``min_shard`` Q rows (the whole
+    document when it is shorter) and the KV rows of its first band ``[0, min_shard)``: all of
+    them without a window, the band's windows (:func:`_kv_rows`) with one."""
+    hq, hkv = cost.held_row_bytes()
+    if not len(lens):
+        return 0
+    total = int(lens.sum()) * (hq + hkv)
+    longest = int(lens.max())
+    if window is None or window >= longest:
+        first = longest * hkv + min(longest, min_shard) * hq
+    else:  # the longest document need not hold the most: its band's KV is only its windows
+        first = max(_kv_rows(l, 0, min(min_shard, (l + 1) // 2), window) * hkv + min(l, min_shard) * hq
+                    for l in set(lens.tolist()))
+    return max(-(-total // num_servers), first)
+
+
 def _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
     """The checks of :func:`plan_batch` (and the baselines): the plan's own plus ``min_shard``.
     Returns ``(doc_counts, doc_lens)`` (see :func:`~scheduler.tasks.check_batch`)."""
@@ -146,15 +168,21 @@ class _Batch:
     length (shared by every run of the greedy)."""
 
     def __init__(self, counts: np.ndarray, lens: np.ndarray, num_servers: int, cost: CostModel,
-                 mode: str, min_shard: int, window: int | None = None):
+                 mode: str, min_shard: int, window: int | None = None, keep_activations: bool = False,
+                 held_cap: int | None = None):
         self.S, self.min_shard, self.inplace = num_servers, min_shard, mode == "inplace"
         self.window = window
-        self.q_bytes, self.kv_bytes = cost.step_row_bytes()
+        self.q_bytes, self.kv_bytes = cost.step_row_bytes(keep_activations)
+        # Kept activations under a cap: held bytes per server are tracked, and no move (nor the
+        # dedicated initial placement) fills a server past the cap.
+        self.held_cap = held_cap
+        self.hq, self.hkv = cost.held_row_bytes()
         self.counts, self.lens_arr, self.N = counts, lens, len(lens)
         self.rank_arr = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         longest = int(lens.max()) if self.N else 0
         self.small = longest < 2**31 and self.N * longest**2 < 2**62  # all sums of pairs fit int64
         pairs = doc_pairs(lens, window) if self.small else None
+        doc_held = lens * (self.hq + self.hkv)  # a whole document holds all its rows, window or not
         if self.inplace:
             self.init_server_arr = self.rank_arr
             if self.small:
@@ -166,7 +194,10 @@ class _Batch:
                 for r, l in zip(self.rank_arr.tolist(), lens.tolist()):
                     self.init_loads[r] += doc_pairs(l, window)
         else:
-            self._place_lpt(pairs.tolist() if self.small else [doc_pairs(l, window) for l in lens.tolist()])
+            self._place_lpt(pairs.tolist() if self.small else [doc_pairs(l, window) for l in lens.tolist()],
+                            doc_held.tolist())
+        self.init_held = None if held_cap is None else np.bincount(
+            self.init_server_arr, weights=doc_held, minlength=num_servers).astype(np.int64).tolist()
         # Index: documents by (initial server, splittable, length, -index); a server's unsplittable
         # documents are positions [seg[2s], seg[2s+1]), its splittable ones [seg[2s+1], seg[2s+2]).
         segment = self.init_server_arr * 2 + ((lens + 1) // 2 >= 2 * min_shard)
@@ -180,16 +211,26 @@ class _Batch:
         self.slen = lens[order].tolist()
         self.seg = np.searchsorted(segment[order], np.arange(2 * num_servers + 1)).tolist()
 
-    def _place_lpt(self, pairs: list[int]) -> None:
-        """Longest first, each document to the least-loaded server (ties: lower server)."""
+    def _place_lpt(self, pairs: list[int], doc_held: list[int]) -> None:
+        """Longest first, each document to the least-loaded server (ties: lower server); under a
+        held-bytes cap, the least-loaded server it fits on (else the least-loaded one: the plan is
+        then refused if no move brings it within the cap)."""
         loads = [0] * self.S
+        held = [0] * self.S
         server = [0] * self.N
         heap = [(0, s) for s in range(self.S)]
+        cap = self.held_cap
         for g in np.lexsort((np.arange(self.N), -self.lens_arr)).tolist():
-            load, s = heap[0]
+            skipped = []
+            while cap is not None and heap and held[heap[0][1]] + doc_held[g] > cap:
+                skipped.append(heapq.heappop(heap))
+            load, s = heapq.heappop(heap) if heap else skipped.pop(0)
+            for entry in skipped:
+                heapq.heappush(heap, entry)
             server[g] = s
             loads[s] = load + pairs[g]
-            heapq.heapreplace(heap, (loads[s], s))
+            held[s] += doc_held[g]
+            heapq.heappush(heap, (loads[s], s))
         self.init_loads = loads
         self.init_server_arr = np.asarray(server, dtype=np.int64).reshape(-1)
 
@@ -225,6 +266,8 @@ class _Balance:
         q = batch.q_bytes if batch.inplace else 0  # dedicated: Q rows cross the network anyway
         self._cut_factor = 2 * (2 * q + batch.kv_bytes) / max(1, batch.kv_bytes)
         self.loads = list(batch.init_loads)
+        self.cap = batch.held_cap
+        self.held = None if self.cap is None else list(batch.init_held)
         self.touched: dict[int, list] = {}
         self.dead_left: dict[int, int] = {}
         self.dead_right: dict[int, int] = {}
@@ -380,11 +423,34 @@ class _Balance:
                 dkv = (dst_band[0] - lo) * off_dst if lo < dst_band[0] else 0
             if lo == a:  # the source gives the document up and no longer needs its KV rows
                 dkv -= (l - a) * off_src
+        if self.held is not None and self.held[dst] + self._held_gain(l, lo, b, dst_band) > self.cap:
+            return best  # dst would hold more kept activations than the cap
         v = (2 * k - centre) * self.q_bytes * (off_dst - off_src) + dkv * self.kv_bytes
         key = (moved / v if v > 0 else math.inf, moved, -dst, -gid)
         if best is None or key > best[0]:
             return (key, dst, gid, k, l, pos)
         return best
+
+    def _held_gain(self, l: int, lo: int, hi: int, dst_band) -> int:
+        """Kept-activation bytes a server holding ``dst_band`` (None, or the band just inside)
+        gains with band [lo, hi): its Q rows, and the KV rows it lacks (a band [x, y) needs the
+        prefix up to l - x)."""
+        centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
+        if self._windowed(l):  # the KV span the band's windows need (module _kv_rows)
+            W = self.window
+            if dst_band is None:
+                kv = _kv_rows(l, lo, hi, W)
+            else:
+                kv = _kv_rows(l, lo, dst_band[1], W) - _kv_rows(l, dst_band[0], dst_band[1], W)
+        else:
+            kv = l - lo if dst_band is None else max(0, dst_band[0] - lo)
+        return (2 * (hi - lo) - centre) * self.b.hq + kv * self.b.hkv
+
+    def _kv_lost(self, l: int, a: int, lo: int, hi: int) -> int:
+        """KV rows a server holding band [a, hi) no longer needs once it gives up [lo, hi)."""
+        if self._windowed(l):
+            return _kv_rows(l, a, hi, self.window) - (_kv_rows(l, a, lo, self.window) if lo > a else 0)
+        return l - a if lo == a else 0
 
     def _consider_touched(self, best, gid: int, src: int, top: int, need):
         """A band ``src`` already split: to ``top``, or to the server holding the adjacent band."""
@@ -487,7 +553,11 @@ class _Balance:
         band = held[src]
         a, hi = band
         lo = hi - k
+        centre = 1 if (l & 1 and 2 * hi == l + 1) else 0
         moved = self._pairs(l, lo, hi)
+        if self.held is not None:
+            self.held[dst] += self._held_gain(l, lo, hi, held.get(dst))
+            self.held[src] -= (2 * k - centre) * self.b.hq + self._kv_lost(l, a, lo, hi) * self.b.hkv
         self.loads[src] -= moved
         self.loads[dst] += moved
         recent = self.recent.setdefault(src, {})
@@ -514,6 +584,7 @@ class _Balance:
         heap = [(-(limit - loads[s]), s) for s in range(self.b.S) if s not in source_set]
         heapq.heapify(heap)
         for src in sources:
+            full = []  # servers with FLOP room whose held-bytes cap refused this source's pieces
             while loads[src] > limit and heap:
                 neg_room, top = heap[0]
                 if -neg_room != limit - loads[top]:  # stale entry
@@ -521,12 +592,17 @@ class _Balance:
                     continue
                 best = self._best_move(src, top)
                 if best is None:
+                    if self.held is not None and limit > loads[top] and len(full) < _CAP_TRIES:
+                        full.append(heapq.heappop(heap)[1])  # try the next roomiest server
+                        continue
                     break  # not even the roomiest server takes a piece of this source
                 _, dst, gid, k, l, pos = best
                 self._apply(src, dst, gid, k, l, pos)
                 heapq.heapreplace(heap, (-(limit - loads[top]), top))
                 if dst != top:
                     heapq.heappush(heap, (-(limit - loads[dst]), dst))
+            for s in full:
+                heapq.heappush(heap, (-(limit - loads[s]), s))
 
     # ---- the last pass: smallest pieces to the least-loaded server ----------------------------------
     def _pieces(self, src: int) -> list[tuple]:
@@ -595,6 +671,10 @@ class _Balance:
                 gain = self._pairs(l, there[0] - k, there[0]) if shift else pairs  # what dst takes
                 if loads[dst] + gain >= loads[src]:
                     break  # not even the smallest piece lowers src
+                if self.held is not None:
+                    hi = record[2][src][1] if record is not None else (l + 1) // 2
+                    if shift or self.held[dst] + self._held_gain(l, hi - k, hi, there) > self.cap:
+                        break  # the cap (or bands that would all shift) keeps it here
                 if shift:
                     self._shift(src, dst, gid, k)  # dst holds a band further in
                 else:
@@ -659,7 +739,8 @@ class _Balance:
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
                epsilon: float = 0.05, mode: str = "inplace", min_shard: int = 128,
                window: int | None = None, partial_kv: bool = False,
-               max_kv_rows_per_server: int | None = None) -> Plan:
+               max_kv_rows_per_server: int | None = None, keep_activations: bool = True,
+               max_held_bytes_per_server: int | None = None) -> Plan:
     """Plan one step: split the batch's documents into CA-tasks balanced over the servers.
 
     Args:
@@ -683,15 +764,28 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             the least-loaded servers (finer than ``min_shard`` positions of a band, so it can beat
             the band lower bound), and ``max_kv_rows_per_server`` is enforced. Full causal only
             (with a window, shards are not split on the key axis). False gives full-window tasks.
+            Needs ``keep_activations=False``: a split shard's O and LSE on one server are partial,
+            so a server could not run the kept backward from them.
         max_kv_rows_per_server: with ``partial_kv``, the most KV rows a server should receive
             (None: no limit); key blocks move off servers above it while some server has room.
+        keep_activations: servers keep each forward round's rows and results until that layer's
+            backward round, which then sends only dO (:attr:`Plan.keep_activations`); moves are
+            weighed by the bytes of these rounds.
+        max_held_bytes_per_server: with ``keep_activations``, the most bytes any server may hold
+            for one layer (:meth:`Plan.held_bytes`; a step holds that once per layer and batch):
+            no move fills a server past it, and the dedicated initial placement puts each document
+            where it fits. Balance may then stay above the target. None: no cap.
 
     Returns:
         A :class:`Plan` (built by construction from valid parts, not re-validated).
 
     Raises:
         ValueError: bad lengths, sizes, mode, ε, ``min_shard`` or ``window`` (the message names
-            the values).
+            the values); ``partial_kv`` with ``keep_activations``; a ``max_held_bytes_per_server``
+            without ``keep_activations``, below what any plan needs (the mean over servers, or one
+            document's KV rows plus its first shard), or one the planner could not keep (it names
+            the server, e.g. an in-place rank whose own rows exceed it: the planner moves work for
+            balance, not for memory).
     """
     counts, lens = _validate(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
     window = window_arg(window)
@@ -699,7 +793,24 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         raise ValueError(f"partial_kv must be True or False, got {partial_kv!r}")
     if max_kv_rows_per_server is not None:
         positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
-    batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard), window)
+    if type(keep_activations) is not bool:
+        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    if partial_kv and keep_activations:
+        raise ValueError("partial_kv=True needs keep_activations=False: a query shard split over "
+                         "several servers leaves each with a partial O and LSE, which the kept "
+                         "backward cannot use")
+    cap = max_held_bytes_per_server
+    if cap is not None:
+        positive_int("max_held_bytes_per_server", cap)
+        if not keep_activations:
+            raise ValueError(f"max_held_bytes_per_server={cap} needs keep_activations=True (stateless "
+                             f"servers hold nothing between rounds)")
+        need = _held_cap_bound(lens, int(num_servers), cost, int(min_shard), window)
+        if cap < need:
+            raise ValueError(f"max_held_bytes_per_server={cap} is infeasible: every plan of this batch "
+                             f"holds at least {need} bytes on some server (the mean over "
+                             f"{num_servers} servers, or the longest document's KV rows plus its first shard)")
+    batch = _Batch(counts, lens, int(num_servers), cost, mode, int(min_shard), window, keep_activations, cap)
     bound = load_bound(batch.lens_arr, batch.S, batch.min_shard, window)
     target = (1.0 + epsilon) * bound.level
     best = _Balance(batch, (1.0 + epsilon) * bound.mean)
@@ -715,6 +826,16 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     if partial_kv and (window is None or window >= int(lens.max(initial=0))):
         tasks = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
                                   max_kv_rows_per_server)
-    return Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
+    plan = Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
                          cost=cost, task_array=tasks, epsilon=float(epsilon),
-                         min_shard=batch.min_shard, window=window)
+                         min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
+    if cap is not None:
+        held = plan.held_bytes()
+        worst = int(np.argmax(held))
+        if held[worst] > cap:
+            why = ("; in-place, a rank's own rows stay on its server unless balancing moves them"
+                   if mode == "inplace" else "")
+            raise ValueError(f"max_held_bytes_per_server={cap}: the planner could not keep server {worst} "
+                             f"within it ({held[worst]} bytes held per layer{why}); raise the cap or "
+                             f"add servers")
+    return plan

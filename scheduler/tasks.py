@@ -211,6 +211,10 @@ class Plan:
             wire layout.
         epsilon: the imbalance tolerance the plan was made for (information only).
         min_shard: the shortest shard a split document may have (tokens); 1 allows any.
+        keep_activations: servers keep each forward round's received rows and results until that
+            layer's backward round, which then sends only dO (:data:`~scheduler.cost.KEPT_TENSORS`);
+            changes :meth:`comm_bytes` and :meth:`held_bytes`, not the tasks. Refused with tasks
+            that split a query shard on the key axis (a server's kept O and LSE would be partial).
         window: sliding-window attention (query ``i`` sees keys ``i - window + 1 .. i``), or None
             for full causal attention.
 
@@ -224,9 +228,12 @@ class Plan:
     __hash__ = None  # mutable-looking data: equality by value, like the dataclass it replaces
 
     def __init__(self, doc_lens_per_rank, num_servers: int, mode: str, cost: CostModel, server_tasks,
-                 epsilon: float = 0.0, min_shard: int = 1, window: int | None = None):
+                 epsilon: float = 0.0, min_shard: int = 1, keep_activations: bool = False,
+                 window: int | None = None):
         counts, flat = check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
         positive_int("min_shard", min_shard)
+        if type(keep_activations) is not bool:
+            raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
         window = window_arg(window)
         if not isinstance(server_tasks, (list, tuple)) or len(server_tasks) != num_servers:
             raise ValueError(f"server_tasks must hold one list per server ({num_servers})")
@@ -238,26 +245,28 @@ class Plan:
                                               or not all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
         self._set(counts, flat, int(num_servers), mode, cost, _canonical(_tasks_array(server_tasks)),
-                  float(epsilon), int(min_shard), window)
+                  float(epsilon), int(min_shard), keep_activations, window)
         self._check()
 
     @classmethod
     def _trusted(cls, *, counts: np.ndarray, doc_lens: np.ndarray, num_servers: int, mode: str,
                  cost: CostModel, task_array: np.ndarray, epsilon: float, min_shard: int,
-                 window: int | None = None) -> "Plan":
+                 keep_activations: bool = False, window: int | None = None) -> "Plan":
         """A plan from arrays its maker built valid by construction (the planner): no checks.
         ``task_array`` must already be in canonical order."""
         plan = cls.__new__(cls)
-        plan._set(counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard, window)
+        plan._set(counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard,
+                  keep_activations, window)
         return plan
 
     def _set(self, counts, doc_lens, num_servers, mode, cost, task_array, epsilon, min_shard,
-             window) -> None:
+             keep_activations, window) -> None:
         self.doc_counts = counts
         self.doc_lens_flat = doc_lens
         self.num_servers, self.mode, self.cost = num_servers, mode, cost
         self.task_array = task_array
         self.epsilon, self.min_shard, self.window = epsilon, min_shard, window
+        self.keep_activations = keep_activations
 
     def __eq__(self, other):
         if other.__class__ is not self.__class__:
@@ -265,6 +274,7 @@ class Plan:
         return (self.mode == other.mode and self.num_servers == other.num_servers
                 and self.cost == other.cost and self.epsilon == other.epsilon
                 and self.min_shard == other.min_shard and self.window == other.window
+                and self.keep_activations == other.keep_activations
                 and np.array_equal(self.doc_counts, other.doc_counts)
                 and np.array_equal(self.doc_lens_flat, other.doc_lens_flat)
                 and np.array_equal(self.task_array, other.task_array))
@@ -272,7 +282,8 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(mode={self.mode!r}, num_ranks={self.num_ranks}, num_servers={self.num_servers}, "
                 f"num_docs={len(self.doc_lens_flat)}, num_tasks={len(self.task_array)}, "
-                f"epsilon={self.epsilon}, min_shard={self.min_shard}, window={self.window})")
+                f"epsilon={self.epsilon}, min_shard={self.min_shard}, window={self.window}, "
+                f"keep_activations={self.keep_activations})")
 
     # ---- validation (vectorised: no Python loop over ranks, servers or tasks) ---------------------
     def _check(self) -> None:
@@ -307,6 +318,16 @@ class Plan:
         if problems:
             raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(
                 f"{what}: {self._doc_names(gids)}" for what, gids in problems))
+        if self.keep_activations and arr.size:
+            # A shard split on the key axis leaves each server a partial O and LSE: the kept
+            # backward (which reuses the server's own O and LSE) would be wrong.
+            order = np.lexsort((qs, gid))
+            g, q = gid[order], qs[order]
+            split = (g[1:] == g[:-1]) & (q[1:] == q[:-1])
+            if split.any():
+                raise ValueError("keep_activations=True needs every query shard in one task, but these "
+                                 "documents have shards split on the key axis (partial-KV tasks): "
+                                 + self._doc_names(g[1:][split]))
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]
@@ -409,9 +430,10 @@ class Plan:
         """Bytes moved off-rank in one round of each kind, by tensor.
 
         Returns ``{"forward": {"q", "k", "v", "out", "lse", "total"}, "backward": {"q", "k", "v",
-        "out", "lse", "dout", "dq", "dk", "dv", "total"}}``. Rows a client sends to its own in-place
-        server are not counted. K and V rows count once per (document, server); dK and dV come back
-        the same way.
+        "out", "lse", "dout", "dq", "dk", "dv", "total"}}``; with :attr:`keep_activations` the
+        backward round holds ``dout``, ``dq``, ``dk``, ``dv`` and ``total`` only. Rows a client
+        sends to its own in-place server are not counted. K and V rows count once per (document,
+        server); dK and dV come back the same way.
         """
         q_rows, kv_rows = self.row_matrix
         mask = self.off_rank_mask()
@@ -419,10 +441,23 @@ class Plan:
         result = {}
         for kind in RoundKind:
             per = {n: (kv_total if n in KV_TENSORS else q_total) * self.cost.bytes_per_token(n)
-                   for n in kind.tensors}
+                   for n in kind.tensors_with(self.keep_activations)}
             per["total"] = sum(per.values())
             result[kind.value] = per
         return result
+
+    def held_bytes(self) -> list[int]:
+        """Bytes each server holds for one layer from its forward round until its backward round:
+        the Q, O and LSE rows of its tasks and each document's KV rows once
+        (:meth:`~scheduler.cost.CostModel.held_row_bytes`), its own rank's rows included (the
+        client drops them). A step holds this once per layer and batch until that layer's backward
+        round; all zeros without :attr:`keep_activations`. int [num_servers]."""
+        if not self.keep_activations:
+            return [0] * self.num_servers
+        q_rows, kv_rows = self.row_matrix
+        hq, hkv = self.cost.held_row_bytes()
+        return [int(q) * hq + int(kv) * hkv for q, kv in zip(q_rows.sum(axis=0).tolist(),
+                                                             kv_rows.sum(axis=0).tolist())]
 
     def imbalance(self) -> tuple[float, float]:
         """``(before, after)``: max/mean attention FLOPs over ranks with no balancing, and over
@@ -466,6 +501,10 @@ class Plan:
             per = comm[kind]
             parts = ", ".join(f"{n} {mib(per[n])}" for n in per if n != "total")
             lines.append(f"  {kind} bytes: {mib(per['total'])} ({parts})")
+        if self.keep_activations:
+            held = self.held_bytes()
+            lines.append(f"  kept activations, held per layer from forward to backward: max {mib(max(held))} "
+                         f"on server {held.index(max(held))}, mean {mib(sum(held) / len(held))}")
         return "\n".join(lines)
 
     # ---- wire format --------------------------------------------------------------------------------
@@ -473,7 +512,8 @@ class Plan:
         """Serialise to msgpack bytes: a :mod:`scheduler.descriptor` map of format ``distca.plan``.
 
         Fields: ``mode``, ``num_servers``, ``epsilon``, ``min_shard``, ``window`` (an int, or nil
-        for full causal), ``cost`` (:meth:`CostModel.to_wire`), and int64 ``bin`` arrays ``doc_counts`` [num_ranks],
+        for full causal), ``keep_activations``, ``cost`` (:meth:`CostModel.to_wire`), and int64
+        ``bin`` arrays ``doc_counts`` [num_ranks],
         ``doc_lens`` [num_docs], ``task_counts`` [num_servers] and ``tasks`` [num_tasks, 6] (the
         CATask fields, server after server).
         """
@@ -483,6 +523,7 @@ class Plan:
             "epsilon": float(self.epsilon),
             "min_shard": self.min_shard,
             "window": self.window,
+            "keep_activations": self.keep_activations,
             "cost": self.cost.to_wire(),
             "doc_counts": descriptor.int_bin(self.doc_counts),
             "doc_lens": descriptor.int_bin(self.doc_lens_flat),
@@ -505,6 +546,7 @@ class Plan:
         epsilon = descriptor.number_field(obj, "epsilon")
         min_shard = descriptor.int_field(obj, "min_shard", 1, INT64_MAX)
         window = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)
+        keep = descriptor.bool_field(obj, "keep_activations")
         cost = descriptor.cost_field(obj)
         doc_counts = descriptor.int_array(obj, "doc_counts")
         doc_lens = descriptor.int_array(obj, "doc_lens")
@@ -523,11 +565,11 @@ class Plan:
         arr[:, 1:] = tasks.reshape(-1, 6)
         plan = cls._trusted(counts=doc_counts, doc_lens=doc_lens, num_servers=num_servers, mode=mode,
                             cost=cost, task_array=_canonical(arr), epsilon=epsilon, min_shard=min_shard,
-                            window=window)
+                            keep_activations=keep, window=window)
         plan._check()
         return plan
 
 
 PLAN_FORMAT, PLAN_VERSION = "distca.plan", 3
-_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "min_shard", "window", "cost", "doc_counts", "doc_lens",
-                        "task_counts", "tasks"})
+_PLAN_KEYS = frozenset({"mode", "num_servers", "epsilon", "min_shard", "window", "keep_activations",
+                        "cost", "doc_counts", "doc_lens", "task_counts", "tasks"})

@@ -112,7 +112,9 @@ class PlannedBatch(ABC):
         Returns:
             A future of ``(out [T, num_heads_q, head_dim] in q's dtype, lse [T, num_heads_q] in
             :attr:`~distca_server.wire.RowFormat.lse_dtype`)``; its ``result()`` raises
-            :class:`DistCAError` if a participant was lost or timed out.
+            :class:`DistCAError` if a participant was lost or timed out. Its ``kept`` attribute
+            is the key under which the servers keep this round's activations for
+            :meth:`backward_kept` (a kept-activation plan and ``counts_for_step``), else None.
 
         Raises:
             DistCAError: the runtime is closed, or this batch belongs to a step that has ended.
@@ -129,6 +131,35 @@ class PlannedBatch(ABC):
             DistCAError: a participant was lost or timed out, the runtime is closed, or the step
                 of this batch has ended.
         """
+
+    @abstractmethod
+    def backward_kept(self, kept: int, dout: torch.Tensor, softmax_scale: float):
+        """Run the backward round of the forward round whose future had ``kept`` (blocking): only
+        ``dout`` [T, num_heads_q, head_dim] (contiguous) travels; returns ``(dq [T, num_heads_q,
+        head_dim], dk, dv [T, num_heads_kv, head_dim])`` in dout's dtype. The servers free that
+        round's kept activations.
+
+        Raises:
+            DistCAError: a participant was lost or timed out, the runtime is closed, or the step
+                of this batch has ended (its kept activations were released).
+            ValueError: a server keeps nothing under ``kept``.
+        """
+
+    @property
+    def keep_activations(self) -> bool:
+        """Whether this batch's plan keeps activations on the servers (its backward rounds send
+        dO only)."""
+        return self.participants[0].keep_activations
+
+    def held_bytes(self) -> int:
+        """Bytes of kept activations this process's participants hold now (all servers locally,
+        this client's in-place server on Ray)."""
+        return sum(p.held_bytes() for p in self.participants)
+
+    def release(self, why: str) -> None:
+        """Drop every kept activation of this batch here (its step ended or a round failed)."""
+        for p in self.participants:
+            p.release(why)
 
     def traffic(self) -> Traffic:
         """Bytes this process's participants sent to *other* participants in this batch's rounds
@@ -212,7 +243,10 @@ class StepState:
         return self.forward_rounds > 0 and self.backward_rounds >= self.forward_rounds
 
     def advance(self, step: int | None = None) -> None:
-        """Start step ``step`` (default: the next one) with no batches."""
+        """Start step ``step`` (default: the next one) with no batches; the old batches' kept
+        activations are released."""
+        for batch in self.batches.values():
+            batch.release(f"step {self.step} ended")
         self.step = self.step + 1 if step is None else step
         self.batches.clear()
         self._next_batch = 0
@@ -242,15 +276,17 @@ class StepState:
         self._next_batch += 1
         while len(self.batches) > BATCHES_KEPT:
             _, old = self.batches.popitem(last=False)
+            old.release(f"batch {old.batch} of step {self.step} was evicted ({BATCHES_KEPT} batches kept)")
             with self._claims:
                 self._open.pop(id(old), None)
 
-    def claimable(self, batch: PlannedBatch, future: Future) -> Future:
-        """``future`` (of ``batch``'s forward round) as a future whose first ``result()`` call
-        claims the round: until then, ``batch`` is not handed out for its key again."""
+    def claimable(self, batch: PlannedBatch, future: Future, kept: int | None = None) -> Future:
+        """``future`` (of ``batch``'s forward round, whose activations the servers keep under
+        ``kept``) as a future whose first ``result()`` call claims the round: until then,
+        ``batch`` is not handed out for its key again."""
         with self._claims:
             self._open[id(batch)] = self._open.get(id(batch), 0) + 1
-        return _ClaimedFuture(future, lambda: self._claim(batch))
+        return _ClaimedFuture(future, lambda: self._claim(batch), kept)
 
     def _claim(self, batch: PlannedBatch) -> None:
         with self._claims:
@@ -280,11 +316,12 @@ class StepState:
 
 
 class _ClaimedFuture(Future):
-    """A round's future that calls ``on_claim`` once, at the first ``result()`` call."""
+    """A round's future that calls ``on_claim`` once, at the first ``result()`` call; ``kept``:
+    see :meth:`PlannedBatch.forward_async`."""
 
-    def __init__(self, inner: Future, on_claim):
+    def __init__(self, inner: Future, on_claim, kept: int | None = None):
         super().__init__()
-        self._on_claim = on_claim
+        self._on_claim, self.kept = on_claim, kept
         inner.add_done_callback(self._copy)
 
     def _copy(self, inner: Future) -> None:

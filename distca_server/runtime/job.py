@@ -34,7 +34,8 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
            epsilon: float = 0.05, min_shard: int = 128, timeout_s: float = 60.0,
            failure_grace_s: float = 1.0, backend: str = "auto", detached: bool = True,
            max_restarts: int = 0, scheduler_restarts: int = -1, server_options: dict | None = None,
-           start_timeout_s: float = 300.0, coordinator_options: dict | None = None) -> dict:
+           start_timeout_s: float = 300.0, coordinator_options: dict | None = None,
+           keep_activations: bool = True, max_held_bytes_per_server: int | None = None) -> dict:
     """Start job ``name``: its scheduler and ``servers`` dedicated attention servers, all or
     nothing (if any actor fails to start, the ones started are stopped and the error raised).
 
@@ -58,6 +59,13 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
             with GPUs, else one CPU.
         start_timeout_s: how long the actors may take to start.
         coordinator_options: more scheduler settings (``max_report_docs``, ``max_report_tokens``).
+        keep_activations: servers keep each layer's Q, K, V, O and LSE rows from its forward round
+            until its backward round, which then sends only dO (see :func:`scheduler.plan_batch`).
+            Only forward rounds that will have a backward round keep anything (run with grad and
+            inputs that require it); forward-only rounds (evaluation, ``torch.no_grad``) keep
+            nothing on any setting. False: every backward round resends everything.
+        max_held_bytes_per_server: with ``keep_activations``, the most bytes of kept activations
+            one layer of one batch may leave on any server (the planner's cap; None: no cap).
 
     Returns:
         ``{"scheduler": handle, "servers": [handles]}``.
@@ -66,6 +74,10 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
         ValueError: bad arguments, or actors of a job of that name already running.
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
+    if type(keep_activations) is not bool:
+        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    coordinator_options = dict(coordinator_options or {}, keep_activations=keep_activations,
+                               max_held_bytes_per_server=max_held_bytes_per_server)
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
     if mode not in ("dedicated", "inplace"):
@@ -129,12 +141,14 @@ def status(name: str = "default") -> dict:
     for n in names[1 if scheduler is not None else 0:]:
         sid = int(n.rsplit("-", 1)[1])
         row = {"server": sid, "node": "?", "state": "unreachable", "rounds_served": None,
-               "last_flops": None, "last_tasks": None, "last_error": None, "bytes_sent": None}
+               "last_flops": None, "last_tasks": None, "last_error": None, "bytes_sent": None,
+               "last_held_bytes": None, "peak_held_bytes": None}
         handle = _actor(n)
         try:
             stats = ray.get(handle.stats.remote(), timeout=10)
             row.update(node=stats["node"], state=stats["state"], rounds_served=stats["rounds_served"],
-                       last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]))
+                       last_error=stats["last_error"], bytes_sent=total_bytes(stats["traffic"]),
+                       peak_held_bytes=stats["peak_held_bytes"])
         except Exception:  # a dead or stuck server: shown as unreachable
             pass
         rows.append(row)

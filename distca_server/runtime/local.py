@@ -72,15 +72,24 @@ class LocalBatch(PlannedBatch):
         a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
         return tuple(t[a:b] for t in tensors)
 
+    def _run(self, jobs) -> list:
+        """Run one round's jobs; a failed round releases the batch's kept activations."""
+        try:
+            return self.runtime.run(jobs)
+        except BaseException as exc:
+            self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            raise
+
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank
         whose rows stay home returns the kernel's outputs without a copy)."""
-        results = self.runtime.run(jobs)
+        results = self._run(jobs)
         return next(r for p, r in zip(self.participants, results) if p.rank is not None)
 
-    def _forward(self, q, k, v, softmax_scale):
+    def _forward(self, q, k, v, softmax_scale, keep):
         if len(self.bounds) == 2:
-            return self._single_rank([lambda t, p=p: p.forward(t, *self._rows(p, (q, k, v)), softmax_scale)
+            return self._single_rank([lambda t, p=p: p.forward(t, *self._rows(p, (q, k, v)), softmax_scale,
+                                                               keep=keep)
                                       for p in self.participants])
         T = q.shape[0]
         out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
@@ -88,8 +97,8 @@ class LocalBatch(PlannedBatch):
 
         def job(p):
             rq, rk, rv, ro, rl = self._rows(p, (q, k, v, out, lse))
-            return lambda t: p.forward(t, rq, rk, rv, softmax_scale, out=ro, lse=rl)
-        self.runtime.run([job(p) for p in self.participants])
+            return lambda t: p.forward(t, rq, rk, rv, softmax_scale, out=ro, lse=rl, keep=keep)
+        self._run([job(p) for p in self.participants])
         return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, softmax_scale):
@@ -102,7 +111,23 @@ class LocalBatch(PlannedBatch):
         def job(p):
             rows = self._rows(p, (q, k, v, out, lse, dout, dq, dk, dv))
             return lambda t: p.backward(t, *rows[:6], softmax_scale, dq=rows[6], dk=rows[7], dv=rows[8])
-        self.runtime.run([job(p) for p in self.participants])
+        self._run([job(p) for p in self.participants])
+        return dq, dk, dv
+
+    def _backward_kept(self, kept, dout, softmax_scale):
+        if len(self.bounds) == 2:
+            return self._single_rank([lambda t, p=p: p.backward_kept(t, self._rows(p, (dout,))[0], softmax_scale,
+                                                                     kept=kept)
+                                      for p in self.participants])
+        dq = torch.empty_like(dout)
+        dk = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))
+        dv = torch.empty_like(dk)
+
+        def job(p):
+            rows = self._rows(p, (dout, dq, dk, dv))
+            return lambda t: p.backward_kept(t, rows[0], softmax_scale, kept=kept, dq=rows[1], dk=rows[2],
+                                             dv=rows[3])
+        self._run([job(p) for p in self.participants])
         return dq, dk, dv
 
     def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
@@ -113,6 +138,10 @@ class LocalBatch(PlannedBatch):
         return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward,
                                    q, k, v, out, lse, dout, softmax_scale).result()
 
+    def backward_kept(self, kept, dout, softmax_scale):
+        return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward_kept,
+                                   kept, dout, softmax_scale).result()
+
 
 class LocalRuntime(Runtime):
     """Plans, participants and threads of a ``DistCAClient.local`` client.
@@ -121,15 +150,18 @@ class LocalRuntime(Runtime):
         num_servers: attention servers (threads).
         num_ranks: virtual client ranks the batch is cut into.
         mode: "inplace" or "dedicated".
-        epsilon, min_shard: planner settings.
+        epsilon, min_shard, keep_activations, max_held_bytes_per_server: planner settings (see
+            :func:`scheduler.plan_batch`).
         backend: kernel backend name or "auto".
         timeout_s: how long an in-process all-to-all waits for a participant.
     """
 
     def __init__(self, num_servers: int, num_ranks: int, mode: str, epsilon: float,
-                 backend: str, min_shard: int, timeout_s: float):
+                 backend: str, min_shard: int, timeout_s: float, keep_activations: bool = True,
+                 max_held_bytes_per_server: int | None = None):
         self.num_servers, self.num_ranks, self.mode = num_servers, num_ranks, mode
         self.epsilon, self.backend, self.min_shard = epsilon, backend, min_shard
+        self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
         self.timeout_s = timeout_s
         self.world_size = num_ranks if mode == "inplace" else num_ranks + num_servers
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
@@ -146,7 +178,8 @@ class LocalRuntime(Runtime):
         if plan is None:
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
                               cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard,
-                              window=window)
+                              window=window, keep_activations=self.keep_activations,
+                              max_held_bytes_per_server=self.max_held_bytes_per_server)
             self._plans[key] = plan
             while len(self._plans) > PLANS_KEPT:
                 self._plans.popitem(last=False)
@@ -171,13 +204,16 @@ class LocalRuntime(Runtime):
 
     def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, fn, *args):
         """Count a round of ``batch`` toward its step and queue ``fn(*args)`` behind the earlier
-        rounds; returns its future (a forward round's tells the step when it is claimed)."""
+        rounds (a forward round's ``fn`` also gets the key its activations are kept under, or
+        None); returns its future (a forward round's tells the step when it is claimed)."""
         with self._lock:
             if self._closed:
                 raise DistCAError("this DistCAClient is closed")
-            self._state.count_round(batch, kind, counts_for_step)
-            future = self._rounds.submit(fn, *args)
-            return self._state.claimable(batch, future) if kind == RoundKind.FORWARD else future
+            seq = self._state.count_round(batch, kind, counts_for_step)
+            if kind != RoundKind.FORWARD:
+                return self._rounds.submit(fn, *args)
+            kept = seq if batch.keep_activations and counts_for_step else None
+            return self._state.claimable(batch, self._rounds.submit(fn, *args, kept), kept)
 
     def run(self, jobs):
         """Run one exchange-synchronised job per participant; return their results in order.

@@ -45,6 +45,29 @@ POLL_S = 5.0  # one long-poll of the scheduler lasts at most this long
 _WAKE_S = 0.1  # while polling, check this often whether the member moved to another epoch
 
 
+def run_participant(participant: Participant, transport, header: RoundHeader, tensors=()):
+    """Run the round ``header`` names on ``participant``: forward (keeping its activations under
+    ``header.kept`` when that is >= 0), a stateless backward, or the backward of a kept forward
+    round. ``tensors``: the client's dispatch tensors in wire order, empty on a server-only one.
+
+    Raises:
+        ValueError: the round does not fit the participant's plan (a kept backward round on a
+            stateless plan, or one without a key), before any byte moves.
+    """
+    kept = header.kept if header.kept >= 0 else None
+    args = tuple(tensors) or (None,) * len(header.kind.dispatch_with(participant.keep_activations))
+    if header.kind == RoundKind.FORWARD:
+        return participant.forward(transport, *args, header.softmax_scale, keep=kept)
+    if not participant.keep_activations:
+        if kept is not None:
+            raise ValueError(f"{header.describe()}: names kept activations, but the plan is stateless")
+        return participant.backward(transport, *args, header.softmax_scale)
+    if kept is None:
+        raise ValueError(f"{header.describe()}: the plan keeps activations, but the backward round names "
+                         f"no kept forward round")
+    return participant.backward_kept(transport, *args, header.softmax_scale, kept=kept)
+
+
 def _terse(detail: str) -> str:
     """A collective's error without gloo's source location and advice."""
     detail = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", detail)
@@ -212,8 +235,9 @@ class GroupMember:
             num_clients: client world ranks (they come first in the group).
             participant_for: the participant that runs the round named by a header (a client's
                 own, or a server's part of the header's batch).
-            tensors: the client's ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)``
-                (backward) rows; empty on a dedicated server.
+            tensors: the client's ``(q, k, v)`` (forward), ``(q, k, v, out, lse, dout)``
+                (stateless backward) or ``(dout,)`` (kept backward) rows; empty on a dedicated
+                server.
             header_timeout_s: how long to wait for the header (servers wait for the next round
                 much longer than for data inside a round); default the member's timeout. The wait
                 ends early when the epoch's arbitration opens.
@@ -246,11 +270,7 @@ class GroupMember:
             step, what = common.step, common.describe()
             participant = participant_for(common)
             check_claims(common, rows, participant, self.world_rank)
-            args = tensors or (None,) * len(common.kind.dispatch)
-            if common.kind == RoundKind.FORWARD:
-                result = participant.forward(transport, *args, common.softmax_scale)
-            else:
-                result = participant.backward(transport, *args, common.softmax_scale)
+            result = run_participant(participant, transport, common, tensors)
             self.rounds_done += 1
             return result
         except _Abandoned as exc:

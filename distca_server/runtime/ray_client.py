@@ -92,6 +92,10 @@ class RayBatch(PlannedBatch):
         return self.runtime.submit(self, RoundKind.BACKWARD, (q, k, v, out, lse, dout), softmax_scale,
                                    q.dtype).result()
 
+    def backward_kept(self, kept, dout, softmax_scale):
+        return self.runtime.submit(self, RoundKind.BACKWARD, (dout,), softmax_scale, dout.dtype,
+                                   kept=kept).result()
+
 
 class RayClientRuntime(Runtime):
     """The client side of a job: scheduler round trips, group membership, ordered rounds.
@@ -101,13 +105,18 @@ class RayClientRuntime(Runtime):
         rank, world_size: this client's rank and the number of clients (None: from Ray Train or
             ``RANK``/``WORLD_SIZE``).
         timeout_s: deadline of every wait (None: the job's).
+        keep_activations: None, or the job's setting this client expects (checked).
 
     Raises:
-        ValueError: no job of that name, or rank/world size missing or inconsistent.
+        ValueError: no job of that name, rank/world size missing or inconsistent, or a
+            ``keep_activations`` other than the job's.
         DistCAError: Ray is not initialised or the scheduler does not answer.
     """
 
-    def __init__(self, name: str, rank: int | None, world_size: int | None, timeout_s: float | None):
+    def __init__(self, name: str, rank: int | None, world_size: int | None, timeout_s: float | None,
+                 keep_activations: bool | None = None):
+        if keep_activations is not None and type(keep_activations) is not bool:
+            raise ValueError(f"keep_activations must be a bool or None, got {keep_activations!r}")
         if not ray.is_initialized():
             raise DistCAError("DistCAClient.connect needs Ray: call it from a Ray task or actor, "
                               "or ray.init() first")
@@ -125,6 +134,9 @@ class RayClientRuntime(Runtime):
         self.member: GroupMember | None = None
         cfg = self._register()
         self.mode, self.backend = cfg["mode"], cfg["backend"]
+        if keep_activations is not None and keep_activations != cfg["keep_activations"]:
+            raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
+                             f"{keep_activations} (it is set once per job, at launch)")
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
         self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}")
@@ -270,17 +282,21 @@ class RayClientRuntime(Runtime):
 
     # ---- rounds ----------------------------------------------------------------------------------
     def submit(self, batch: RayBatch, kind: RoundKind, tensors, softmax_scale: float, dtype,
-               counts_for_step: bool = True):
+               counts_for_step: bool = True, kept: int | None = None):
         """Count a round toward its step and queue it on the client's worker thread; returns a
-        future of its result (a forward round's tells the step when its result is claimed)."""
+        future of its result (a forward round's tells the step when its result is claimed).
+        A forward round of a kept-activation plan that counts for the step is kept under its
+        sequence number; a backward round names the key of its forward round in ``kept``."""
         with self._lock:
             if self.closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
+        if kind == RoundKind.FORWARD:
+            kept = seq if batch.keep_activations and counts_for_step else None
         header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
-                             batch.participants[0].part.plan_id)
+                             batch.participants[0].part.plan_id, -1 if kept is None else kept)
         future = self._worker.submit(self._run, batch, header, tensors)
-        return self._state.claimable(batch, future) if kind == RoundKind.FORWARD else future
+        return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
         participant = batch.participants[0]

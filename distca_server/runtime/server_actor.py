@@ -3,8 +3,10 @@
 A background thread serves rounds: it joins the group epoch the scheduler assigns (through
 :class:`~distca_server.runtime.member.GroupMember`, as the clients do), waits for the round
 header, finds the step's part (pushed by the scheduler), runs the server's CA-tasks as one fused
-kernel call and sends the results back. It keeps no state between rounds: backward receives Q, K,
-V, O, LSE and dO again. Method calls (``ping``, ``assign``, ``install_part``, ``stats``) run on
+kernel call and sends the results back. With a kept-activation plan it keeps each forward round's
+rows and results (per step, batch and round key) until that layer's backward round, which then
+receives only dO; kept activations are dropped when their backward round ends, when a round of
+the epoch fails, and when a later step begins. Otherwise it keeps no state between rounds. Method calls (``ping``, ``assign``, ``install_part``, ``stats``) run on
 other threads of the actor, so the job can be inspected while a round is in flight.
 
 A second thread keeps the server in touch with the scheduler: it long-polls it about the server's
@@ -77,6 +79,7 @@ class AttentionServer:
         self._retired_seconds: dict[str, float] = {}
         self._retired_traffic: dict[str, dict[str, int]] = {}
         self.last_error = ""
+        self.held_bytes = self.peak_held_bytes = 0  # kept activations now, and the most ever held
         self.failures: list[float] = []  # wall-clock times (time.time()) of the failures it saw
         self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
         self._metrics = ray_metrics("server")
@@ -147,6 +150,7 @@ class AttentionServer:
                 "rounds_served": self.rounds_served, "last_error": self.last_error,
                 "failures": list(self.failures[-100:]),
                 "phase_seconds": dict(self.phase_seconds), "traffic": self.traffic,
+                "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
                 "assignment": self._assignment}
 
     def stop(self) -> None:
@@ -221,14 +225,17 @@ class AttentionServer:
                                  lambda header: self._participant(header, device, participants),
                                  header_timeout_s=self.idle_timeout_s)
             except Superseded:
+                self._release(participants, "the group epoch was superseded")
                 continue
             except GroupFailure as failure:
+                self._release(participants, f"a round failed: {str(failure)[:200]}")
                 self._failed(failure)
                 continue
             except DistCAError:  # no group (left after a failure): wait for the next assignment
                 continue
             self.rounds_served += 1
             sent = self._count(participants)  # this round's bytes (and a failed round's before it)
+            self._note_held(participants)
             tags = {JOB_LABEL: self.name, "server": str(self.index)}
             self._metrics["distca_rounds_served"].inc(tags=dict(tags, round=self._round_kind.value))
             for kind, n in sent.items():
@@ -242,6 +249,9 @@ class AttentionServer:
         found = participants.get(key)
         if found is not None:
             return found
+        for (step, _, _), p in participants.items():  # the clients left those steps
+            if step < header.step:
+                p.release(f"step {header.step} began")
         part = self._wait(lambda: self._parts.get((header.step, header.batch)), self.timeout_s)
         if part is None:
             raise DistCAError(f"server {self.index}: no descriptor for step {header.step} "
@@ -250,6 +260,15 @@ class AttentionServer:
         found = participants[key] = Participant(part, fmt, get_backend(self.backend_name, device), device)
         self._retire(participants, keep=_PARTS_KEPT)
         return found
+
+    def _release(self, participants: OrderedDict, why: str) -> None:
+        for p in participants.values():
+            p.release(why)
+        self._note_held(participants)
+
+    def _note_held(self, participants: OrderedDict) -> None:
+        self.held_bytes = sum(p.held_bytes() for p in participants.values())
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def _retire(self, participants: OrderedDict, keep: int) -> None:
         """Drop all but the newest ``keep`` participants, keeping their counters in the totals."""

@@ -118,6 +118,23 @@ class TrainWorker:
         except (DistCAError, ValueError) as exc:
             return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
 
+    def backward_pending(self):
+        """The backward round of the grad-requiring forward round :meth:`forward_only` held (with
+        kept activations: dO only, the servers use the rows they kept)."""
+        start = time.monotonic()
+        try:
+            out, dout = self.pending
+            (out * dout).sum().backward()
+            return {"ok": True, "seconds": time.monotonic() - start}
+        except (DistCAError, ValueError) as exc:
+            return {"ok": False, "type": type(exc).__name__, "message": str(exc),
+                    "seconds": time.monotonic() - start}
+
+    def held_bytes(self) -> int:
+        """Kept activations this client's participant holds now (its in-place server role)."""
+        batch = self.client.last_step
+        return 0 if batch is None else batch.held_bytes()
+
     def finish(self, lens, seed):
         """Another layer's forward and the backward of the held step."""
         start = time.monotonic()

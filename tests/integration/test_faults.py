@@ -105,7 +105,7 @@ def test_late_client_costs_one_step_and_is_named(job):
     assert early["seconds"] <= T + SLACK, early
     assert "client rank 1" in early["message"] and "late" in early["message"], early["message"]
     assert "attention server" not in early["message"].split("Cause")[0]
-    assert "(forward, float32)" in early["message"]  # defect 6: the round is described with its dtype
+    assert "(forward, kept 0, float32)" in early["message"]  # defect 6: the round is described with its dtype
     assert not late["ok"] and late["type"] == "DistCAError" and late["seconds"] < 1.0, late
     assert "client rank 1" in late["message"]
     for failures in _server_failures_since(job, t0):  # the servers stopped waiting as quickly
@@ -279,6 +279,32 @@ def test_a_killed_server_is_named_then_restarts_and_rejoins(job):
     _wait_answers(job["servers"][1])  # restarted: it registered again
     _exact_next_step(job)
     assert status(NAME)["last"]["server_flops"].keys() == {0, 1}, status(NAME)
+
+
+def test_a_server_killed_between_forward_and_kept_backward_is_named(job):
+    """Kept activations: the forward round left its rows on the servers; server 0 dies before the
+    backward round (which sends dO only). Both clients raise DistCAError naming it within the
+    timeout + 1 s; the surviving server drops what it kept for that step; the next step is exact."""
+    job["step"][0] += 1
+    s = job["step"][0]
+    assert all(r["ok"] for r in _run(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
+    held = [st["held_bytes"] for st in ray.get([x.stats.remote() for x in job["servers"]], timeout=30)]
+    assert sum(held) > 0, held  # the forward round's rows are held on the servers
+    ray.kill(job["servers"][0], no_restart=False)
+    results = _run(job, [("backward_pending", (), {}) for _ in range(2)])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+        assert "attention server 0" in r["message"], r["message"]
+    deadline = time.monotonic() + 10
+    while ray.get(job["servers"][1].stats.remote(), timeout=30)["held_bytes"]:
+        assert time.monotonic() < deadline, "the surviving server still holds the failed step's rows"
+        time.sleep(0.1)
+    _exact_next_step(job, servers=(1,))  # while server 0 restarts
+    _wait_answers(job["servers"][0])
+    _exact_next_step(job)
+    stats = ray.get([x.stats.remote() for x in job["servers"]], timeout=30)
+    assert all(st["held_bytes"] == 0 for st in stats), stats  # every backward round freed its rows
+    assert max(st["peak_held_bytes"] for st in stats) > 0
 
 
 def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):

@@ -53,7 +53,7 @@ def _client_share(plan, rank):
     share = {}
     for kind in RoundKind:
         per = {}
-        for n in kind.dispatch:
+        for n in kind.dispatch_with(plan.keep_activations):
             per[n] = int((kv_rows if n in KV_TENSORS else q_rows)[rank][off[rank]].sum())
         if plan.mode == "inplace":
             for n in kind.returns:
@@ -133,13 +133,17 @@ def test_dedicated_two_clients_two_servers(local_ray):
 
         # last_plan and traffic() on connect() clients, against the servers' counters
         plan = _check_plan_and_traffic(workers, LENS[1], 4, servers=job["servers"])
-        assert plan.mode == "dedicated" and plan.num_servers == 2
+        assert plan.mode == "dedicated" and plan.num_servers == 2 and plan.keep_activations
+        stats = ray.get([x.stats.remote() for x in job["servers"]], timeout=30)
+        assert [st["held_bytes"] for st in stats] == [0, 0] and min(st["peak_held_bytes"] for st in stats) > 0
     finally:
         shutdown("ded")
 
 
 def test_inplace_three_clients(local_ray):
-    job = launch(name="inp", mode="inplace", timeout_s=TIMEOUT, detached=False, min_shard=8)
+    # stateless here (every backward round resends Q, K, V, O, LSE); the other jobs keep activations
+    job = launch(name="inp", mode="inplace", timeout_s=TIMEOUT, detached=False, min_shard=8,
+                 keep_activations=False)
     try:
         workers = _workers("inp", 3)
         lens3 = [[[300, 5], [20, 20], [1, 2, 3]], [[77, 77], [500], [9, 90]]]
@@ -150,7 +154,7 @@ def test_inplace_three_clients(local_ray):
         assert status("inp")["last"]["imbalance_after"] <= status("inp")["last"]["imbalance_before"]
         assert job["servers"] == []  # in-place: the clients serve
         plan = _check_plan_and_traffic(workers, lens3[1], 5)
-        assert plan.mode == "inplace" and plan.num_servers == 3
+        assert plan.mode == "inplace" and plan.num_servers == 3 and not plan.keep_activations
     finally:
         shutdown("inp")
 

@@ -144,3 +144,21 @@ def test_bad_window_is_refused_before_anything_moves(window):
         assert client.last_step is None
     with pytest.raises(ValueError, match="window must be a positive int"):
         varlen_attention(q, k, v, lens, window=window)
+
+
+@pytest.mark.parametrize("mode,servers", [("inplace", 4), ("dedicated", 3)])
+@pytest.mark.parametrize("keep", [True, False])
+def test_windowed_attend_with_kept_activations(mode, servers, keep):
+    """A windowed plan (no shard split on the key axis) with kept activations: the backward round
+    sends only dO and runs from the server's kept rows, and still equals the float64 reference."""
+    lens = DOCS["odd"]
+    inputs, want = _case("odd", 4, 2, 16, 7)
+    ranks = servers if mode == "inplace" else 1
+    with DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=16, timeout_s=60,
+                            keep_activations=keep) as client:
+        got = run(lambda a, b, c: client.attend(a, b, c, lens, window=7), *inputs)
+        plan = client.last_plan
+        moved = client.traffic()
+    _check(got, want, torch.float64)
+    assert plan.window == 7 and plan.keep_activations is keep
+    assert ("q" in moved.get("backward", {})) is not keep  # kept: no Q rows in the backward round

@@ -548,10 +548,10 @@ def test_status_rows():
     assert st["world_size"] == 2 and st["clients"] == [0, 1] and st["epoch"] == 0
     assert st["servers"] == [
         {"server": 0, "node": "srv0", "state": "suspect", "rounds_served": None, "last_flops": None,
-         "last_tasks": None, "last_error": None, "bytes_sent": None},
+         "last_tasks": None, "last_held_bytes": None, "last_error": None, "bytes_sent": None},
         {"server": 1, "node": "srv1", "state": "alive", "rounds_served": None,
          "last_flops": st["last"]["server_flops"][1], "last_tasks": st["last"]["server_tasks"][1],
-         "last_error": None, "bytes_sent": None}]
+         "last_held_bytes": st["last"]["server_held_bytes"][1], "last_error": None, "bytes_sent": None}]
     assert st["servers"][1]["last_flops"] > 0
     # server 1 dies after the plan: its row keeps no stale load (the plan record still has it)
     c.servers_pinged({0: "alive", 1: "dead"})

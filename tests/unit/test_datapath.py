@@ -50,14 +50,21 @@ def _run_rounds(plan, fmt, inputs, scale, rounds=2, group=None):
         p = participants[i]
         t = group.endpoint(i)
         try:
-            for _ in range(rounds):
+            for n in range(rounds):  # a kept-activation plan keeps round n's rows under key n
+                keep = n if p.keep_activations else None
                 if p.rank is None:
-                    p.forward(t, None, None, None, scale)
-                    p.backward(t, None, None, None, None, None, None, scale)
+                    p.forward(t, None, None, None, scale, keep=keep)
+                    if keep is None:
+                        p.backward(t, None, None, None, None, None, None, scale)
+                    else:
+                        p.backward_kept(t, None, scale, kept=keep)
                     continue
                 q, k, v, dout = inputs[p.rank]
-                out, lse = p.forward(t, q, k, v, scale)
-                dq, dk, dv = p.backward(t, q, k, v, out, lse, dout, scale)
+                out, lse = p.forward(t, q, k, v, scale, keep=keep)
+                if keep is None:
+                    dq, dk, dv = p.backward(t, q, k, v, out, lse, dout, scale)
+                else:
+                    dq, dk, dv = p.backward_kept(t, dout, scale, kept=keep)
                 results[i] = (out, dq, dk, dv)
         except BaseException as exc:  # reported below
             group.abort(i, repr(exc))
@@ -72,8 +79,9 @@ def _run_rounds(plan, fmt, inputs, scale, rounds=2, group=None):
     return by_rank, participants, group
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("seed", range(12))
-def test_rounds_match_the_reference_and_the_plans_bytes(seed):
+def test_rounds_match_the_reference_and_the_plans_bytes(seed, keep):
     rng = random.Random(seed)
     mode = rng.choice(["inplace", "dedicated"])
     num_servers = rng.randint(1, 5)
@@ -83,7 +91,7 @@ def test_rounds_match_the_reference_and_the_plans_bytes(seed):
     batch = _random_batch(rng, num_ranks)
     cost = CostModel(hq, hkv, d, 8)
     plan = plan_batch(batch, num_servers, cost=cost, epsilon=rng.choice([0.0, 0.1]), mode=mode,
-                      min_shard=rng.choice([1, 2, 16]))
+                      min_shard=rng.choice([1, 2, 16]), keep_activations=keep)
     g = torch.Generator().manual_seed(seed)
     inputs = []
     for lens in batch:

@@ -18,7 +18,8 @@ from scheduler.baselines import no_balance, per_doc_cp, wlb_packing
 SCALE = float(os.environ.get("DISTCA_HYPOTHESIS_SCALE", "1"))
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 I64 = np.dtype("<i8")
-KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "window", "cost",
+KEYS = ("format", "version", "mode", "num_servers", "epsilon", "min_shard", "window", "keep_activations",
+        "cost",
         "doc_counts", "doc_lens", "task_counts", "tasks")
 
 
@@ -540,7 +541,8 @@ def test_bit_flip_fuzz():
         try:
             again = Plan(doc_lens_per_rank=plan.doc_lens_per_rank, num_servers=plan.num_servers,
                          mode=plan.mode, cost=plan.cost, server_tasks=plan.server_tasks,
-                         epsilon=plan.epsilon, min_shard=plan.min_shard)
+                         epsilon=plan.epsilon, min_shard=plan.min_shard,
+                         keep_activations=plan.keep_activations)
             assert again == plan
             assert Plan.from_msgpack(plan.to_msgpack()) == plan
         except Exception as exc:  # noqa: BLE001
@@ -647,8 +649,8 @@ def test_plan_sorts_tasks_into_wire_order():
 # ---- type-strict version and overflow-proof counts ----------------------------------------------
 @pytest.mark.parametrize("version", [True, 1, 2, 3.0])
 def test_version_must_be_the_int_3(version):
-    """Version 2 added ``min_shard``, version 3 ``window``; an older plan (or a float or bool 3)
-    is refused."""
+    """Version 2 added ``min_shard``, version 3 ``window`` and ``keep_activations``; an older plan
+    (or a float or bool 3) is refused."""
     obj = decode_map(base_plans()[0])
     obj["version"] = version
     with pytest.raises(ValueError):

@@ -161,3 +161,21 @@ def test_clients_that_disagree_on_the_round_are_refused_by_everyone():
     assert len(set(errors.values())) == 1
     assert "rank 0: step 3 batch 0 round 0 (forward, bfloat16); rank 1: step 3 batch 0 round 0 (forward, float16)" \
         in errors[0]
+
+
+def test_header_round_trips_the_kept_round_key():
+    h = RoundHeader(7, 1, 12, RoundKind.BACKWARD, torch.float32, 0.125, 99, kept=4)
+    assert RoundHeader.decode(h.values()) == h and h.kept == 4
+    assert h.describe() == "step 7 batch 1 round 12 (backward, kept 4, float32)"
+    assert RoundHeader.decode(RoundHeader(7, 1, 3, RoundKind.FORWARD, torch.float32, 0.1).values()).kept == -1
+
+
+def test_a_part_that_does_not_keep_activations_is_refused_in_the_backward_round():
+    """Kept activations change what a backward round dispatches (dO only): a server part cut
+    from a stateless plan disagrees with its clients' byte counts before any byte moves."""
+    parts = _parts([[100, 28], [50]], 1)
+    assert all(p.keep_activations for p in parts)
+    parts[2] = _forged(parts[2])  # the same tasks, keep_activations=False
+    assert _errors(_round(parts, RoundKind.FORWARD)) == {}  # the forward round is the same
+    errors = _errors(_round(parts, RoundKind.BACKWARD))
+    assert 2 in errors and "expects" in errors[2]

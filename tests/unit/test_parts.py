@@ -58,6 +58,7 @@ def _mutations(part: PlanPart):
     yield "map with keys", msgpack.packb([1, 2, 3])
     yield "distca.part v2", with_(version=1)
     yield "distca.part v2", with_(version=True)
+    yield "keep_activations", with_(keep_activations=1)
     yield "window", with_(window=0)
     yield "window", with_(window="7")
     yield "not a CA-task", with_(window=1)  # tasks cut with no window
@@ -102,7 +103,7 @@ def _validated(plan, p, step, batch):
                     doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
                     client_tasks=arr[arr[:, 1] == rank] if rank is not None else arr[:0],
                     server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0],
-                    window=plan.window)
+                    window=plan.window, keep_activations=plan.keep_activations)
 
 
 @settings(max_examples=60, deadline=None)

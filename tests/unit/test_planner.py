@@ -166,7 +166,9 @@ def check_comm(plan):
     cost = plan.cost
     comm = plan.comm_bytes()
     fwd_names = ("q", "k", "v", "out", "lse")
-    bwd_names = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
+    # kept activations: the backward round sends dO only (the servers kept the rest)
+    bwd_names = (("dout", "dq", "dk", "dv") if plan.keep_activations
+                 else ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"))
     for kind, names in (("forward", fwd_names), ("backward", bwd_names)):
         assert set(comm[kind]) == set(names) | {"total"}
         for n in names:

@@ -31,7 +31,7 @@ def test_key_blocks_beat_the_band_bound():
     give at most 128 pieces (max/mean >= 2); key blocks reach (1 + eps) x mean."""
     lens = [[131072]] + [[] for _ in range(255)]
     bands = plan_batch(lens, 256, cost=COST, min_shard=512)
-    split = plan_batch(lens, 256, cost=COST, min_shard=512, partial_kv=True)
+    split = plan_batch(lens, 256, cost=COST, min_shard=512, partial_kv=True, keep_activations=False)
     assert bands.imbalance()[1] >= 2.0
     assert split.imbalance()[1] <= 1.05 + 1e-9
     assert Plan.from_msgpack(split.to_msgpack()) == split  # a valid plan: every pair once
@@ -50,7 +50,7 @@ def test_partial_plans_are_valid_and_never_less_balanced(seed):
     lens[0] = lens[0] or [5]
     ms = rng.choice([1, 16, 128, 1024])
     full = plan_batch(lens, servers, cost=COST, mode=mode, min_shard=ms)
-    part = plan_batch(lens, servers, cost=COST, mode=mode, min_shard=ms, partial_kv=True)
+    part = plan_batch(lens, servers, cost=COST, mode=mode, min_shard=ms, partial_kv=True, keep_activations=False)
     Plan(lens, servers, mode, COST, part.server_tasks, 0.05, ms)  # every check of the constructor
     assert max(part.server_loads()) <= max(full.server_loads()) * (1 + 1e-12)
     assert sum(part.server_loads()) == pytest.approx(sum(full.server_loads()), rel=1e-12)
@@ -64,6 +64,7 @@ def test_kv_budget_moves_past_blocks_off_a_server():
     budget = 37000
     assert plain.row_matrix[1].sum(axis=0).max() > budget
     part = plan_batch(lens, 4, cost=COST, mode="dedicated", min_shard=128, partial_kv=True,
+                      keep_activations=False,
                       max_kv_rows_per_server=budget)
     assert part.row_matrix[1].sum(axis=0).max() <= budget
     assert Plan.from_msgpack(part.to_msgpack()) == part
@@ -80,7 +81,7 @@ def test_planned_partial_plans_through_attend(mode, servers):
     client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=300, timeout_s=60)
     fmt = RowFormat.of(q, k)
     plan = plan_batch(split_documents(lens, ranks), servers, cost=fmt.cost, mode=mode, min_shard=300,
-                      partial_kv=True)
+                      partial_kv=True, keep_activations=False)
     assert len(np.unique(plan.task_array[:, [1, 2, 3]], axis=0)) < len(plan.task_array)  # split keys
     client._runtime._plans[(tuple(lens), fmt, "cpu", None)] = plan
     with client:
@@ -95,3 +96,17 @@ def test_bad_partial_arguments():
         plan_batch([[5]], 1, cost=COST, partial_kv=1)
     with pytest.raises(ValueError, match="max_kv_rows_per_server"):
         plan_batch([[5]], 1, cost=COST, partial_kv=True, max_kv_rows_per_server=0)
+
+
+def test_partial_kv_refuses_kept_activations():
+    """A split query shard leaves each server a partial O and LSE: the kept backward would be
+    wrong, so plan_batch and a hand-built Plan both refuse the pair."""
+    lens = [1500, 20, 7]
+    with pytest.raises(ValueError, match="keep_activations"):
+        plan_batch([lens], 4, cost=COST, mode="dedicated", min_shard=300, partial_kv=True)
+    split = plan_batch([lens], 4, cost=COST, mode="dedicated", min_shard=300, partial_kv=True,
+                       keep_activations=False)
+    assert len(np.unique(split.task_array[:, [1, 2, 3]], axis=0)) < len(split.task_array)
+    Plan([lens], 4, "dedicated", COST, split.server_tasks, 0.05, 300)  # valid when stateless
+    with pytest.raises(ValueError, match="split on the key axis"):
+        Plan([lens], 4, "dedicated", COST, split.server_tasks, 0.05, 300, keep_activations=True)

@@ -61,7 +61,8 @@ def test_windowed_plans_are_valid_exact_and_balanced(seed):
     ms = rng.choice([1, 16, 128])
     eps = rng.choice([0.0, 0.05, 0.2])
     plan = plan_batch(lens, servers, cost=COST, epsilon=eps, mode=mode, min_shard=ms, window=window)
-    again = Plan(lens, servers, mode, COST, plan.server_tasks, eps, ms, window=window)  # full validation
+    again = Plan(lens, servers, mode, COST, plan.server_tasks, eps, ms, window=window,
+                 keep_activations=plan.keep_activations)  # full validation
     assert again == plan and Plan.from_msgpack(plan.to_msgpack()) == plan
     _brute_coverage(plan, window)
     total = sum(doc_pairs(l, window) for r in lens for l in r)

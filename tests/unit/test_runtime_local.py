@@ -159,6 +159,10 @@ def test_closed_runtime_refuses_rounds():
 class _Batch:
     def __init__(self, step, batch):
         self.step, self.batch = step, batch
+        self.released = []
+
+    def release(self, why):  # a PlannedBatch drops its kept activations when its step ends
+        self.released.append(why)
 
 
 def test_step_state_counts_and_evicts():

@@ -17,6 +17,10 @@ from scheduler.cost import RoundKind
 class _Batch:
     def __init__(self, step, index):
         self.step, self.batch = step, index
+        self.released = []
+
+    def release(self, why):  # a PlannedBatch drops its kept activations when its step ends
+        self.released.append(why)
 
 
 def _bind(state, key):
@@ -61,6 +65,7 @@ def test_a_claim_is_counted_once_and_advance_forgets_everything():
     f.result()  # a second result() does not claim twice
     state.advance()
     assert state.step == 6 and state.lookup("k") is None and state.next_batch_index() == 0
+    assert a.released == ["step 5 ended"]  # its kept activations were dropped
 
 
 def test_failed_rounds_can_still_be_claimed():
