@@ -88,7 +88,7 @@ _RECENT_BANDS = 8
 # most a source may have to be looked at one by one instead.
 _NEIGHBOURS = 2
 _SCAN = 6
-# Under a held-bytes cap, servers tried per source after the roomiest one refuses its pieces.
+# Under a held-bytes cap, servers with the most held room tried when the FLOP-roomiest one refuses.
 _CAP_TRIES = 32
 
 
@@ -214,23 +214,36 @@ class _Batch:
     def _place_lpt(self, pairs: list[int], doc_held: list[int]) -> None:
         """Longest first, each document to the least-loaded server (ties: lower server); under a
         held-bytes cap, the least-loaded server it fits on (else the least-loaded one: the plan is
-        then refused if no move brings it within the cap)."""
+        then refused if no move brings it within the cap).
+
+        Under a cap "least loaded" weighs memory too: a server's key is the larger of its FLOPs
+        and its held bytes, each over its mean. Plain LPT gives the short documents (many rows,
+        few FLOPs) to the servers the long ones left idle, which then hold up to 2.3x the mean
+        bytes; under a cap those servers fill up while their FLOPs stay low, and the long
+        documents' bands find no server with both FLOP and memory room. Without a cap plain LPT
+        stays: its FLOP balance is what the greedy starts from.
+        """
         loads = [0] * self.S
         held = [0] * self.S
         server = [0] * self.N
         heap = [(0, s) for s in range(self.S)]
         cap = self.held_cap
+        if cap is not None and self.N:
+            per_load, per_held = self.S / max(1, sum(pairs)), self.S / max(1, sum(doc_held))
+            key = lambda s: max(loads[s] * per_load, held[s] * per_held)  # noqa: E731
+        else:
+            key = loads.__getitem__
         for g in np.lexsort((np.arange(self.N), -self.lens_arr)).tolist():
             skipped = []
             while cap is not None and heap and held[heap[0][1]] + doc_held[g] > cap:
                 skipped.append(heapq.heappop(heap))
-            load, s = heapq.heappop(heap) if heap else skipped.pop(0)
+            _, s = heapq.heappop(heap) if heap else skipped.pop(0)
             for entry in skipped:
                 heapq.heappush(heap, entry)
             server[g] = s
-            loads[s] = load + pairs[g]
+            loads[s] += pairs[g]
             held[s] += doc_held[g]
-            heapq.heappush(heap, (loads[s], s))
+            heapq.heappush(heap, (key(s), s))
         self.init_loads = loads
         self.init_server_arr = np.asarray(server, dtype=np.int64).reshape(-1)
 
@@ -400,6 +413,8 @@ class _Balance:
         if room <= 0:
             return best
         k = self._choose_k(l, a, b, need, room)
+        if k > 0 and self.held is not None and self.held[dst] + self._held_gain(l, b - k, b, dst_band) > self.cap:
+            k = self._held_fit(l, a, b, k, dst_band, self.cap - self.held[dst])
         if k <= 0:
             return best
         centre = 1 if (l & 1 and 2 * b == l + 1) else 0
@@ -430,6 +445,25 @@ class _Balance:
         if best is None or key > best[0]:
             return (key, dst, gid, k, l, pos)
         return best
+
+    def _held_fit(self, l: int, a: int, b: int, k: int, dst_band, held_room: int) -> int:
+        """The widest inner piece of band [a, b), at most ``k`` positions, whose kept activations
+        fit in ``held_room`` bytes at the destination, or 0. Pieces keep ``min_shard`` positions
+        and leave the source at least as many. Without this a cap refused any piece of a long
+        document (its KV prefix alone may fill a server), and balance stalled far above 1+ε.
+        Binary search: the held gain grows with the piece's width."""
+        ms = self.min_shard
+        hi = min(k, b - a - ms)
+        if hi < ms or self._held_gain(l, b - ms, b, dst_band) > held_room:
+            return 0
+        lo = ms  # fits; answer in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._held_gain(l, b - mid, b, dst_band) <= held_room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _held_gain(self, l: int, lo: int, hi: int, dst_band) -> int:
         """Kept-activation bytes a server holding ``dst_band`` (None, or the band just inside)
@@ -583,26 +617,49 @@ class _Balance:
         source_set = set(sources)
         heap = [(-(limit - loads[s]), s) for s in range(self.b.S) if s not in source_set]
         heapq.heapify(heap)
+        # Under a cap, the servers with the least FLOPs are often the fullest in memory (many short
+        # documents): the servers with the most held room are tried when the roomiest refuses.
+        held_heap = None
+        if self.held is not None:
+            held_heap = [(self.held[s] - self.cap, s) for s in range(self.b.S) if s not in source_set]
+            heapq.heapify(held_heap)
         for src in sources:
-            full = []  # servers with FLOP room whose held-bytes cap refused this source's pieces
             while loads[src] > limit and heap:
                 neg_room, top = heap[0]
                 if -neg_room != limit - loads[top]:  # stale entry
                     heapq.heapreplace(heap, (-(limit - loads[top]), top))
                     continue
                 best = self._best_move(src, top)
+                if best is None and held_heap is not None:
+                    best = self._held_room_move(src, top, held_heap, limit)
                 if best is None:
-                    if self.held is not None and limit > loads[top] and len(full) < _CAP_TRIES:
-                        full.append(heapq.heappop(heap)[1])  # try the next roomiest server
-                        continue
-                    break  # not even the roomiest server takes a piece of this source
+                    break  # not even the roomiest servers take a piece of this source
                 _, dst, gid, k, l, pos = best
                 self._apply(src, dst, gid, k, l, pos)
                 heapq.heapreplace(heap, (-(limit - loads[top]), top))
                 if dst != top:
                     heapq.heappush(heap, (-(limit - loads[dst]), dst))
-            for s in full:
-                heapq.heappush(heap, (-(limit - loads[s]), s))
+                if held_heap is not None:
+                    heapq.heappush(held_heap, (self.held[dst] - self.cap, dst))
+
+    def _held_room_move(self, src: int, top: int, held_heap: list, limit):
+        """Under a cap, when the server with the most FLOP room refuses ``src``'s pieces: the best
+        move to one of the :data:`_CAP_TRIES` servers with the most held-bytes room (and FLOP room),
+        or None. Entries that are stale or at the FLOP limit are dropped (destinations never lose
+        load within a run, and every move pushes its destination's new entry)."""
+        tried, best = [], None
+        while held_heap and len(tried) < _CAP_TRIES:
+            key, s = heapq.heappop(held_heap)
+            if key != self.held[s] - self.cap or self.loads[s] >= limit:
+                continue
+            tried.append((key, s))
+            if s != top:
+                best = self._best_move(src, s)
+                if best is not None:
+                    break
+        for entry in tried:
+            heapq.heappush(held_heap, entry)
+        return best
 
     # ---- the last pass: smallest pieces to the least-loaded server ----------------------------------
     def _pieces(self, src: int) -> list[tuple]:
