@@ -32,7 +32,9 @@ import time
 import ray
 from ray.util import metrics
 
-from .coordinator import KEEP_EPOCHS, Coordinator, PlanOutcome, error_answer
+from .coordinator import KEEP_EPOCHS, Coordinator
+from .messages import error_answer
+from .outcomes import PlanOutcome
 from .logs import configure_logging
 from .messages import decode_report, encode_answer
 from .metrics import JOB_LABEL, metrics_of

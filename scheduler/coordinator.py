@@ -38,18 +38,17 @@ and cutting took for the record of the last plan.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
 from .arbitration import Arbitration, Member
 from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import CostModel, window_arg
-from .parts import plan_identity, plan_parts
-from .planner import plan_batch
+from .cost import CostModel
+from .messages import agreed_shape, error_answer, same_report
+from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanOutcome, ReportOutcome,
+                       plan_and_cut)
 from .tasks import MODES, Plan
 
-DEVICE_TYPES = ("cpu", "cuda")
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
 KEEP_EPOCHS = 2  # rendezvous addresses and failure verdicts of older epochs are forgotten
 PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
@@ -59,116 +58,6 @@ PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazil
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
 SERVER_STATES = ("alive", "suspect", "dead")
-
-
-def error_answer(kind: str, message: str, **extra) -> dict:
-    """A report's error answer: ``kind`` is ``"ValueError"`` (bad input), ``"DistCAError"`` or
-    ``"resync"`` (the step is over: go on at ``extra["next_step"]``)."""
-    return {"error": kind, "message": message, **extra}
-
-
-@dataclass(frozen=True)
-class ReportOutcome:
-    """What :meth:`Coordinator.report` tells the wrapper.
-
-    Attributes:
-        answer: the reporting client's answer if it is known now (an error, or the part of a batch
-            already planned), else None: wait until the batch is resolved, then :meth:`answer`.
-        plan: True exactly once per batch, when the last client reported and the shapes agree:
-            find the live servers and call :meth:`Coordinator.plan`.
-        resolved: this call resolved the batch (an error for every client): wake its waiters.
-    """
-
-    answer: dict | None = None
-    plan: bool = False
-    resolved: bool = False
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A dedicated server's place in a new group epoch (``AttentionServer.assign``'s arguments)."""
-
-    server: int
-    epoch: int
-    world_rank: int
-    world_size: int
-    plan_index: int
-    device_type: str
-
-
-@dataclass(frozen=True)
-class EpochDecision:
-    """The group a batch runs in: ``epoch``, its dedicated ``servers`` in plan order, and the
-    ``assignments`` to send (non-empty only when this decision formed a new epoch)."""
-
-    epoch: int
-    servers: tuple[int, ...]
-    assignments: tuple[Assignment, ...] = ()
-
-
-@dataclass
-class PlanOutcome:
-    """What :meth:`Coordinator.plan` tells the wrapper.
-
-    Attributes:
-        resolved: the batch got its answers now (parts or an error): wake its waiters.
-        assignments: new-epoch assignments to send to dedicated servers, before their parts.
-        server_parts: ``(server id, part bytes)`` to install on each dedicated server.
-        record: the record of this plan (also :attr:`Coordinator.last`), or None if none was made.
-    """
-
-    resolved: bool = False
-    assignments: tuple[Assignment, ...] = ()
-    server_parts: list[tuple[int, bytes]] = field(default_factory=list)
-    record: dict | None = None
-
-
-@dataclass(frozen=True)
-class PlanCut:
-    """The pure work of :meth:`Coordinator.plan`: the batch's plan, its descriptor and every
-    participant's part bytes (each carrying the plan's id), with the milliseconds planning and
-    cutting took; or the ``ValueError`` message the documents raised (``plan`` None)."""
-
-    plan: Plan | None
-    parts: list[bytes]
-    plan_ms: float = 0.0
-    cut_ms: float = 0.0
-    error: str | None = None
-    descriptor: bytes = b""
-
-
-def _plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None) -> PlanCut:
-    try:
-        start = timer()
-        plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
-                          min_shard=min_shard, window=window, keep_activations=keep_activations,
-                          max_held_bytes_per_server=max_held_bytes_per_server)
-        planned = timer()
-        whole = plan.to_msgpack()
-        parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]
-        cut = timer()
-    except ValueError as exc:  # bad documents: every client of the batch gets the same error
-        return PlanCut(None, [], error=str(exc))
-    return PlanCut(plan, parts, (planned - start) * 1e3, (cut - planned) * 1e3, descriptor=whole)
-
-
-@dataclass(frozen=True)
-class FailureOutcome:
-    """What :meth:`Coordinator.failure` tells the wrapper: the ``verdict`` if it is decided, else
-    None; then wait until ``deadline`` (on the caller's clock) or until another call decides it,
-    and call :meth:`Coordinator.close_failure`. ``opened``: this call opened the epoch's
-    arbitration: tell every member to check in (:meth:`Coordinator.arbitration`).
-
-    A verdict is ``{"epoch", "lost": [descriptions], "lost_ranks": [world ranks], "next_step",
-    "cause": str, "detected": bool}``: ``cause`` is what the members reported, a participant's own
-    finding first; ``detected`` whether it is one (a ``ValueError`` a participant raised before
-    moving bytes: parts that disagree, clients that disagree on the round, bad input) rather than
-    what a collective reported (a timeout, a closed connection)."""
-
-    verdict: dict | None
-    deadline: float
-    opened: bool = False
 
 
 class _Batch:
@@ -383,7 +272,7 @@ class Coordinator:
                 return ReportOutcome(self._resync(key[0]))
             state = self.batches[key] = _Batch()
         if rank in state.reports:
-            if not _same(state.reports[rank], (doc_lens, shape)):
+            if not same_report(state.reports[rank], (doc_lens, shape)):
                 return ReportOutcome(error_answer(
                     "ValueError", f"rank {rank} reported step {step} batch {batch} twice with different "
                                   f"documents or attention shape"))
@@ -398,7 +287,7 @@ class Coordinator:
         if len(state.reports) < self.world_size:
             return ReportOutcome()
         try:
-            state.shape = _agreed_shape(state.reports)
+            state.shape = agreed_shape(state.reports)
         except ValueError as exc:  # bad input: every client of the batch gets the same error
             self._resolve(key, state, error_answer("ValueError", str(exc)))
             return ReportOutcome(state.answers[rank], resolved=True)
@@ -415,7 +304,7 @@ class Coordinator:
         if self.mode == "dedicated" and not servers:
             return None
         W = self.world_size
-        return partial(_plan_and_cut, [state.reports[r][0] for r in range(W)],
+        return partial(plan_and_cut, [state.reports[r][0] for r in range(W)],
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
                        self.min_shard, step, batch, self.timer, self.keep_activations,
                        self.max_held_bytes_per_server, state.shape[2])
@@ -689,61 +578,4 @@ class Coordinator:
                 "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
 
 
-def _same(a, b) -> bool:
-    """``a == b`` for reports; anything that cannot be compared counts as different."""
-    try:
-        return bool(a == b)
-    except Exception:  # e.g. arrays, whose == is elementwise
-        return False
-
-
-def _checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
-    """Rank ``rank``'s shape as ``(CostModel, device_type, window)``.
-
-    Raises:
-        ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` with an optional
-            ``"window"`` (a positive int or None), naming the rank.
-    """
-    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= {
-            "cost", "device_type", "window"}:
-        raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost', "
-                         f"'device_type' and optionally 'window', got {shape!r}")
-    try:
-        cost = CostModel.from_wire(shape["cost"])
-        window = window_arg(shape.get("window"))
-    except ValueError as exc:
-        raise ValueError(f"rank {rank}: {exc}") from None
-    if shape["device_type"] not in DEVICE_TYPES:
-        raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
-    return cost, shape["device_type"], window
-
-
-def _agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]:
-    """The one ``(CostModel, device_type, window)`` all reports carry.
-
-    Raises:
-        ValueError: a shape that is not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}``
-            with an optional ``"window"`` (a positive int or None), naming the rank, or clients
-            that disagree (naming which ranks sent what).
-    """
-    by_shape: dict[tuple, list[int]] = {}
-    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type, window)
-    for rank in sorted(reports):
-        shape = reports[rank][1]
-        # Clients send the same shape: check each distinct one once (at 1024 clients, building a
-        # CostModel per report was 8 ms of the step). repr tells 2 from 2.0 and True.
-        known = seen.get(repr(shape)) if type(shape) is dict else None
-        if known is None:
-            known = _checked_shape(rank, shape)
-            seen[repr(shape)] = known
-        by_shape.setdefault(known, []).append(rank)
-    if len(by_shape) != 1:
-        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}}}"
-                         for (c, d, w), ranks in by_shape.items())
-        raise ValueError(f"clients disagree on the attention shape: {sent}")
-    (shape, _), = by_shape.items()
-    return shape
-
-
-__all__ = ["Assignment", "Coordinator", "DEVICE_TYPES", "KEEP_EPOCHS", "EpochDecision", "FailureOutcome",
-           "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PlanOutcome", "ReportOutcome", "error_answer"]
+__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS"]

@@ -11,11 +11,12 @@ both directions are one msgpack message each:
   ``rank``, ``doc_lens`` (an int64 ``bin``: the documents' token counts in packing order) and
   ``shape`` (``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``);
 - the answer, the coordinator's answer map as it is: ``{"part": bytes, "group": {...}}`` or an
-  error answer (:func:`scheduler.coordinator.error_answer`). The part inside stays the msgpack
+  error answer (:func:`error_answer`). The part inside stays the msgpack
   :class:`~scheduler.parts.PlanPart` the coordinator encoded once; nothing is re-encoded.
 
 Only the request crosses a trust boundary (the scheduler decodes what any client sends); step,
-batch, rank and shape are checked by :meth:`Coordinator.report`, as for a call made in process.
+batch, rank and shape are checked by :meth:`Coordinator.report`, as for a call made in process;
+the shape's checks (:func:`agreed_shape`) are here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import numpy as np
 
 from . import descriptor
 from .checks import INT64_MAX
+from .cost import CostModel, window_arg
+
+DEVICE_TYPES = ("cpu", "cuda")
 
 FORMAT, VERSION = "distca.report", 1
 _KEYS = frozenset({"step", "batch", "rank", "doc_lens", "shape"})
@@ -85,3 +89,65 @@ def decode_answer(data: bytes) -> dict:
 
 
 __all__ = ["FORMAT", "VERSION", "decode_answer", "decode_report", "encode_answer", "encode_report"]
+
+
+def error_answer(kind: str, message: str, **extra) -> dict:
+    """A report's error answer: ``kind`` is ``"ValueError"`` (bad input), ``"DistCAError"`` or
+    ``"resync"`` (the step is over: go on at ``extra["next_step"]``)."""
+    return {"error": kind, "message": message, **extra}
+
+
+def same_report(a, b) -> bool:
+    """``a == b`` for reports; anything that cannot be compared counts as different."""
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. arrays, whose == is elementwise
+        return False
+
+
+def checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
+    """Rank ``rank``'s shape as ``(CostModel, device_type, window)``.
+
+    Raises:
+        ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` with an optional
+            ``"window"`` (a positive int or None), naming the rank.
+    """
+    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= {
+            "cost", "device_type", "window"}:
+        raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost', "
+                         f"'device_type' and optionally 'window', got {shape!r}")
+    try:
+        cost = CostModel.from_wire(shape["cost"])
+        window = window_arg(shape.get("window"))
+    except ValueError as exc:
+        raise ValueError(f"rank {rank}: {exc}") from None
+    if shape["device_type"] not in DEVICE_TYPES:
+        raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
+    return cost, shape["device_type"], window
+
+
+def agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]:
+    """The one ``(CostModel, device_type, window)`` all reports carry.
+
+    Raises:
+        ValueError: a shape that is not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}``
+            with an optional ``"window"`` (a positive int or None), naming the rank, or clients
+            that disagree (naming which ranks sent what).
+    """
+    by_shape: dict[tuple, list[int]] = {}
+    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type, window)
+    for rank in sorted(reports):
+        shape = reports[rank][1]
+        # Clients send the same shape: check each distinct one once (at 1024 clients, building a
+        # CostModel per report was 8 ms of the step). repr tells 2 from 2.0 and True.
+        known = seen.get(repr(shape)) if type(shape) is dict else None
+        if known is None:
+            known = checked_shape(rank, shape)
+            seen[repr(shape)] = known
+        by_shape.setdefault(known, []).append(rank)
+    if len(by_shape) != 1:
+        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}}}"
+                         for (c, d, w), ranks in by_shape.items())
+        raise ValueError(f"clients disagree on the attention shape: {sent}")
+    (shape, _), = by_shape.items()
+    return shape

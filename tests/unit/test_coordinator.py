@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from scheduler import CostModel, plan_batch
-from scheduler.coordinator import Assignment, Coordinator
+from scheduler.coordinator import Coordinator
+from scheduler.outcomes import Assignment
 from scheduler.parts import PlanPart, plan_identity, plan_part
 
 COST = CostModel(4, 2, 16, 2)
