@@ -449,7 +449,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="8 and 32 servers, 64K and 128K tokens per rank, one timing run (CI smoke)")
+                   help="8 and 32 servers, 64K and 128K tokens per rank (plan variants: 32 and 128 "
+                        "servers), one timing run (CI smoke)")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "planner.json",
                    help="where to write the results (default: bench/results/planner.json)")
     p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
