@@ -34,6 +34,17 @@ Named cases (issue 9): one 65,536-token document over 256 servers, one 2,048-tok
 in-place: the lower bound on max/mean (:func:`scheduler.bound.load_bound`), the target
 ``(1 + ε) · bound`` and what ``plan_batch`` reaches (``named_cases`` in the JSON).
 
+Plan variants (issue 14; ``variants`` in the JSON): on the same batch, ``plan_batch`` at ε = 0.05
+with full-prefix stateless tasks (``partial_kv=False, keep_activations=False``, the baseline),
+kept activations (``keep_activations=True``, the default), partial-KV tasks (``partial_kv=True``,
+stateless) and both; 128K tokens per rank, 128-1024 servers, both traces, in-place and dedicated
+(one server per rank). Columns (one layer; a step moves and holds this once per layer):
+``fwd GiB`` / ``bwd GiB`` the rounds' ``plan.comm_bytes()`` totals, the backward round by tensor
+(``resent`` = q+k+v+out+lse sent again, ``dout``, ``dq``, ``dk+dv``), ``vs stateless`` forward +
+backward bytes over the stateless plan's, ``imb`` max/mean FLOPs over servers, ``plan ms``,
+``held max`` / ``held mean`` :meth:`Plan.held_bytes` per server (MiB; 0 when stateless). A
+combination ``plan_batch`` refuses is a row marked ``refused`` with its message.
+
 Also timed: :func:`~distca_sim.workloads.sample_batch` itself at 256 ranks × 512K tokens (Pretrain),
 ms per call over 5 successive steps after a first call that samples and caches the stream (target:
 under 50 ms per call); printed under the table and stored as ``sample_batch`` in the JSON.
@@ -41,8 +52,10 @@ under 50 ms per call); printed under the table and stored as ``sample_batch`` in
 Usage::
 
     python bench/planner.py            # full grid, a few minutes on 2 cores
-    python bench/planner.py --quick    # 8 and 32 servers, 64K and 128K tokens, one timing run
+    python bench/planner.py --quick    # 8 and 32 servers, 64K and 128K tokens (variants: 32 and
+                                       # 128 servers), one timing run
     python bench/planner.py --targets-only   # the planning-time targets and named cases alone
+    python bench/planner.py --variants-only  # the plan variants alone
 
 Writes JSON to ``--json`` (default ``bench/results/planner.json``).
 """
@@ -84,6 +97,12 @@ NAMED_CASES = (  # (name, doc_lens_per_rank of rank 0.., servers, ε)
 )
 SAMPLE_RANKS, SAMPLE_TOKENS, SAMPLE_STEPS, SAMPLE_TARGET_MS = 256, 524288, 5, 50.0
 SLOW_CONFIG_S = 30.0
+VARIANTS = (  # (name, partial_kv, keep_activations); the first is the baseline of "vs stateless"
+    ("stateless", False, False), ("kept", False, True), ("partial-KV", True, False), ("both", True, True))
+VARIANT_SERVERS, QUICK_VARIANT_SERVERS = (128, 256, 512, 1024), (32, 128)
+VARIANT_TOKENS, VARIANT_EPSILON, VARIANT_MODES = 131072, 0.05, ("inplace", "dedicated")
+RESENT = ("q", "k", "v", "out", "lse")  # what a stateless backward round sends again
+GIB = 2 ** 30
 
 
 def systems():
@@ -241,9 +260,76 @@ def bench_named_cases() -> list[dict]:
     return rows
 
 
+def bench_variants(trace, servers, mode, repeats, warmup, slow_s) -> list[dict]:
+    """The :data:`VARIANTS` of ``plan_batch`` on one batch (see the module doc); a refused
+    combination is a row with ``refused`` = the ValueError's message and no numbers."""
+    batch = sample_batch(trace, servers, VARIANT_TOKENS, seed=0, step=0)
+    hq, hkv = COST.held_row_bytes()
+    rows = []
+    for name, partial, keep in VARIANTS:
+        row = {"trace": trace, "servers": servers, "mode": mode, "tokens_per_rank": VARIANT_TOKENS,
+               "epsilon": VARIANT_EPSILON, "variant": name, "partial_kv": partial,
+               "keep_activations": keep, "refused": None}
+        rows.append(row)
+        try:
+            plan, median_s, times, _ = time_plan(
+                lambda: plan_batch(batch, servers, cost=COST, epsilon=VARIANT_EPSILON, mode=mode,
+                                   min_shard=MIN_SHARD, partial_kv=partial, keep_activations=keep),
+                repeats, warmup, slow_s)
+        except ValueError as exc:
+            row["refused"] = str(exc)
+            continue
+        comm, held = plan.comm_bytes(), plan.held_bytes()
+        bwd = comm["backward"]
+        row.update({
+            "comm_bytes": comm, "forward_bytes": comm["forward"]["total"], "backward_bytes": bwd["total"],
+            "total_bytes": comm["forward"]["total"] + bwd["total"],
+            "fwd_gib": comm["forward"]["total"] / GIB, "bwd_gib": bwd["total"] / GIB,
+            "resent_gib": sum(bwd.get(n, 0) for n in RESENT) / GIB, "dout_gib": bwd["dout"] / GIB,
+            "dq_gib": bwd["dq"] / GIB, "dkdv_gib": (bwd["dk"] + bwd["dv"]) / GIB,
+            "imbalance": plan.imbalance()[1], "plan_ms": median_s * 1e3,
+            "plan_ms_runs": [t * 1e3 for t in times], "num_tasks": int(len(plan.task_array)),
+            "held_bytes": held, "held_max_mib": max(held) / MIB, "held_mean_mib": sum(held) / len(held) / MIB,
+            # what a stateless client keeps of its own rows for autograd instead (the largest rank)
+            "own_rows_mib_per_rank": max(sum(x) for x in batch) * (hq + hkv) / MIB,
+        })
+    base = rows[0].get("total_bytes")
+    for r in rows:
+        if r["refused"] is None:
+            r["vs_stateless"] = r["total_bytes"] / base if base else 1.0
+    return rows
+
+
+VARIANT_COLUMNS = [("trace", "trace", "{}"), ("mode", "mode", "{}"), ("servers", "servers", "{}"),
+                   ("variant", "variant", "{}"), ("fwd GiB", "fwd_gib", "{:,.1f}"),
+                   ("bwd GiB", "bwd_gib", "{:,.1f}"), ("resent", "resent_gib", "{:,.1f}"),
+                   ("dout", "dout_gib", "{:,.1f}"), ("dq", "dq_gib", "{:,.1f}"),
+                   ("dk+dv", "dkdv_gib", "{:,.1f}"), ("vs stateless", "vs_stateless", "{:.3f}"),
+                   ("imb", "imbalance", "{:.3f}"), ("plan ms", "plan_ms", "{:.2f}"),
+                   ("held max MiB", "held_max_mib", "{:,.0f}"), ("held mean MiB", "held_mean_mib", "{:,.0f}")]
+
+
+def variants_headline(rows) -> list[str]:
+    """One line per variant: its bytes over the stateless plan's and its balance, or its refusal."""
+    lines = []
+    for name, _, _ in VARIANTS[1:]:
+        done = [r for r in rows if r["variant"] == name and r["refused"] is None]
+        refused = sorted({r["refused"] for r in rows if r["variant"] == name and r["refused"]})
+        if done:
+            lines.append(f"plan variant {name}: forward+backward bytes {min(r['vs_stateless'] for r in done):.3f}-"
+                         f"{max(r['vs_stateless'] for r in done):.3f} x the stateless plan's, max/mean "
+                         f"{max(r['imbalance'] for r in done):.3f} at most, held per layer per server at most "
+                         f"{max(r['held_max_mib'] for r in done):,.0f} MiB ({len(done)} configs)")
+        lines += [f"plan variant {name}: refused in {sum(r['refused'] == m for r in rows)} configs: {m}"
+                  for m in refused]
+    return lines
+
+
 def render_small(rows, columns) -> str:
-    """Plain aligned text of ``rows`` for ``columns`` = [(header, key, format)]."""
-    cells = [[fmt.format(r[key]) for _, key, fmt in columns] for r in rows]
+    """Plain aligned text of ``rows`` for ``columns`` = [(header, key, format)]; a value a row
+    lacks (or holds as None) shows as ``-``."""
+    cells = [["-" if r.get(key) is None else fmt.format(r[key]) for _, key, fmt in columns]
+             for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _, _) in enumerate(columns)]
     lines = ["  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths)),
              "  ".join("-" * w for w in widths)]
@@ -363,7 +449,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="8 and 32 servers, 64K and 128K tokens per rank, one timing run (CI smoke)")
+                   help="8 and 32 servers, 64K and 128K tokens per rank (plan variants: 32 and 128 "
+                        "servers), one timing run (CI smoke)")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "planner.json",
                    help="where to write the results (default: bench/results/planner.json)")
     p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
@@ -373,11 +460,17 @@ def parse_args(argv):
                    help="timed runs after the warm-up run; the median is reported (default 5)")
     p.add_argument("--targets-only", action="store_true",
                    help="only the planning-time targets and the named cases, not the grid")
+    p.add_argument("--variants-only", action="store_true",
+                   help="only the plan variants (stateless, kept, partial-KV, both), not the grid")
+    p.add_argument("--variant-servers", nargs="+", type=int,
+                   help="override the plan variants' server counts")
     p.add_argument("--slow-s", type=float, default=10.0,
                    help="a call whose warm-up run takes longer is timed by that run alone")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.targets_only and args.variants_only:
+        p.error("--targets-only and --variants-only exclude each other")
     return args
 
 
@@ -393,9 +486,17 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     sampling = time_sample_batch()
-    targets = bench_targets(args.traces, 3 if args.quick else max(args.repeats, 9), log)
-    named = bench_named_cases()
+    targets = bench_targets(args.traces, 3 if args.quick else max(args.repeats, 9), log) \
+        if not args.variants_only else []
+    named = bench_named_cases() if not args.variants_only else []
+    variants = []
     for trace in args.traces if not args.targets_only else ():
+        for mode in VARIANT_MODES:
+            for s in args.variant_servers or (QUICK_VARIANT_SERVERS if args.quick else VARIANT_SERVERS):
+                t0 = time.perf_counter()
+                variants.extend(bench_variants(trace, s, mode, repeats, warmup, args.slow_s))
+                log(f"variants {trace:8s} {mode:9s} {s:4d} servers: {time.perf_counter() - t0:6.1f} s")
+    for trace in args.traces if not (args.targets_only or args.variants_only) else ():
         for s in servers:
             for t in tokens:
                 t0 = time.perf_counter()
@@ -406,15 +507,24 @@ def main(argv=None) -> int:
 
     def show():
         print_table(rows)
-        print()
-        print(f"planning time at the targets (in-place, eps={TARGET_EPSILON:g}, "
-              f"{TARGET_TOKENS // 1024}K tokens per rank; ms; median of alternating runs):")
-        print(render_small(targets, TARGET_COLUMNS))
-        print()
-        print("named cases: lower bound on max/mean, target (1 + eps) x bound, achieved max/mean:")
-        print(render_small(named, NAMED_COLUMNS))
+        if targets:
+            print()
+            print(f"planning time at the targets (in-place, eps={TARGET_EPSILON:g}, "
+                  f"{TARGET_TOKENS // 1024}K tokens per rank; ms; median of alternating runs):")
+            print(render_small(targets, TARGET_COLUMNS))
+        if named:
+            print()
+            print("named cases: lower bound on max/mean, target (1 + eps) x bound, achieved max/mean:")
+            print(render_small(named, NAMED_COLUMNS))
+        if variants:
+            print()
+            print(f"plan variants (plan_batch eps={VARIANT_EPSILON:g}, {VARIANT_TOKENS // 1024}K tokens "
+                  f"per rank; bytes of one layer's forward + backward round, GiB; held per layer, MiB):")
+            print(render_small([dict(r, variant=f"{r['variant']} (refused)") if r["refused"] else r
+                                for r in variants], VARIANT_COLUMNS))
 
-    finish(show, headline(rows, sampling, targets, named), elapsed, args.json, {
+    lines = headline(rows, sampling, targets, named) + variants_headline(variants)
+    finish(show, lines, elapsed, args.json, {
         "benchmark": "planner",
         "cost_model": COST.to_dict(),
         "min_shard": MIN_SHARD,
@@ -428,6 +538,9 @@ def main(argv=None) -> int:
         "sample_batch": sampling,
         "targets": targets,
         "named_cases": named,
+        "variants": variants,
+        "variant_settings": {"epsilon": VARIANT_EPSILON, "tokens_per_rank": VARIANT_TOKENS,
+                             "modes": list(VARIANT_MODES), "variants": [list(v) for v in VARIANTS]},
     })
     return 0
 

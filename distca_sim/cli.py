@@ -10,6 +10,7 @@ Examples::
     distca simulate --model llama3-8b --gpu h100 --gpus 64 --tp 8 --pp 1 \\
         --context 131072 --dataset pretrain --epsilon 0.05
     distca simulate --gpus 128 --pp 4 --sweep --contexts 128K 256K --epsilon 0 0.05 0.1
+    distca simulate --gpus 64 --no-keep-activations   # stateless servers: backward resends Q, K, V, O, LSE
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-ping-pong", action="store_true", help="distca without nano-batch overlap")
     g.add_argument("--no-bubble-serving", action="store_true",
                    help="distca balances each pipeline stage on its own")
+    g.add_argument("--keep-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="distca's servers keep each layer's activations until its backward round, "
+                        "which then sends dO only (default); --no-keep-activations: stateless "
+                        "servers, the backward round resends Q, K, V, O and LSE")
     g = p.add_argument_group("sweep and output")
     g.add_argument("--sweep", action="store_true", help="run every --contexts x --epsilon value")
     g.add_argument("--contexts", type=tokens, nargs="+", default=[65536, 131072, 262144, 524288])
@@ -88,7 +93,8 @@ def _model(args):
 def _run(args, model, gpu, par, context, eps):
     return simulate(model, gpu, par, Workload(args.dataset, context, args.seed, args.step),
                     systems=args.systems, epsilons=eps, ping_pong=not args.no_ping_pong,
-                    bubble_serving=not args.no_bubble_serving, recompute=args.recompute)
+                    bubble_serving=not args.no_bubble_serving, recompute=args.recompute,
+                    keep_activations=args.keep_activations)
 
 
 def main(args) -> int:

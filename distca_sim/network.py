@@ -61,21 +61,23 @@ def _tensor_bytes(cost: CostModel, names) -> tuple[int, int]:
     return q, kv
 
 
-def plan_round_bytes(q_rows: np.ndarray, kv_rows: np.ndarray,
-                     cost: CostModel) -> dict[tuple[RoundKind, str], np.ndarray]:
+def plan_round_bytes(q_rows: np.ndarray, kv_rows: np.ndarray, cost: CostModel, *,
+                     keep_activations: bool) -> dict[tuple[RoundKind, str], np.ndarray]:
     """``[R, R]`` bytes of the four all-to-alls of a step, from a plan's ``row_matrix``.
 
     ``q_rows[r, s]`` / ``kv_rows[r, s]`` are the query / KV rows rank ``r`` ships to server ``s``
     (:attr:`scheduler.tasks.Plan.row_matrix`, in-place: ``s`` is a rank). Returns send matrices
     (``[sender, receiver]``) keyed ``(round kind, "dispatch" | "return")``: each round's
-    :attr:`~scheduler.cost.RoundKind.dispatch` tensors go rank -> server, its
-    :attr:`~scheduler.cost.RoundKind.returns` server -> rank.
+    :meth:`~scheduler.cost.RoundKind.dispatch_with` ``(keep_activations)`` tensors go rank ->
+    server (with kept activations the backward round sends dO only), its
+    :attr:`~scheduler.cost.RoundKind.returns` server -> rank. Off the diagonal these sum to
+    ``Plan.comm_bytes()`` of a plan with the same ``keep_activations``.
     """
     q = q_rows.astype(np.float64)
     kv = kv_rows.astype(np.float64)
     out = {}
     for kind in RoundKind:
-        dq, dkv = _tensor_bytes(cost, kind.dispatch)
+        dq, dkv = _tensor_bytes(cost, kind.dispatch_with(keep_activations))
         rq, rkv = _tensor_bytes(cost, kind.returns)
         out[(kind, "dispatch")] = q * dq + kv * dkv
         out[(kind, "return")] = (q * rq + kv * rkv).T

@@ -170,7 +170,9 @@ class SystemResult:
         memory_divergence: max / mean activation bytes over ranks (1.0 = balanced memory).
         fits: ``memory_bytes`` within the usable HBM.
         details: system knobs (``epsilon``, ``cp``, ...).
-        per_rank: per-rank arrays ``linear_s``, ``attention_s``, ``comm_s``, ``act_bytes``.
+        per_rank: per-rank arrays ``linear_s``, ``attention_s``, ``comm_s``, ``act_bytes`` and
+            ``held_bytes`` (distca with kept activations: the peak bytes per GPU its server
+            holds between a layer's forward and backward rounds, part of ``act_bytes``; else 0).
     """
 
     system: str
@@ -236,6 +238,9 @@ class Comparison:
         rows = []
         for r in self.results:
             notes = ", ".join(f"{k}={v}" for k, v in r.details.items() if k in ("cp", "epsilon"))
+            if r.details.get("keep_activations") is not None:
+                notes += (f", kept, held {r.details['held_bytes_max'] / GIB:.1f} GiB"
+                          if r.details["keep_activations"] else ", stateless")
             vs = f"{r.throughput_tokens_s / self.get('wlb_ideal').throughput_tokens_s:.3f}" \
                 if has_wlb else "-"
             rows.append([r.system, f"{r.step_time_s:.3f}", f"{r.throughput_tokens_s:,.0f}", vs,
@@ -306,7 +311,7 @@ def _check_batch(batch, par: ParallelConfig) -> list[list[list[int]]]:
 def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelConfig,
              workload: Workload, *, systems: Iterable[str] = SYSTEMS,
              epsilons: Sequence[float] = (0.05,), ping_pong: bool = True,
-             bubble_serving: bool = True, recompute: str = "auto",
+             bubble_serving: bool = True, recompute: str = "auto", keep_activations: bool = True,
              cp_degrees: Sequence[int] | None = None, min_shard: int = 128,
              batch: Sequence[Sequence[Sequence[int]]] | None = None) -> Comparison:
     """Simulate one training step of every system in ``systems`` on the same batch.
@@ -323,6 +328,9 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
             bubble serve busy ones (else each stage balances over its own ranks only).
         recompute: activation recomputation for all systems: ``"none"``, ``"full"`` or ``"auto"``
             (full only when plain packing's activations do not fit in memory).
+        keep_activations: distca's servers keep each layer's activations from its forward round
+            to its backward round, which then sends dO only (as :func:`scheduler.plan_batch`);
+            False: stateless servers, every backward round resends Q, K, V, O and LSE.
         cp_degrees: CP degrees WLB-ideal may use (default: powers of two dividing ``dp``).
         min_shard: the planner's smallest shard, tokens.
         batch: explicit documents instead of sampling: ``batch[i][d]`` lists the document lengths
@@ -333,8 +341,10 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
 
     Raises:
         ValueError: an unknown model, GPU, system or dataset; a layout that does not fit the model;
-            bad ε, CP degrees or recompute mode.
+            bad ε, CP degrees, recompute mode or ``keep_activations``.
     """
+    if type(keep_activations) is not bool:
+        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
     model = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not isinstance(model, ModelConfig) or not isinstance(gpu, GPUConfig):
@@ -383,13 +393,15 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
             fits=bool(mem <= usable),
             details={**run.details, "recompute": "full" if rec else "none"},
             per_rank={"linear_s": run.linear_s, "attention_s": run.attention_s,
-                      "comm_s": run.comm_s, "act_bytes": act})
+                      "comm_s": run.comm_s, "act_bytes": act,
+                      "held_bytes": np.zeros_like(act) if run.held_bytes is None else run.held_bytes})
 
     results = []
     for name in systems:
         if name == "distca":
             for e in eps:
-                run = run_distca(ctx, batch, e, ping_pong=ping_pong, bubble_serving=bubble_serving)
+                run = run_distca(ctx, batch, e, ping_pong=ping_pong, bubble_serving=bubble_serving,
+                                 keep_activations=keep_activations)
                 results.append(result(f"distca eps={e:g}", run))
         elif name == "wlb_ideal":
             cap = ctx.token_cap()

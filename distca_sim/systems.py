@@ -58,6 +58,7 @@ class RunResult:
     comm_s: np.ndarray         # per rank, seconds its ports are busy with CA/CP traffic
     act_bytes: np.ndarray      # per rank, peak activation bytes per GPU
     details: dict
+    held_bytes: np.ndarray | None = None  # per rank, peak bytes per GPU held for kept activations
 
 
 class Context:
@@ -83,6 +84,10 @@ class Context:
         self.phi = model.qkv_fraction
         # K and V bytes of one token on one GPU (what a CP all-gather moves per token).
         self.kv_token_bytes = self.cost.bytes_per_token("k") + self.cost.bytes_per_token("v")
+        # What a client saves per token and layer for core attention's backward alone, and does
+        # not save when the servers keep the activations: Q, K, V and the LSE (the attention
+        # output stays, as the input of the O projection).
+        self.attention_saved_token_bytes = sum(self.cost.bytes_per_token(n) for n in ("q", "k", "v", "lse"))
 
     # ---- attention kernels ------------------------------------------------------------------
     def doc_attention(self, lens) -> tuple[float, float]:
@@ -100,12 +105,16 @@ class Context:
         shard = self.model.num_params / (self.tp * self.pp)
         return shard * 6 + shard * 12 / self.dp
 
-    def act_bytes_per_token(self, stage: int) -> float:
+    def act_bytes_per_token(self, stage: int, keep_activations: bool = False) -> float:
         """Activation bytes per GPU per token of one microbatch, times the microbatches stage
-        ``stage`` keeps alive under 1F1B (``min(p − s, m)``), plus the last stage's logits."""
+        ``stage`` keeps alive under 1F1B (``min(p − s, m)``), plus the last stage's logits.
+        ``keep_activations``: less :attr:`attention_saved_token_bytes` per layer (the servers hold
+        those rows instead; distca counts them on the servers)."""
         m = self.model
         live = min(self.pp - stage, self.m)
         per_layer = m.activation_bytes_per_token_layer() / self.tp
+        if keep_activations:
+            per_layer -= self.attention_saved_token_bytes
         if self.recompute:  # full recompute stores each layer's (sequence-parallel) input only
             kept = 2 * m.hidden_size / self.tp * self.layers * live + per_layer
         else:
@@ -304,15 +313,17 @@ FWD_DISPATCH, FWD_RETURN = (RoundKind.FORWARD, "dispatch"), (RoundKind.FORWARD, 
 BWD_DISPATCH, BWD_RETURN = (RoundKind.BACKWARD, "dispatch"), (RoundKind.BACKWARD, "return")
 
 
-def _planned(docs_per_rank, cost, epsilon: float, min_shard: int):
+def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activations: bool):
     """``(server, q_len, kv_len, q_rows, kv_rows)`` of a plan, cached.
 
-    The planner sees the cost model only through the ratio of query-row to KV-row bytes (it ranks
-    moves by FLOPs per byte), so plans are shared by every model with the same per-GPU head ratio.
+    The planner sees the cost model only through the ratio of query-row to KV-row bytes of a step
+    (it ranks moves by FLOPs per byte; :meth:`~scheduler.cost.CostModel.step_row_bytes` with
+    ``keep_activations``), so plans are shared by every model with the same per-GPU head ratio.
     """
-    q, kv = cost.step_row_bytes()
+    q, kv = cost.step_row_bytes(keep_activations)
     g = math.gcd(q, kv)
-    key = (tuple(tuple(x) for x in docs_per_rank), q // g, kv // g, float(epsilon), min_shard)
+    key = (tuple(tuple(x) for x in docs_per_rank), q // g, kv // g, float(epsilon), min_shard,
+           keep_activations)
     with _PLAN_LOCK:
         hit = _PLAN_CACHE.get(key)
         if hit is not None:
@@ -321,7 +332,8 @@ def _planned(docs_per_rank, cost, epsilon: float, min_shard: int):
     # Planned outside the lock: other threads' lookups go on meanwhile (two threads may plan the
     # same batch, each once; the second entry replaces the first).
     plan = plan_batch([list(x) for x in docs_per_rank], len(docs_per_rank), cost=cost,
-                      epsilon=epsilon, mode="inplace", min_shard=min_shard)
+                      epsilon=epsilon, mode="inplace", min_shard=min_shard,
+                      keep_activations=keep_activations)
     arr = plan.task_array
     q_rows, kv_rows = plan.row_matrix
     hit = (arr[:, 0].copy(), arr[:, 4] - arr[:, 3], arr[:, 6].copy(), q_rows, kv_rows)
@@ -332,14 +344,15 @@ def _planned(docs_per_rank, cost, epsilon: float, min_shard: int):
     return hit
 
 
-def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong):
-    """Seconds of one tick for one all-to-all group of ranks, with and without communication."""
+def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong, keep):
+    """Seconds of one tick for one all-to-all group of ranks, with and without communication,
+    and ``held[r, s]``: bytes server ``s`` keeps of rank ``r``'s rows per layer (``keep``)."""
     S = len(docs)
-    server, ql, kl, q_rows, kv_rows = _planned(docs, ctx.cost, epsilon, ctx.min_shard)
+    server, ql, kl, q_rows, kv_rows = _planned(docs, ctx.cost, epsilon, ctx.min_shard, keep)
     ca_f = np.bincount(server, ctx.fwd_table.latencies(ql, kl), minlength=S)
     ca_b = np.bincount(server, ctx.bwd_table.latencies(ql, kl), minlength=S)
     nodes = rank_nodes(int(max(ranks)) + 1, ctx.tp, ctx.gpu.gpus_per_node)[ranks]
-    mats = plan_round_bytes(q_rows, kv_rows, ctx.cost)
+    mats = plan_round_bytes(q_rows, kv_rows, ctx.cost, keep_activations=keep)
     secs = {k: alltoall_seconds(v, nodes, ctx.gpu) for k, v in mats.items()}
     T = np.array([sum(x) for x in docs], dtype=float)
     lf, lb = ctx.lin_f * T, ctx.lin_b * T
@@ -380,16 +393,26 @@ def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong):
     off = {k: float(v.sum() - np.trace(v)) for k, v in mats.items()}
     moved = (n_f * (off[FWD_DISPATCH] + off[FWD_RETURN])
              + n_b * (off[BWD_DISPATCH] + off[BWD_RETURN])) * ctx.tp  # all tp GPU lanes
-    return t, t0, lin_busy, busy - lin_busy, port, recv, moved
+    hq, hkv = ctx.cost.held_row_bytes()  # Plan.held_bytes, split by the rank the rows came from
+    held = q_rows * hq + kv_rows * hkv if keep else np.zeros_like(q_rows)
+    return t, t0, lin_busy, busy - lin_busy, port, recv, moved, held
 
 
 def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
-               bubble_serving: bool = True) -> RunResult:
-    """distca with in-place servers; ``bubble_serving=False`` plans each stage on its own."""
+               bubble_serving: bool = True, keep_activations: bool = True) -> RunResult:
+    """distca with in-place servers; ``bubble_serving=False`` plans each stage on its own.
+
+    ``keep_activations`` (as :func:`scheduler.plan_batch`): the backward rounds send dO only, the
+    clients save no Q, K, V, LSE for core attention (:meth:`Context.act_bytes_per_token`) and each
+    server holds what :meth:`Plan.held_bytes` says, per layer, from a microbatch's forward tick to
+    its backward tick (with full recompute: one recomputed layer at a time, in the backward tick).
+    ``held_bytes``: each rank's peak of those bytes, per GPU (``details["held_bytes_max"]``)."""
     m, R, p = ctx.m, ctx.dp, ctx.pp
     N = p * R
     step = step0 = moved = 0.0
-    lin, attn, comm, recv = np.zeros(N), np.zeros(N), np.zeros(N), np.zeros(N)
+    lin, attn, comm, recv, held_peak = (np.zeros(N) for _ in range(5))
+    held_now: dict[tuple[int, int], np.ndarray] = {}  # (stage, microbatch) -> bytes held per rank
+    stage_of = np.arange(N) // R
     for kind, active in tick_schedule(p, m):
         mb_of = dict(active)
         docs = [batch[mb_of[s]][d] if s in mb_of else [] for s in range(p) for d in range(R)]
@@ -397,22 +420,36 @@ def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
         groups = [list(range(N))] if bubble_serving else [
             list(range(s * R, (s + 1) * R)) for s in sorted(mb_of)]
         t_tick = t0_tick = 0.0
+        in_flight = np.zeros(N)  # a recomputed layer's rows, held during the backward tick
         for grp in groups:
-            t, t0, lb, ab, port, rv, mv = _tick_group(ctx, [docs[r] for r in grp], np.array(grp),
-                                                  epsilon, kind, last[grp], ping_pong)
+            t, t0, lb, ab, port, rv, mv, held = _tick_group(
+                ctx, [docs[r] for r in grp], np.array(grp), epsilon, kind, last[grp], ping_pong,
+                keep_activations)
+            if kind == "F" and not ctx.recompute:  # kept until this microbatch's backward tick
+                for s, i in active:
+                    from_s = stage_of[grp] == s
+                    held_now.setdefault((s, i), np.zeros(N))[grp] += ctx.layers * held[from_s].sum(axis=0)
+            elif kind == "B" and ctx.recompute:
+                in_flight[grp] = held.sum(axis=0)
             t_tick, t0_tick = max(t_tick, t), max(t0_tick, t0)
             lin[grp] += lb
             attn[grp] += ab
             comm[grp] += port
             recv[grp] = np.maximum(recv[grp], rv)
             moved += mv
+        held_peak = np.maximum(held_peak, sum(held_now.values(), in_flight))
+        if kind == "B":
+            for s_i in active:
+                held_now.pop(s_i, None)
         senders = [s for s in mb_of if (s < p - 1 if kind == "F" else s > 0)]
         hop = _p2p(ctx, max(sum(x) for x in docs), R) if senders else 0.0
         step += t_tick + hop
         step0 += t0_tick + hop
     tokens = np.array([max(sum(batch[i][d]) for i in range(m)) for s in range(p) for d in range(R)])
-    act = np.array([tokens[s * R + d] * ctx.act_bytes_per_token(s)
-                    for s in range(p) for d in range(R)]) + recv
+    act = np.array([tokens[s * R + d] * ctx.act_bytes_per_token(s, keep_activations)
+                    for s in range(p) for d in range(R)]) + recv + held_peak
     return RunResult(step, step - step0, lin, attn, comm, act,
                      {"epsilon": float(epsilon), "ping_pong": ping_pong,
-                      "bubble_serving": bubble_serving, "ca_bytes_per_step": moved})
+                      "bubble_serving": bubble_serving, "keep_activations": keep_activations,
+                      "ca_bytes_per_step": moved, "held_bytes_max": float(held_peak.max())},
+                     held_peak)

@@ -5,6 +5,10 @@ import json
 
 from scripts import load_script
 
+from scheduler import plan_batch
+from scheduler.cost import RoundKind
+from distca_sim.workloads import sample_batch
+
 
 def load_bench():
     return load_script("bench/planner.py", "bench_planner")
@@ -60,6 +64,39 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
     named = result["named_cases"]
     assert len(named) == 6 and all(r["meets"] for r in named)
     assert {r["bound_ratio"] for r in named if r["case"].startswith("one 2,048")} == {2.0}
+    check_variants(bench, result["variants"], printed)
+
+
+def check_variants(bench, rows, printed):
+    """The plan variants: every (trace, mode, servers, variant) once; each row's bytes and held
+    memory are those of the plan it names (re-planned here); kept activations move at most 0.67x
+    the stateless plan's bytes; a refused combination carries plan_batch's message and no numbers."""
+    names = [v[0] for v in bench.VARIANTS]
+    assert names == ["stateless", "kept", "partial-KV", "both"]
+    got = [(r["trace"], r["mode"], r["servers"], r["variant"]) for r in rows]
+    assert sorted(got) == sorted((t, m, s, n) for t in ("pretrain", "prolong") for m in ("inplace", "dedicated")
+                                 for s in (32, 128) for n in names)
+    for r in rows:
+        by = {r2["variant"]: r2 for r2 in rows if (r2["trace"], r2["mode"], r2["servers"]) ==
+              (r["trace"], r["mode"], r["servers"])}
+        if r["refused"] is not None:  # today: partial-KV with kept activations
+            assert (r["partial_kv"], r["keep_activations"]) == (True, True)
+            assert "partial_kv" in r["refused"] and "keep_activations" in r["refused"]
+            assert "comm_bytes" not in r and f"{r['variant']} (refused)" in printed
+            continue
+        batch = sample_batch(r["trace"], r["servers"], r["tokens_per_rank"], seed=0, step=0)
+        plan = plan_batch(batch, r["servers"], cost=bench.COST, epsilon=0.05, mode=r["mode"], min_shard=128,
+                          partial_kv=r["partial_kv"], keep_activations=r["keep_activations"])
+        assert r["comm_bytes"] == plan.comm_bytes() and r["held_bytes"] == plan.held_bytes()
+        for kind in RoundKind:  # a kept backward round sends dO only
+            assert set(r["comm_bytes"][kind.value]) == {*kind.tensors_with(r["keep_activations"]), "total"}
+        assert r["total_bytes"] == r["forward_bytes"] + r["backward_bytes"] > 0
+        assert r["vs_stateless"] == r["total_bytes"] / by["stateless"]["total_bytes"]
+        assert r["imbalance"] <= 1.05 + 1e-9 and r["plan_ms"] > 0
+        assert (max(r["held_bytes"]) > 0) is r["keep_activations"]
+        if r["keep_activations"]:
+            assert r["vs_stateless"] <= 0.67 and r["resent_gib"] == 0
+    assert "plan variant kept: forward+backward bytes" in printed
 
 
 def test_quick_scaling_run(tmp_path, capsys):

@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 
 from distca_sim.hardware import attention_tables
-from distca_sim.network import alltoall_seconds, rank_nodes, ring_seconds
+from distca_sim.network import alltoall_seconds, plan_round_bytes, rank_nodes, ring_seconds
 from distca_sim.pipeline import Round, pipeline_1f1b, run_rounds, tick_schedule
 from distca_sim.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
                                  get_gpu, get_model, simulate)
 from distca_sim.systems import Context, cp_server_seconds
-from scheduler import CostModel
+from scheduler import CostModel, plan_batch
+from scheduler.cost import RoundKind
 from scheduler.baselines import capped_lpt, per_doc_cp
 
 # A model and a GPU with round numbers, so step times can be written down by hand.
@@ -178,6 +179,73 @@ def test_per_doc_cp_analytic_matches_the_plan_baseline():
     np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+# ---- kept activations ----------------------------------------------------------------------------
+# Four ranks, one heavy: the plan moves shards of the 6,000-token documents to the light ranks.
+KEEP_RANKS = [[6000, 6000, 300], [500, 700], [128, 900], [40, 1000, 2]]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_round_bytes_are_the_plans_comm_bytes(keep):
+    cost = CostModel(4, 1, 128, 2)
+    plan = plan_batch(KEEP_RANKS, 4, cost=cost, epsilon=0.0, min_shard=128, keep_activations=keep)
+    mats = plan_round_bytes(*plan.row_matrix, cost, keep_activations=keep)
+    comm = plan.comm_bytes()
+    for kind in RoundKind:
+        off = {d: float(m.sum() - np.trace(m)) for (k, d), m in mats.items() if k is kind}
+        assert off["dispatch"] == sum(comm[kind.value][n] for n in kind.dispatch_with(keep))
+        assert off["dispatch"] + off["return"] == comm[kind.value]["total"] > 0
+    if keep:  # the backward round sends dO only: one Q-sized row per query row
+        assert mats[(RoundKind.BACKWARD, "dispatch")].sum() == plan.row_matrix[0].sum() * cost.bytes_per_token("dout")
+
+
+def test_kept_activations_move_fewer_bytes_and_hold_what_the_plan_holds():
+    """Same batch, same ε: with kept activations distca's ports are busy for less time, its CA
+    bytes are the plan's comm_bytes (forward + backward, every layer), and each server holds
+    Plan.held_bytes per layer from the forward tick to the backward tick."""
+    res = {keep: run([KEEP_RANKS], dp=4, systems=("distca",), keep_activations=keep,
+                     recompute="none").get("distca") for keep in (False, True)}
+    stateless, kept = res[False], res[True]
+    assert kept.comm_s < stateless.comm_s
+    assert kept.details["ca_bytes_per_step"] < 0.7 * stateless.details["ca_bytes_per_step"]
+    for keep, r in res.items():
+        plan = plan_batch(KEEP_RANKS, 4, cost=TINY.cost_model(1), epsilon=0.0, min_shard=128,
+                          keep_activations=keep)
+        comm = plan.comm_bytes()
+        assert r.details["ca_bytes_per_step"] == TINY.num_layers * (comm["forward"]["total"]
+                                                                    + comm["backward"]["total"])
+        np.testing.assert_array_equal(r.per_rank["held_bytes"], TINY.num_layers * np.array(plan.held_bytes()))
+        assert r.details["keep_activations"] is keep
+    assert stateless.details["held_bytes_max"] == 0 < kept.details["held_bytes_max"]
+    assert "kept, held" in run([KEEP_RANKS], dp=4, systems=("distca",)).table()  # the default
+
+
+def test_kept_activations_client_memory_and_recompute():
+    kw = dict(model=get_model("llama3-8b"), gpu=get_gpu("h200"), tp=8, pp=4, dp=2, microbatches=8,
+              min_shard=128)
+    ctx = Context(**kw, recompute=False)
+    saved = ctx.cost.bytes_per_token("q") + 2 * ctx.cost.bytes_per_token("k") + ctx.cost.bytes_per_token("lse")
+    assert saved == 2 * (4096 + 2 * 8 * 128 + 2 * 32) / 8  # Q, K, V and the fp32 LSE per GPU
+    # stage 0 keeps 4 microbatches of 8 layers alive; each drops Q, K, V, LSE per layer
+    assert ctx.act_bytes_per_token(0) - ctx.act_bytes_per_token(0, True) == pytest.approx(4 * 8 * saved)
+    full = Context(**kw, recompute=True)  # one recomputed layer in flight
+    assert full.act_bytes_per_token(0) - full.act_bytes_per_token(0, True) == pytest.approx(saved)
+    # with full recompute a server holds one layer's rows, during the backward tick only
+    rec = run([KEEP_RANKS], dp=4, systems=("distca",), recompute="full").get("distca")
+    plan = plan_batch(KEEP_RANKS, 4, cost=TINY.cost_model(1), epsilon=0.0, min_shard=128)
+    np.testing.assert_array_equal(rec.per_rank["held_bytes"], plan.held_bytes())
+
+
+def test_pipeline_holds_each_microbatch_until_its_backward_tick():
+    """pp 2, 2 microbatches: stage 0 keeps microbatch 0's rows from tick 0 to tick 4 while
+    microbatch 1 arrives, so some server holds more than one microbatch's layers at once; with
+    one microbatch per step the peak is one microbatch's."""
+    batch = [[[3000, 200], [50, 60]], [[100], [2500, 20]]]
+    two = run(batch, dp=2, pp=2, m=2, systems=("distca",), recompute="none").get("distca")
+    one = run(batch[:1], dp=2, pp=2, m=1, systems=("distca",), recompute="none").get("distca")
+    assert two.per_rank["held_bytes"].max() > one.per_rank["held_bytes"].max() > 0
+    assert two.memory_bytes > one.memory_bytes
+
+
 # ---- memory --------------------------------------------------------------------------------------
 def test_capped_lpt_by_hand():
     # WLB-ideal's packing (scheduler.baselines.capped_lpt, shared with wlb_packing): costliest
@@ -272,6 +340,7 @@ def test_measured_tables_replace_the_analytic_ones():
                      batch=[[[10]]]),
     lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=1), Workload(),
                      batch=[[[0]]]),
+    lambda: simulate("llama3-8b", "h100", ParallelConfig(tp=8, dp=2), Workload(), keep_activations=1),
 ])
 def test_bad_input_raises_value_error(call):
     with pytest.raises(ValueError):
@@ -298,8 +367,11 @@ def test_cli_single_configuration_and_sweep(tmp_path, capsys):
                  "--pp", "1", "--context", "64K", "--dataset", "pretrain",
                  "--epsilon", "0.05"]) == 0
     out = capsys.readouterr().out
-    for name in ("distca eps=0.05", "wlb_ideal", "per_doc_cp", "packing", "vs WLB-ideal"):
+    for name in ("distca eps=0.05", "wlb_ideal", "per_doc_cp", "packing", "vs WLB-ideal", "kept, held"):
         assert name in out
+    assert main(["simulate", "--gpus", "32", "--context", "64K", "--systems", "distca",
+                 "--no-keep-activations"]) == 0
+    assert "epsilon=0.05, stateless" in capsys.readouterr().out
     path = tmp_path / "sweep.json"
     assert main(["simulate", "--gpus", "32", "--pp", "2", "--sweep", "--contexts", "32K", "64K",
                  "--epsilon", "0", "0.1", "--json", str(path)]) == 0
