@@ -343,6 +343,7 @@ class SchedulerActor:
             server_tags = {JOB_LABEL: self.name, "server": str(sid)}
             m["distca_server_flops"].set(rec["server_flops"].get(sid, 0.0), tags=server_tags)
             m["distca_server_tasks"].set(rec["server_tasks"].get(sid, 0), tags=server_tags)
+            m["distca_server_held_bytes"].set(rec["server_held_bytes"].get(sid, 0), tags=server_tags)
         m["distca_steps_planned"].inc(tags=tags)
         log.debug("job %s: planned step %d batch %d: imbalance %.3f -> %.3f, %d CA-tasks, plan %.2f ms, "
                   "cut %.2f ms", self.name, rec["step"], rec["batch"], rec["imbalance_before"],

@@ -63,6 +63,9 @@ METRICS: tuple[Metric, ...] = (
            (JOB_LABEL, "server"), "scheduler", "FLOPs"),
     Metric("distca_server_tasks", "gauge", "CA-tasks on a server, last plan",
            (JOB_LABEL, "server"), "scheduler", "tasks"),
+    Metric("distca_server_held_bytes", "gauge",
+           "kept-activation bytes a server holds per layer from forward to backward, last plan (0 when stateless)",
+           (JOB_LABEL, "server"), "scheduler", "bytes"),
     # every plan (histograms: a scrape misses no step)
     Metric("distca_step_imbalance_before", "histogram", "max/mean attention FLOPs with no balancing, every plan",
            (JOB_LABEL,), "scheduler", "ratio", tuple(_IMBALANCE)),

@@ -81,6 +81,7 @@ def test_plausible_values(demo):
     assert v("ray_distca_step_bytes_per_round_count", round="forward") == [STEPS]
     # the last plans ran on server 0 alone (server 1 was killed, and may have come back since)
     assert v("ray_distca_server_flops", server="0")[0] > 0 and v("ray_distca_server_tasks", server="0")[0] >= 1
+    assert v("ray_distca_server_held_bytes", server="0")[0] > 0  # kept activations are on by default
     assert v("ray_distca_lost_participants_total", role="server") == [1]
     rounds = lambda server, kind: sum(v("ray_distca_rounds_served_total", server=server, round=kind))  # noqa: E731
     assert rounds("0", "forward") == STEPS * LAYERS

@@ -107,7 +107,8 @@ def test_dedicated_two_clients_two_servers(local_ray):
         assert "imbalance" in format_status(st)
         names = ray.get(job["scheduler"].metric_names.remote())
         for metric in ("distca_imbalance_before", "distca_imbalance_after", "distca_plan_ms",
-                       "distca_cut_ms", "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks"):
+                       "distca_cut_ms", "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks",
+                       "distca_server_held_bytes"):
             assert metric in names
 
         # a malformed descriptor is refused, and the server keeps serving

@@ -35,7 +35,7 @@ def test_dashboard_covers_what_a_user_watches():
     used = {n for names in dashboard_series().values() for n in names}
     for name in ("distca_step_imbalance_before", "distca_step_imbalance_after", "distca_step_plan_ms",
                  "distca_step_cut_ms", "distca_bytes_per_round", "distca_server_flops", "distca_server_tasks",
-                 "distca_rounds_served", "distca_lost_participants"):
+                 "distca_server_held_bytes", "distca_rounds_served", "distca_lost_participants"):
         assert any(u.startswith(PROMETHEUS_PREFIX + name) for u in used), name
 
 
