@@ -28,8 +28,9 @@ class DistCAAttention(torch.autograd.Function):
     :class:`~distca_server.runtime.base.PlannedBatch` that runs the backward round on the same plan.
 
     Kept activations (``pending.kept`` is a key): the servers hold this round's Q, K, V, O and LSE
-    rows, so nothing is saved here and the backward round sends dO only
-    (``step.backward_kept``). Stateless: saves q, k, v, out and the LSE (float32, or float64 for
+    rows, so nothing is saved here and the backward round sends dO (``step.backward_kept``), plus
+    the merged O and LSE of query shards split on the key axis, which this process's participant
+    kept from the forward round's merge (the servers' own are partial). Stateless: saves q, k, v, out and the LSE (float32, or float64 for
     float64 inputs; FlashAttention-2 Alg. 2 recomputes the softmax from it), nothing quadratic,
     and ``step.backward(q, k, v, out, lse, dout, softmax_scale)`` resends them.
     """

@@ -133,19 +133,24 @@ def claims(participant, kind: RoundKind) -> np.ndarray:
     P = part.num_participants
     zeros = [0] * P
 
-    def nbytes(names, q_rows, kv_rows):
+    def nbytes(names, q_rows, kv_rows, merged=(), split_rows=zeros):
         q_bytes = sum(fmt.row_bytes(n) for n in names if n not in KV_TENSORS)
         kv_bytes = sum(fmt.row_bytes(n) for n in names if n in KV_TENSORS)
-        return (np.asarray(q_rows, dtype=np.int64) * q_bytes + np.asarray(kv_rows, dtype=np.int64) * kv_bytes)
+        split_bytes = sum(fmt.row_bytes(n) for n in merged)
+        return (np.asarray(q_rows, dtype=np.int64) * q_bytes + np.asarray(kv_rows, dtype=np.int64) * kv_bytes
+                + np.asarray(split_rows, dtype=np.int64) * split_bytes)
 
     client = participant.rank is not None
     server = participant.server is not None
-    cq, ckv = (participant.client_q_rows, participant.client_kv_rows) if client else (zeros, zeros)
-    sq, skv = (participant.server_q_rows, participant.server_kv_rows) if server else (zeros, zeros)
+    cq, ckv, csp = ((participant.client_q_rows, participant.client_kv_rows, participant.client_split_rows)
+                    if client else (zeros, zeros, zeros))
+    sq, skv, ssp = ((participant.server_q_rows, participant.server_kv_rows, participant.server_split_rows)
+                    if server else (zeros, zeros, zeros))
     out, into = _digests(part)
     dispatch = kind.dispatch_with(part.keep_activations)
+    merged = kind.split_dispatch_with(part.keep_activations)  # for the query rows of split tasks
     table = np.stack([np.full(P, part.participant), np.ones(P, dtype=np.int64),
-                      nbytes(dispatch, cq, ckv), nbytes(dispatch, sq, skv),
+                      nbytes(dispatch, cq, ckv, merged, csp), nbytes(dispatch, sq, skv, merged, ssp),
                       nbytes(kind.returns, sq, skv), nbytes(kind.returns, cq, ckv), out, into], axis=1)
     per[kind] = table.astype(np.int64)
     return per[kind]

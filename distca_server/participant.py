@@ -27,6 +27,13 @@ receive buffer, or the client's own tensors when they were handed over as they a
 backward round with that key, which dispatches only dO. Keys belong to this participant, i.e. to
 one batch of one step, so layers and batches never mix; :meth:`Participant.release` drops them
 all (step ended, a round failed).
+
+Kept activations with *split* tasks (partial-KV, :func:`~scheduler.cost.is_split`): a server's O
+and LSE of a key piece are partial, but FlashAttention-2's backward needs the merged ones
+(D = rowsum(dO ∘ O), P = exp(S - LSE)). So the server keeps only the Q (and KV) rows of a split
+task, the client role keeps the merged O and LSE of its split shards' rows (once per row) under the
+same key, and the backward round sends those rows with dO (:data:`~scheduler.cost.MERGED_TENSORS`,
+a third row class next to query and KV rows: one row per query row of a split task, task order).
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from scheduler.cost import KEPT_TENSORS, KV_TENSORS, RoundKind
-from scheduler.layout import client_layout_from, server_layout_from
+from scheduler.cost import KEPT_TENSORS, KV_TENSORS, RoundKind, is_split
+from scheduler.layout import client_layout_from, concat_ranges, server_layout_from
 from scheduler.parts import PlanPart
 
 from .executor import ServerExecutor
@@ -54,6 +61,15 @@ with a ValueError (a loop that never runs its backward rounds would otherwise gr
 
 def _is_identity(index: np.ndarray, n: int) -> bool:
     return len(index) == n and bool((index == np.arange(n)).all())
+
+
+def _split_rows(tasks: np.ndarray, window, row_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(split, rows)``: bool [n] which of ``tasks`` (int64 [n, 7] plan rows) are split, and
+    int64 the query rows of the split ones, task by task: ``row_start[i] + arange(q_len)``."""
+    if len(tasks) == 0:
+        return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+    split = is_split(tasks[:, 3], tasks[:, 4], tasks[:, 5], tasks[:, 6], window)
+    return split, concat_ranges(row_start[split], (tasks[:, 4] - tasks[:, 3])[split])
 
 
 class Participant:
@@ -79,6 +95,8 @@ class Participant:
         # Server role, kept activations: key -> ({tensor: rows}, [(tensor, version)] of those
         # shared with the client, checked for in-place changes as autograd checks saved tensors).
         self.kept: dict[int, tuple[dict, list]] = {}
+        # Client role, kept activations: key -> {"out", "lse"}: merged rows of its split shards.
+        self.kept_merged: dict[int, dict] = {}
         self.released = ""  # why kept activations were dropped (a later backward names it)
         P, S, R = part.num_participants, part.num_servers, part.num_ranks
         # The in-place participant's own server (client side) and own rank (server side).
@@ -114,9 +132,21 @@ class Participant:
                 q_send) if q_send else np.zeros(0, np.int64)]
             self.q_merge = (PartialMerge(q_pieces, self.num_tokens, self.device)
                             if sum(map(len, q_pieces)) != self.num_tokens else None)
-            if self.q_merge is not None and self.keep_activations:  # Plan refuses it; a hand-cut part too
-                raise ValueError(f"{self._who()}: keep_activations with a query shard split on the key axis: "
-                                 f"a server's kept O and LSE would be partial")
+            # Kept backward: the merged O and LSE of split tasks' query rows. The client keeps its
+            # split shards' rows once (``merged_rows``, sorted local rows) and sends each server
+            # the rows of its split tasks there, in task order (indices into the kept rows).
+            ct = part.client_tasks
+            doc_start = np.concatenate([[0], np.cumsum(part.doc_lens)]).astype(np.int64)
+            split, rows = _split_rows(ct, part.window, doc_start[ct[:, 2]] + ct[:, 3] if len(ct) else None)
+            merged_rows = np.unique(rows)
+            self.merged_rows = idx(merged_rows)
+            by_server = np.repeat(ct[split, 0], (ct[split, 4] - ct[split, 3]))
+            at = np.searchsorted(merged_rows, rows)
+            self.client_split_rows = [0] * P
+            for s in others:
+                self.client_split_rows[part.server_participant(s)] = int((by_server == s).sum())
+            self.split_send_idx = idx(at[(by_server != own) if own is not None else slice(None)])
+            self.split_own_idx = idx(at[by_server == own] if own is not None else np.zeros(0))
             # All rows go to the own server, in order: its results are the outputs as they are.
             self.results_home = (own is not None and not any(self.client_q_rows)
                                  and _is_identity(lay.q_index[own], self.num_tokens)
@@ -135,16 +165,31 @@ class Participant:
             for r in range(R):
                 if r != own:
                     self.server_q_rows[r], self.server_kv_rows[r] = lay_s.q_rows[r], lay_s.kv_rows[r]
+            # Split tasks: where their query rows sit in the fused call (the kept backward puts
+            # the received merged O and LSE there), and the rows whose own O and LSE are kept.
+            cu = lay_s.cu_seqlens_q
+            split, split_pos = _split_rows(tasks, part.window, cu[:-1])
+            self.split_pos = idx(split_pos) if len(split_pos) else None
+            self.unsplit_pos = idx(concat_ranges(cu[:-1][~split], np.diff(cu)[~split]))
+            per_rank = np.bincount(tasks[split, 1], weights=np.diff(cu)[split], minlength=R).astype(np.int64)
+            self.head_split_rows = int(per_rank[own]) if own is not None else 0
+            self.server_split_rows = [0] * P
+            for r in range(R):
+                if r != own:
+                    self.server_split_rows[r] = int(per_rank[r])
         # ... and the own server receives nothing else: the kernel reads the client's tensors.
         self.inputs_home = (self.server is not None and self.rank is not None and self.results_home
                             and not any(self.server_q_rows))
 
     # ---- byte layouts ------------------------------------------------------------------------------
-    def _rows(self, name: str, q_rows, kv_rows):
-        return kv_rows if name in KV_TENSORS else q_rows
+    @staticmethod
+    def _rows(name: str, merged, q_rows, kv_rows, split_rows):
+        """The row counts of tensor ``name`` in a round that sends ``merged`` for split rows only."""
+        return kv_rows if name in KV_TENSORS else split_rows if name in merged else q_rows
 
-    def _splits(self, names, q_rows, kv_rows) -> list[list[int]]:
-        return [[n * self.fmt.row_bytes(name) for n in self._rows(name, q_rows, kv_rows)] for name in names]
+    def _splits(self, names, merged, q_rows, kv_rows, split_rows) -> list[list[int]]:
+        return [[n * self.fmt.row_bytes(name) for n in self._rows(name, merged, q_rows, kv_rows, split_rows)]
+                for name in names]
 
     def _typed(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """A byte range of a buffer as rows of tensor ``name``."""
@@ -170,18 +215,22 @@ class Participant:
         client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
         fmt, P = self.fmt, self.part.num_participants
         t0 = time.perf_counter()
-        names, back = kind.dispatch_with(self.keep_activations), kind.returns
+        merged = kind.split_dispatch_with(self.keep_activations)
+        names, back = kind.dispatch_with(self.keep_activations) + merged, kind.returns
         zeros = [0] * P
         # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
         home = self.inputs_home and all(local[n].is_contiguous() for n in names)
         # Dispatch: what this participant sends (client role) and receives (server role).
         if self.rank is not None:
-            send_splits = self._splits(names, self.client_q_rows, self.client_kv_rows)
+            send_splits = self._splits(names, merged, self.client_q_rows, self.client_kv_rows,
+                                       self.client_split_rows)
         else:
             send_splits = [zeros] * len(names)
         if self.server is not None:
-            recv_splits = self._splits(names, self.server_q_rows, self.server_kv_rows)
-            heads = [0 if home else self._rows(n, self.head_q_rows, self.head_kv_rows) * fmt.row_bytes(n)
+            recv_splits = self._splits(names, merged, self.server_q_rows, self.server_kv_rows,
+                                       self.server_split_rows)
+            heads = [0 if home else fmt.row_bytes(n) * self._rows(n, merged, self.head_q_rows,
+                                                                  self.head_kv_rows, self.head_split_rows)
                      for n in names]
         else:
             recv_splits, heads = [zeros] * len(names), [0] * len(names)
@@ -194,13 +243,13 @@ class Participant:
                                       [sum(x) for x in recv_splits])
         if self.rank is not None:
             for i, name in enumerate(names):
-                kv = name in KV_TENSORS
+                send_idx, own_idx = self._rows(name, merged, (self.q_send_idx, self.q_own_idx),
+                                               (self.kv_send_idx, self.kv_own_idx),
+                                               (self.split_send_idx, self.split_own_idx))
                 src = local[name]
-                torch.index_select(src, 0, self.kv_send_idx if kv else self.q_send_idx,
-                                   out=self._typed(send[i], name))
+                torch.index_select(src, 0, send_idx, out=self._typed(send[i], name))
                 if self.server is not None and not home:
-                    torch.index_select(src, 0, self.kv_own_idx if kv else self.q_own_idx,
-                                       out=self._typed(inputs[i][:heads[i]], name))
+                    torch.index_select(src, 0, own_idx, out=self._typed(inputs[i][:heads[i]], name))
                 sent = sum(send_splits[i])
                 if sent:
                     self.traffic[(kind.value, name)] += sent
@@ -217,11 +266,11 @@ class Participant:
             t3 = time.perf_counter()
             self.timings["kernel"] += t3 - t2
             t2 = t3
-            ret_send_splits = self._splits(back, self.server_q_rows, self.server_kv_rows)
+            ret_send_splits = self._splits(back, (), self.server_q_rows, self.server_kv_rows, None)
             own_results = {}
             for name in back:
                 rows = results[name].contiguous()
-                head = self._rows(name, self.head_q_rows, self.head_kv_rows)
+                head = self._rows(name, (), self.head_q_rows, self.head_kv_rows, None)
                 own_results[name] = rows[:head]
                 ret_send.append(rows[head:].reshape(-1).view(torch.uint8))
                 sent = rows[head:].numel() * rows.element_size()
@@ -230,7 +279,7 @@ class Participant:
         else:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         if self.rank is not None:
-            ret_recv_splits = self._splits(back, self.client_q_rows, self.client_kv_rows)
+            ret_recv_splits = self._splits(back, (), self.client_q_rows, self.client_kv_rows, None)
         else:
             ret_recv_splits = [zeros] * len(back)
         _, ret_recv = self._segments("client", transport, back, [0] * len(back),
@@ -243,15 +292,19 @@ class Participant:
 
     # ---- rounds ------------------------------------------------------------------------------------
     # ---- kept activations --------------------------------------------------------------------------
+    def _keeps_merged(self) -> bool:
+        """Whether the client role keeps merged O and LSE rows (it owns a split shard)."""
+        return self.rank is not None and len(self.merged_rows) > 0
+
     def _check_keep(self, keep: int | None) -> None:
-        if keep is None or self.server is None:
+        if keep is None or (self.server is None and not self._keeps_merged()):
             return
         if not self.keep_activations:
             raise ValueError(f"{self._who()}: forward round {keep} asks to keep activations, but the "
                              f"plan was made with keep_activations=False")
-        if keep in self.kept:
+        if keep in self.kept or keep in self.kept_merged:
             raise ValueError(f"{self._who()}: already keeps the activations of forward round {keep}")
-        if len(self.kept) >= MAX_KEPT_ROUNDS:
+        if max(len(self.kept), len(self.kept_merged)) >= MAX_KEPT_ROUNDS:
             raise ValueError(f"{self._who()}: keeps the activations of {len(self.kept)} forward rounds "
                              f"already (at most {MAX_KEPT_ROUNDS}); run their backward rounds or start "
                              f"a new step")
@@ -260,16 +313,42 @@ class Participant:
         """Keep this forward round's rows: ``inputs`` are views of the reused receive buffer
         (copied) or, when ``shared``, the client's own tensors (referenced, like ``results``)."""
         rows = {n: (x if shared else x.clone()) for n, x in inputs.items()}
+        if self.split_pos is not None:  # a split task's O and LSE are partial: keep the others only
+            results = {n: x.index_select(0, self.unsplit_pos) for n, x in results.items()}
         rows.update(results)
         self.kept[keep] = ({n: rows[n] for n in KEPT_TENSORS},
                            [(t, t._version) for t in rows.values()])
+
+    def _full(self, kept: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """The server's O (or LSE) rows for the fused call: its own kept rows of unsplit tasks
+        and the received merged rows of split tasks, each in its place."""
+        if self.split_pos is None:
+            return kept
+        full = merged.new_empty((len(kept) + len(merged), *merged.shape[1:]))
+        full.index_copy_(0, self.unsplit_pos, kept)
+        return full.index_copy_(0, self.split_pos, merged)
+
+    def _missing(self, kept: int) -> ValueError:
+        why = f" (dropped: {self.released})" if self.released else ""
+        return ValueError(f"{self._who()}: keeps no activations of forward round {kept}{why}")
+
+    def _take_merged(self, kept: int, like: torch.Tensor) -> dict:
+        """The client role's merged ``out`` and ``lse`` rows kept under ``kept`` (none when it
+        owns no split shard), no longer held here; ``like`` gives the dtype and device."""
+        if not self._keeps_merged():
+            fmt = self.fmt
+            return {"out": like.new_empty((0, fmt.num_heads_q, fmt.head_dim)),
+                    "lse": like.new_empty((0, fmt.num_heads_q), dtype=fmt.lse_dtype)}
+        found = self.kept_merged.pop(kept, None)
+        if found is None:
+            raise self._missing(kept)
+        return found
 
     def _take_kept(self, kept: int) -> dict:
         """The rows kept under ``kept``, no longer held here (freed when the round ends)."""
         found = self.kept.pop(kept, None)
         if found is None:
-            why = f" (dropped: {self.released})" if self.released else ""
-            raise ValueError(f"{self._who()}: keeps no activations of forward round {kept}{why}")
+            raise self._missing(kept)
         rows, versions = found
         if any(t._version != v for t, v in versions):
             raise RuntimeError(f"{self._who()}: a tensor needed for the backward round of forward round "
@@ -277,15 +356,20 @@ class Participant:
         return rows
 
     def held_bytes(self) -> int:
-        """Bytes of kept activations this participant's server role holds now."""
-        return sum(t.numel() * t.element_size() for rows, _ in self.kept.values() for t in rows.values())
+        """Bytes of kept activations this participant holds now: its server role's rows
+        (``Plan.held_bytes``) and its client role's merged rows of split shards
+        (``Plan.owner_held_bytes``)."""
+        rows = [t for rows, _ in self.kept.values() for t in rows.values()]
+        rows += [t for kept in self.kept_merged.values() for t in kept.values()]
+        return sum(t.numel() * t.element_size() for t in rows)
 
     def release(self, why: str = "released") -> None:
         """Drop every kept activation (the step ended or a round failed); a later backward round
         naming one raises a ValueError carrying ``why``."""
-        if self.kept:
+        if self.kept or self.kept_merged:
             self.released = why
         self.kept.clear()
+        self.kept_merged.clear()
 
     def _who(self) -> str:
         return f"server {self.server} (step {self.part.step} batch {self.part.batch})"
@@ -301,7 +385,8 @@ class Participant:
         a batch-wide tensor): q's dtype for out, :attr:`RowFormat.lse_dtype` for lse.
 
         ``keep`` (kept-activation plans, a forward round that will have a backward round): the
-        key under which the server role keeps its rows and results for :meth:`backward_kept`.
+        key under which the server role keeps its rows and results, and the client role the
+        merged O and LSE of its split shards' rows, for :meth:`backward_kept`.
 
         Raises:
             ValueError: ``keep`` on a stateless plan, a key already kept, or
@@ -329,6 +414,9 @@ class Participant:
         if self.q_merge is not None:
             pick = (lambda name: ([own[name]] if own is not None else []) + [remote[name]])
             self.q_merge.merge(pick("out"), pick("lse"), out, lse)
+            if keep is not None and self._keeps_merged():
+                self.kept_merged[keep] = {"out": out.index_select(0, self.merged_rows),
+                                          "lse": lse.index_select(0, self.merged_rows)}
         else:
             for name, dst in (("out", out), ("lse", lse)):
                 dst.index_copy_(0, self.q_send_idx, remote[name])
@@ -361,22 +449,24 @@ class Participant:
     @torch.no_grad()
     def backward_kept(self, transport, dout, softmax_scale: float, *, kept: int, dq=None, dk=None,
                       dv=None):
-        """Backward round of forward round ``kept`` of a kept-activation plan: clients send only
+        """Backward round of forward round ``kept`` of a kept-activation plan: clients pass only
         ``dout`` [T, Hq, D] and get ``(dq [T, Hq, D], dk, dv [T, Hkv, D])`` in dout's dtype; the
-        server role computes from the rows it kept and frees them. Server-only participants pass
-        ``dout=None`` and get None.
+        round sends dO and, for the query rows of split tasks, the merged O and LSE the client
+        role kept. The server role computes from the rows it kept (and those merged rows) and
+        frees them. Server-only participants pass ``dout=None`` and get None.
 
         Raises:
             ValueError: the server keeps nothing under ``kept`` (never kept, already used, or
                 released after a failed round or the end of the step).
             RuntimeError: a kept tensor shared with the client was modified in place meanwhile.
         """
-        local = {"dout": dout} if self.rank is not None else None
+        local = {"dout": dout, **self._take_merged(kept, dout)} if self.rank is not None else None
         rows = self._take_kept(kept) if self.server is not None else None
 
         def compute(x):
-            g = self.executor.backward(x["dout"], rows["q"], rows["k"], rows["v"], rows["out"],
-                                       rows["lse"], softmax_scale)
+            g = self.executor.backward(x["dout"], rows["q"], rows["k"], rows["v"],
+                                       self._full(rows["out"], x["out"]), self._full(rows["lse"], x["lse"]),
+                                       softmax_scale)
             return dict(zip(("dq", "dk", "dv"), g))
         if dout is not None and (dk is None or dv is None):
             kv = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))

@@ -16,6 +16,11 @@ KV_TENSORS = frozenset({"k", "v", "dk", "dv"})
 # What a server keeps of a forward round until that layer's backward round when activations are
 # kept: the rows it received and its results. The backward round then dispatches only dO.
 KEPT_TENSORS = ("q", "k", "v", "out", "lse")
+# What a kept backward round also dispatches for the query rows of *split* CA-tasks (:func:`is_split`):
+# the owner's merged O and LSE. FlashAttention-2's backward needs the merged ones (D = rowsum(dO ∘ O),
+# P = exp(S - LSE)); a server running one key piece of a shard computed only a partial O and LSE,
+# which it therefore does not keep.
+MERGED_TENSORS = ("out", "lse")
 
 
 class RoundKind(str, Enum):
@@ -26,22 +31,31 @@ class RoundKind(str, Enum):
     metrics, ``Plan.comm_bytes()`` and traffic counters; :attr:`code` is the round header's int.
 
     With kept activations (``keep_activations=True``) the servers hold :data:`KEPT_TENSORS` of
-    each forward round until its backward round, which then dispatches only ``dout``. The forward
-    round is the same either way.
+    each forward round until its backward round, which then dispatches ``dout`` for every query
+    row and :data:`MERGED_TENSORS` for the query rows of split tasks only
+    (:meth:`split_dispatch_with`). The forward round is the same either way.
     """
 
     FORWARD = "forward"
     BACKWARD = "backward"
 
     def dispatch_with(self, keep_activations: bool) -> tuple[str, ...]:
-        """The tensors clients send servers in this round, in wire order."""
+        """The tensors clients send servers for every row of their class (query or KV rows) in
+        this round, in wire order: what the caller of a round passes."""
         if self is RoundKind.FORWARD:
             return ("q", "k", "v")
         return ("dout",) if keep_activations else ("q", "k", "v", "out", "lse", "dout")
 
+    def split_dispatch_with(self, keep_activations: bool) -> tuple[str, ...]:
+        """The tensors clients send after :meth:`dispatch_with`'s, for the query rows of split
+        tasks only (:func:`is_split`), in wire order: :data:`MERGED_TENSORS` in a kept backward
+        round, else none. The client's participant keeps them from the forward round's merge."""
+        return MERGED_TENSORS if self is RoundKind.BACKWARD and keep_activations else ()
+
     def tensors_with(self, keep_activations: bool) -> tuple[str, ...]:
-        """Every tensor that crosses the network in this round: dispatch, then return."""
-        return self.dispatch_with(keep_activations) + self.returns
+        """Every tensor that may cross the network in this round: dispatch (:meth:`dispatch_with`,
+        then :meth:`split_dispatch_with`), then return."""
+        return self.dispatch_with(keep_activations) + self.split_dispatch_with(keep_activations) + self.returns
 
     @property
     def dispatch(self) -> tuple[str, ...]:
@@ -93,6 +107,21 @@ def window_kv_start(q_start, window):
     if window is None:
         return q_start * 0
     return np.maximum(q_start - window + 1, 0) if isinstance(q_start, np.ndarray) else max(0, q_start - window + 1)
+
+
+def is_split(q_start, q_end, kv_start, kv_end, window=None):
+    """Whether a CA-task is *split*: not its query shard's whole window of keys, i.e. NOT
+    (``kv_start == max(0, q_start - window + 1)`` (0 with no window) and ``kv_end == q_end``).
+
+    The tasks of a valid plan (:mod:`scheduler.cover`) tile each shard's keys, so a task is split
+    exactly when its shard is cut on the key axis (partial-KV tasks): its O and LSE are partials
+    that only the query's owner can merge. Decided from the task row alone; elementwise on int64
+    arrays (returns bool [n]), a bool for scalars.
+    """
+    lo = window_kv_start(q_start, window)
+    if isinstance(lo, np.ndarray) or isinstance(kv_start, np.ndarray):
+        return (kv_start != lo) | (kv_end != q_end)
+    return bool(kv_start != lo or kv_end != q_end)
 
 
 def _causal_prefix(x, kv_start, kv_end, lo, hi):
@@ -239,14 +268,24 @@ class CostModel:
 
         Returns ``(q_row_bytes, kv_row_bytes)``; the planner ranks moves by FLOPs per these bytes.
         With ``keep_activations`` the backward round sends dO instead of Q, K, V, O, LSE, dO.
+        These are the rows of unsplit tasks: a query row of a split task (partial-KV, made after
+        the moves are weighed) moves :data:`MERGED_TENSORS` once more in a kept backward round,
+        which :meth:`~scheduler.tasks.Plan.comm_bytes` counts.
         """
-        return self._row_bytes([n for kind in RoundKind for n in kind.tensors_with(keep_activations)])
+        return self._row_bytes([n for kind in RoundKind
+                                for n in kind.dispatch_with(keep_activations) + kind.returns])
 
     def held_row_bytes(self) -> tuple[int, int]:
         """Bytes a server holds per received query row and per received KV row from a forward
         round until its backward round when activations are kept (:data:`KEPT_TENSORS`):
-        ``(q + out + lse, k + v)``."""
+        ``(q + out + lse, k + v)``. A query row of a split task holds only ``q`` (its partial O
+        and LSE are not kept; :data:`MERGED_TENSORS` come back in the backward round)."""
         return self._row_bytes(KEPT_TENSORS)
+
+    def merged_row_bytes(self) -> int:
+        """Bytes per query row of :data:`MERGED_TENSORS` (``out + lse``): what a split task's
+        query row adds to a kept backward round, and what its owner keeps per split row."""
+        return self._row_bytes(MERGED_TENSORS)[0]
 
     def to_wire(self) -> list[int]:
         """The one msgpack form of an attention shape: ``[num_heads_q, num_heads_kv, head_dim,

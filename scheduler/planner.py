@@ -821,8 +821,9 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             the least-loaded servers (finer than ``min_shard`` positions of a band, so it can beat
             the band lower bound), and ``max_kv_rows_per_server`` is enforced. Full causal only
             (with a window, shards are not split on the key axis). False gives full-window tasks.
-            Needs ``keep_activations=False``: a split shard's O and LSE on one server are partial,
-            so a server could not run the kept backward from them.
+            With ``keep_activations``, a kept backward round also sends the owner's merged O and
+            LSE for the query rows of split tasks (a server's own are partial); with
+            ``max_held_bytes_per_server``, the key splits are dropped if they would break the cap.
         max_kv_rows_per_server: with ``partial_kv``, the most KV rows a server should receive
             (None: no limit); key blocks move off servers above it while some server has room.
         keep_activations: servers keep each forward round's rows and results until that layer's
@@ -838,7 +839,7 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
 
     Raises:
         ValueError: bad lengths, sizes, mode, ε, ``min_shard`` or ``window`` (the message names
-            the values); ``partial_kv`` with ``keep_activations``; a ``max_held_bytes_per_server``
+            the values); a ``max_held_bytes_per_server``
             without ``keep_activations``, below what any plan needs (the mean over servers, or one
             document's KV rows plus its first shard), or one the planner could not keep (it names
             the server, e.g. an in-place rank whose own rows exceed it: the planner moves work for
@@ -852,10 +853,6 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
     if type(keep_activations) is not bool:
         raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
-    if partial_kv and keep_activations:
-        raise ValueError("partial_kv=True needs keep_activations=False: a query shard split over "
-                         "several servers leaves each with a partial O and LSE, which the kept "
-                         "backward cannot use")
     cap = max_held_bytes_per_server
     if cap is not None:
         positive_int("max_held_bytes_per_server", cap)
@@ -880,12 +877,21 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     if best.max_load() > target:
         best.settle(target)
     tasks = best.task_array()
+
+    def make(tasks):
+        return Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
+                             cost=cost, task_array=tasks, epsilon=float(epsilon),
+                             min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
+    plan = make(tasks)
     if partial_kv and (window is None or window >= int(lens.max(initial=0))):
-        tasks = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
+        split = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
                                   max_kv_rows_per_server)
-    plan = Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
-                         cost=cost, task_array=tasks, epsilon=float(epsilon),
-                         min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
+        if split is not tasks:
+            unsplit, plan = plan, make(split)
+            # Key blocks move for balance and KV budget, not held memory: keep the cap if the
+            # greedy's plan did.
+            if cap is not None and max(plan.held_bytes()) > cap >= max(unsplit.held_bytes()):
+                plan = unsplit
     if cap is not None:
         held = plan.held_bytes()
         worst = int(np.argmax(held))

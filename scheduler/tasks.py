@@ -15,7 +15,7 @@ import numpy as np
 from . import descriptor
 from .bound import LoadBound, load_bound
 from .checks import INT64_MAX, bad_lengths, finite_nonnegative, is_int, positive_int
-from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, window_arg
+from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, is_split, window_arg
 from .cover import cover_problems
 from .kv import kv_intervals
 
@@ -212,9 +212,11 @@ class Plan:
         epsilon: the imbalance tolerance the plan was made for (information only).
         min_shard: the shortest shard a split document may have (tokens); 1 allows any.
         keep_activations: servers keep each forward round's received rows and results until that
-            layer's backward round, which then sends only dO (:data:`~scheduler.cost.KEPT_TENSORS`);
-            changes :meth:`comm_bytes` and :meth:`held_bytes`, not the tasks. Refused with tasks
-            that split a query shard on the key axis (a server's kept O and LSE would be partial).
+            layer's backward round, which then sends only dO (:data:`~scheduler.cost.KEPT_TENSORS`),
+            plus the owner's merged O and LSE for the query rows of split tasks
+            (:data:`~scheduler.cost.MERGED_TENSORS`: a server's own O and LSE of a shard cut on
+            the key axis are partial); changes :meth:`comm_bytes` and :meth:`held_bytes`, not the
+            tasks.
         window: sliding-window attention (query ``i`` sees keys ``i - window + 1 .. i``), or None
             for full causal attention.
 
@@ -318,16 +320,6 @@ class Plan:
         if problems:
             raise ValueError("plan does not cover every causal pair exactly once: " + "; ".join(
                 f"{what}: {self._doc_names(gids)}" for what, gids in problems))
-        if self.keep_activations and arr.size:
-            # A shard split on the key axis leaves each server a partial O and LSE: the kept
-            # backward (which reuses the server's own O and LSE) would be wrong.
-            order = np.lexsort((qs, gid))
-            g, q = gid[order], qs[order]
-            split = (g[1:] == g[:-1]) & (q[1:] == q[:-1])
-            if split.any():
-                raise ValueError("keep_activations=True needs every query shard in one task, but these "
-                                 "documents have shards split on the key axis (partial-KV tasks): "
-                                 + self._doc_names(g[1:][split]))
 
     def _task_at(self, i: int) -> CATask:
         row = self.task_array[i]
@@ -419,6 +411,17 @@ class Plan:
         np.add.at(kv_rows, (arr[owner, 1], arr[owner, 0]), kv.lengths)
         return q_rows, kv_rows
 
+    @cached_property
+    def split_row_matrix(self) -> np.ndarray:
+        """Query rows of split tasks (:func:`~scheduler.cost.is_split`: partial-KV) per (src_rank,
+        server): int64 [num_ranks, num_servers], counted once per task like :attr:`row_matrix`'s
+        query rows. A kept backward round sends these rows' merged O and LSE."""
+        arr = self.task_array
+        rows = np.zeros((self.num_ranks, self.num_servers), dtype=np.int64)
+        split = is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], self.window)
+        np.add.at(rows, (arr[split, 1], arr[split, 0]), arr[split, 4] - arr[split, 3])
+        return rows
+
     def off_rank_mask(self) -> np.ndarray:
         """bool [num_ranks, num_servers]: True where rows really cross the network."""
         mask = np.ones((self.num_ranks, self.num_servers), dtype=bool)
@@ -431,33 +434,54 @@ class Plan:
 
         Returns ``{"forward": {"q", "k", "v", "out", "lse", "total"}, "backward": {"q", "k", "v",
         "out", "lse", "dout", "dq", "dk", "dv", "total"}}``; with :attr:`keep_activations` the
-        backward round holds ``dout``, ``dq``, ``dk``, ``dv`` and ``total`` only. Rows a client
-        sends to its own in-place server are not counted. K and V rows count once per (document,
-        server); dK and dV come back the same way.
+        backward round holds ``dout``, ``out``, ``lse``, ``dq``, ``dk``, ``dv`` and ``total``,
+        where ``out`` and ``lse`` are the merged rows of split tasks only
+        (:attr:`split_row_matrix`; 0 in a plan without partial-KV tasks). Rows a client sends to
+        its own in-place server are not counted. K and V rows count once per (document, server);
+        dK and dV come back the same way.
         """
         q_rows, kv_rows = self.row_matrix
         mask = self.off_rank_mask()
         q_total, kv_total = _exact_sum(q_rows[mask]), _exact_sum(kv_rows[mask])
+        split_total = _exact_sum(self.split_row_matrix[mask]) if self.keep_activations else 0
         result = {}
         for kind in RoundKind:
-            per = {n: (kv_total if n in KV_TENSORS else q_total) * self.cost.bytes_per_token(n)
-                   for n in kind.tensors_with(self.keep_activations)}
+            merged = kind.split_dispatch_with(self.keep_activations)
+            per = {n: (kv_total if n in KV_TENSORS else split_total if n in merged else q_total)
+                   * self.cost.bytes_per_token(n) for n in kind.tensors_with(self.keep_activations)}
             per["total"] = sum(per.values())
             result[kind.value] = per
         return result
 
     def held_bytes(self) -> list[int]:
         """Bytes each server holds for one layer from its forward round until its backward round:
-        the Q, O and LSE rows of its tasks and each document's KV rows once
-        (:meth:`~scheduler.cost.CostModel.held_row_bytes`), its own rank's rows included (the
-        client drops them). A step holds this once per layer and batch until that layer's backward
-        round; all zeros without :attr:`keep_activations`. int [num_servers]."""
+        the Q, O and LSE rows of its tasks (only Q for split tasks, whose partial O and LSE are not
+        kept) and each document's KV rows once (:meth:`~scheduler.cost.CostModel.held_row_bytes`),
+        its own rank's rows included (the client drops them). A step holds this once per layer
+        and batch until that layer's backward round; all zeros without :attr:`keep_activations`.
+        The owners' merged rows of split shards are :meth:`owner_held_bytes`. int [num_servers]."""
         if not self.keep_activations:
             return [0] * self.num_servers
         q_rows, kv_rows = self.row_matrix
         hq, hkv = self.cost.held_row_bytes()
-        return [int(q) * hq + int(kv) * hkv for q, kv in zip(q_rows.sum(axis=0).tolist(),
-                                                             kv_rows.sum(axis=0).tolist())]
+        merged = self.cost.merged_row_bytes()
+        return [int(q) * hq + int(kv) * hkv - int(sp) * merged
+                for q, kv, sp in zip(q_rows.sum(axis=0).tolist(), kv_rows.sum(axis=0).tolist(),
+                                     self.split_row_matrix.sum(axis=0).tolist())]
+
+    def owner_held_bytes(self) -> list[int]:
+        """Bytes each client rank (the queries' owner) keeps from a forward round until its
+        backward round with :attr:`keep_activations`: the merged O and LSE
+        (:data:`~scheduler.cost.MERGED_TENSORS`) of each row of its split query shards, once per
+        row however many servers hold a key piece of it. All zeros for a plan without partial-KV
+        tasks or without :attr:`keep_activations`. int [num_ranks]."""
+        if not self.keep_activations:
+            return [0] * self.num_ranks
+        arr = self.task_array
+        split = arr[is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], self.window)]
+        shards = np.unique(split[:, [1, 2, 3, 4]], axis=0) if len(split) else np.zeros((0, 4), np.int64)
+        rows = np.bincount(shards[:, 0], weights=shards[:, 3] - shards[:, 2], minlength=self.num_ranks)
+        return [int(r) * self.cost.merged_row_bytes() for r in rows.astype(np.int64).tolist()]
 
     def imbalance(self) -> tuple[float, float]:
         """``(before, after)``: max/mean attention FLOPs over ranks with no balancing, and over
@@ -505,6 +529,10 @@ class Plan:
             held = self.held_bytes()
             lines.append(f"  kept activations, held per layer from forward to backward: max {mib(max(held))} "
                          f"on server {held.index(max(held))}, mean {mib(sum(held) / len(held))}")
+            owners = self.owner_held_bytes()
+            if any(owners):
+                lines.append(f"  merged O and LSE of split shards kept by their owners: max {mib(max(owners))} "
+                             f"on rank {owners.index(max(owners))}")
         return "\n".join(lines)
 
     # ---- wire format --------------------------------------------------------------------------------

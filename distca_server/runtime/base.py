@@ -134,10 +134,11 @@ class PlannedBatch(ABC):
 
     @abstractmethod
     def backward_kept(self, kept: int, dout: torch.Tensor, softmax_scale: float):
-        """Run the backward round of the forward round whose future had ``kept`` (blocking): only
-        ``dout`` [T, num_heads_q, head_dim] (contiguous) travels; returns ``(dq [T, num_heads_q,
-        head_dim], dk, dv [T, num_heads_kv, head_dim])`` in dout's dtype. The servers free that
-        round's kept activations.
+        """Run the backward round of the forward round whose future had ``kept`` (blocking): the
+        caller passes only ``dout`` [T, num_heads_q, head_dim] (contiguous), which travels with the
+        merged O and LSE rows of split query shards that the participants kept; returns
+        ``(dq [T, num_heads_q, head_dim], dk, dv [T, num_heads_kv, head_dim])`` in dout's dtype.
+        The participants free that round's kept activations.
 
         Raises:
             DistCAError: a participant was lost or timed out, the runtime is closed, or the step

@@ -179,3 +179,20 @@ def test_a_part_that_does_not_keep_activations_is_refused_in_the_backward_round(
     assert _errors(_round(parts, RoundKind.FORWARD)) == {}  # the forward round is the same
     errors = _errors(_round(parts, RoundKind.BACKWARD))
     assert 2 in errors and "expects" in errors[2]
+
+
+@pytest.mark.parametrize("mode,servers", [("dedicated", 3), ("inplace", 4)])
+@pytest.mark.parametrize("kind", list(RoundKind))
+def test_parts_of_a_kept_partial_kv_plan_pass(mode, servers, kind):
+    """A kept plan whose shards are split on the key axis: the kept backward round also moves
+    the split rows' merged O and LSE, and every end claims the same bytes for them."""
+    lens = [[1500, 20, 7]] + [[] for _ in range(servers - 1)] if mode == "inplace" else [[1500, 20, 7]]
+    plan = plan_batch(lens, servers, cost=COST, mode=mode, min_shard=300, partial_kv=True)
+    assert plan.keep_activations and plan.comm_bytes()["backward"]["out"] > 0
+    parts = plan_parts(plan, 3, 0, plan_identity(plan.to_msgpack(), 3, 0))
+    assert _errors(_round(parts, kind)) == {}
+    # Column 2: bytes each participant claims to send each peer in the dispatch (self excluded).
+    participants = [Participant(p, FMT, get_backend("reference", "cpu"), "cpu") for p in parts]
+    sent = sum(int(np.delete(claims(p, kind)[:, 2], i).sum()) for i, p in enumerate(participants))
+    comm = plan.comm_bytes()[kind.value]
+    assert sent == sum(comm[n] for n in kind.dispatch_with(True) + kind.split_dispatch_with(True))

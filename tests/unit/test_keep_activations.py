@@ -14,7 +14,7 @@ from distca_client import DistCAClient
 from distca_server.errors import DistCAError
 from distca_server.refs import varlen_attention_ref as attention_ref
 from scheduler import CostModel, Plan, plan_batch
-from scheduler.cost import KEPT_TENSORS, RoundKind
+from scheduler.cost import KEPT_TENSORS, MERGED_TENSORS, RoundKind
 
 LAYERS = 3
 
@@ -105,7 +105,8 @@ def test_counted_bytes_equal_bytes_moved(mode, seed):
         _stack(lambda q, k, v: client.attend(q, k, v, lens), layers, dout)
         moved, plan = client.traffic(), client.last_plan
     expected = plan.comm_bytes()
-    assert set(expected["backward"]) == {"dout", "dq", "dk", "dv", "total"}
+    assert set(expected["backward"]) == {"dout", "out", "lse", "dq", "dk", "dv", "total"}
+    assert expected["backward"]["out"] == expected["backward"]["lse"] == 0  # no split tasks
     for kind in ("forward", "backward"):
         for name, n in expected[kind].items():
             if name != "total":
@@ -209,6 +210,10 @@ def test_round_tensors_with_kept_activations():
     assert RoundKind.BACKWARD.dispatch_with(True) == ("dout",)
     assert RoundKind.BACKWARD.dispatch_with(False) == RoundKind.BACKWARD.dispatch
     assert RoundKind.FORWARD.dispatch_with(True) == RoundKind.FORWARD.dispatch == ("q", "k", "v")
+    assert RoundKind.BACKWARD.split_dispatch_with(True) == MERGED_TENSORS == ("out", "lse")
+    assert RoundKind.BACKWARD.split_dispatch_with(False) == RoundKind.FORWARD.split_dispatch_with(True) == ()
+    assert RoundKind.BACKWARD.tensors_with(True) == ("dout", "out", "lse", "dq", "dk", "dv")
+    assert COST.merged_row_bytes() == COST.bytes_per_token("out") + COST.bytes_per_token("lse")
     q, kv = COST.step_row_bytes(False)
     qk, kvk = COST.step_row_bytes(True)
     hq, hkv = COST.held_row_bytes()
@@ -224,7 +229,8 @@ def test_plan_flag_bytes_summary_and_round_trip(mode):
     stateless = plan_batch(lens, 4, cost=COST, mode=mode, keep_activations=False)
     assert kept.keep_activations and not stateless.keep_activations
     a, b = kept.comm_bytes()["backward"], stateless.comm_bytes()["backward"]
-    assert set(a) == {"dout", "dq", "dk", "dv", "total"} and "q" in b
+    assert set(a) == {"dout", "out", "lse", "dq", "dk", "dv", "total"} and "q" in b
+    assert a["out"] == a["lse"] == 0 and kept.owner_held_bytes() == [0] * 4  # no split tasks
     assert kept.comm_bytes()["forward"]["total"] + a["total"] < (
         stateless.comm_bytes()["forward"]["total"] + b["total"])
     held = kept.held_bytes()

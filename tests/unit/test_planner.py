@@ -166,13 +166,16 @@ def check_comm(plan):
     cost = plan.cost
     comm = plan.comm_bytes()
     fwd_names = ("q", "k", "v", "out", "lse")
-    # kept activations: the backward round sends dO only (the servers kept the rest)
-    bwd_names = (("dout", "dq", "dk", "dv") if plan.keep_activations
+    # kept activations: the backward round sends dO, plus O and LSE for the query rows of split
+    # tasks only, of which these plans (partial_kv=False) have none
+    bwd_names = (("dout", "out", "lse", "dq", "dk", "dv") if plan.keep_activations
                  else ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"))
     for kind, names in (("forward", fwd_names), ("backward", bwd_names)):
         assert set(comm[kind]) == set(names) | {"total"}
         for n in names:
             rows = kv_rows if n in ("k", "v", "dk", "dv") else q_rows
+            if kind == "backward" and plan.keep_activations and n in ("out", "lse"):
+                rows = 0
             assert comm[kind][n] == rows * cost.bytes_per_token(n), (kind, n)
         assert comm[kind]["total"] == sum(comm[kind][n] for n in names)
     return q_rows, kv_rows

@@ -98,15 +98,13 @@ def test_bad_partial_arguments():
         plan_batch([[5]], 1, cost=COST, partial_kv=True, max_kv_rows_per_server=0)
 
 
-def test_partial_kv_refuses_kept_activations():
-    """A split query shard leaves each server a partial O and LSE: the kept backward would be
-    wrong, so plan_batch and a hand-built Plan both refuse the pair."""
+def test_partial_kv_with_kept_activations():
+    """The planner and a hand-built Plan accept a kept plan with split query shards; the kept
+    backward then moves the split rows' merged O and LSE, no more."""
     lens = [1500, 20, 7]
-    with pytest.raises(ValueError, match="keep_activations"):
-        plan_batch([lens], 4, cost=COST, mode="dedicated", min_shard=300, partial_kv=True)
-    split = plan_batch([lens], 4, cost=COST, mode="dedicated", min_shard=300, partial_kv=True,
-                       keep_activations=False)
+    split = plan_batch([lens], 4, cost=COST, mode="dedicated", min_shard=300, partial_kv=True)
+    assert split.keep_activations
     assert len(np.unique(split.task_array[:, [1, 2, 3]], axis=0)) < len(split.task_array)
-    Plan([lens], 4, "dedicated", COST, split.server_tasks, 0.05, 300)  # valid when stateless
-    with pytest.raises(ValueError, match="split on the key axis"):
-        Plan([lens], 4, "dedicated", COST, split.server_tasks, 0.05, 300, keep_activations=True)
+    again = Plan([lens], 4, "dedicated", COST, split.server_tasks, 0.05, 300, keep_activations=True)
+    assert again == split and Plan.from_msgpack(split.to_msgpack()) == split
+    assert split.comm_bytes()["backward"]["out"] > 0 and max(split.owner_held_bytes()) > 0
