@@ -23,6 +23,7 @@ every PE calls :func:`join_nvshmem`.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -62,13 +63,13 @@ def unique_id() -> bytes:
 
 
 def _uid_bytes(uid) -> bytes:
-    return np.asarray(uid._data).view(np.int8).tobytes()
+    return uid._data.view(np.int8).tobytes()
 
 
 def _uid_from(data: bytes):
     core, _, _ = _modules()
     uid = core.get_unique_id(empty=True)
-    np.asarray(uid._data).view(np.int8)[:] = np.frombuffer(data, dtype=np.int8)
+    uid._data.view(np.int8)[:] = np.frombuffer(data, dtype=np.int8)
     return uid
 
 
@@ -156,6 +157,9 @@ class NvshmemHeap:
             self._dirty.clear()
         self._bindings.signal_op_on_stream(self._sig_at + 8 * slot, int(value), self._set, pe, stream)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)  # on the caller's stream, like the rows it produced
+
     def signals(self) -> np.ndarray:
         with torch.cuda.stream(self._poll):
             self._host.copy_(self._words, non_blocking=True)
@@ -167,6 +171,11 @@ class NvshmemHeap:
             out = self.arena[offset:offset + nbytes].to("cpu", non_blocking=False)
         self._poll.synchronize()
         return out
+
+    def idle(self, seconds: float) -> None:
+        # No wake-up from a GPU signal without a kernel waiting on it; poll at a short interval
+        # (a poll is one small device-to-host copy).
+        time.sleep(min(seconds, 5e-5))
 
     def quiet(self) -> None:
         if self._joined:

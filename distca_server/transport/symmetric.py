@@ -114,12 +114,21 @@ class SymmetricHeap(Protocol):
         """A snapshot of this PE's signal words: int64 [signal_words(world_size)]."""
         ...
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Local copy of uint8 ``src`` into ``dst`` on this PE's device (own split, staged rows)."""
+        ...
+
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
         """A CPU copy of this PE's arena bytes ``[offset, offset + nbytes)`` (tables)."""
         ...
 
     def quiet(self) -> None:
         """Return once every put and signal this PE issued has landed."""
+        ...
+
+    def idle(self, seconds: float) -> None:
+        """Block for up to ``seconds``; may return early, and should when a peer sets one of this
+        PE's signal words (a wake-up, or a short sleep for heaps that can only be polled)."""
         ...
 
     def close(self) -> None:
@@ -288,7 +297,6 @@ class SymmetricTransport:
         """Wait until every peer's ``kind`` signal reaches ``seq``; ``arrived(pe)`` runs for each
         as it comes (and may raise)."""
         pending = set(self._peers())
-        delay = 0.0
         while True:
             sig = self.heap.signals()
             for pe in sorted(pending):
@@ -315,9 +323,9 @@ class SymmetricTransport:
                 raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}): "
                                   f"participant {self.rank} did not hear from participants "
                                   f"{sorted(pending)} within the deadline")
-            # Poll: spin briefly (rounds are short on a quiet machine), then back off to 1 ms.
-            time.sleep(delay)
-            delay = min(1e-3, delay * 2 if delay else 2e-5)
+            # Until a peer's signal may have landed (heaps that can be woken return at once) or
+            # for a while; woken or not, the words are read again.
+            self.heap.idle(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # ---- the exchange -----------------------------------------------------------------------------
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
@@ -418,7 +426,7 @@ class SymmetricTransport:
             n = ss[s][me]
             if n:
                 a, b = int(send_at[s][me]), int(prefix[s, me])
-                recv[s][b:b + n].copy_(send[s][a:a + n])
+                heap.copy(recv[s][b:b + n], send[s][a:a + n])
         heap.quiet()
         if mismatches:
             self._abort(MISMATCH, mismatches[0])
@@ -440,7 +448,7 @@ class SymmetricTransport:
                 for pe in self._peers():
                     n, b = rs[s][pe], int(prefix[s, pe])
                     if n:
-                        recv[s][b:b + n].copy_(heap.arena[staging_at + base + b:staging_at + base + b + n])
+                        heap.copy(recv[s][b:b + n], heap.arena[staging_at + base + b:staging_at + base + b + n])
         self.bytes_sent += sum(sum(sp) - sp[me] for sp in ss)
 
     def close(self) -> None:
