@@ -375,15 +375,18 @@ class SymmetricTransport:
         prefix = np.zeros((nseg, P + 1), dtype=np.int64)
         for s in range(nseg):
             prefix[s, 1:] = np.cumsum(rs[s])
+        # (numpy, not torch, for these small rows: this is per-exchange overhead.)
+        rows = np.zeros((P, _ROW), dtype=np.int64)
+        rows[:, :3] = (seq, nseg, len(wishes))
+        for i, (kid, n) in enumerate(sorted(wishes.items())):
+            rows[:, 3 + 2 * i:5 + 2 * i] = (kid, n)
+        segs = rows[:, 3 + 2 * MAX_WISHES:3 + 2 * MAX_WISHES + 3 * nseg].reshape(P, nseg, 3)
+        segs[:, :, 0] = [where for where, _ in layout]
+        segs[:, :, 1] = (np.array([base for _, base in layout])[:, None] + prefix[:, :P]).T
+        segs[:, :, 2] = np.array(rs).T
+        rows_t = torch.from_numpy(rows)
         for pe in self._peers():
-            row = torch.zeros(_ROW, dtype=torch.int64)
-            row[:3] = torch.tensor([seq, nseg, len(wishes)])
-            for i, (kid, n) in enumerate(sorted(wishes.items())):
-                row[3 + 2 * i:5 + 2 * i] = torch.tensor([kid, n])
-            for s, (where, base) in enumerate(layout):
-                at = 3 + 2 * MAX_WISHES + 3 * s
-                row[at:at + 3] = torch.tensor([where, base + int(prefix[s, pe]), rs[s][pe]])
-            heap.put_signal(pe, self._inbox_at + me * _ROW * 8, row.view(torch.uint8),
+            heap.put_signal(pe, self._inbox_at + me * _ROW * 8, rows_t[pe].view(torch.uint8),
                             self._slot(ANNOUNCE, me), seq)
         self._wait(ANNOUNCE, seq, deadline, "announce")
         inbox = heap.read(self._inbox_at, P * _ROW * 8).view(torch.int64).view(P, _ROW).numpy()
@@ -418,9 +421,9 @@ class SymmetricTransport:
             else:
                 mismatches.append(f"participant {me} sends participant {pe} segment bytes {mine}, "
                                   f"participant {pe} expects {theirs}")
-            report = torch.zeros(_REPORT, dtype=torch.int64)
-            report[:2 + nseg] = torch.tensor([seq, nseg] + mine)
-            heap.put_signal(pe, self._report_at + me * _REPORT * 8, report.view(torch.uint8),
+            report = np.zeros(_REPORT, dtype=np.int64)
+            report[:2 + nseg] = [seq, nseg] + mine
+            heap.put_signal(pe, self._report_at + me * _REPORT * 8, torch.from_numpy(report).view(torch.uint8),
                             self._slot(DATA, me), seq)
         for s in range(nseg):  # own split: a local copy
             n = ss[s][me]
