@@ -293,3 +293,66 @@ def test_bad_arguments_are_refused_before_anything_moves():
             t.exchange([one], [[4]], [one], [[4]])
     finally:
         destroy_heap(handle)
+
+
+class _ShmGroup:
+    """A stand-in for LocalGroup whose endpoints are symmetric transports on one shm heap (the
+    local runtime's participant threads exchange through it like processes would)."""
+
+    made: list = []
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.handle = create_heap(world_size, heap_bytes=32 << 20)
+        self.eps = [SymmetricTransport(ShmHeap(self.handle, r), timeout_s=timeout_s)
+                    for r in range(world_size)]
+        self.broken = False
+        _ShmGroup.made.append(self)
+
+    def endpoint(self, rank: int, device="cpu"):
+        return self.eps[rank]
+
+    def abort(self, rank: int, reason: str) -> None:
+        self.broken = True
+        self.eps[rank].close()
+
+
+@pytest.mark.parametrize("mode, servers, ranks", [("inplace", 3, 3), ("dedicated", 2, 2)])
+def test_attention_rounds_over_the_symmetric_transport_equal_the_local_transport(monkeypatch, mode,
+                                                                                  servers, ranks):
+    """Real rounds (forward with kept activations, backward) of DistCAClient.local: the same
+    outputs and gradients whether the participants exchange through LocalTransport or through the
+    one-sided exchange, whose buffers are then symmetric and received into in place."""
+    from distca_client import DistCAClient
+    import distca_server.runtime.local as runtime_local
+
+    def step(client, seed):
+        g = torch.Generator().manual_seed(seed)
+        lens = [37, 5, 90, 12, 64]
+        T = sum(lens)
+        q, k, v, dout = (torch.randn(T, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        out = client.attend(*leaves, lens)
+        (out * dout).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    kwargs = dict(mode=mode, num_ranks=ranks, min_shard=8)
+    with DistCAClient.local(servers, **kwargs) as client:
+        want = [step(client, seed) for seed in range(3)]
+    _ShmGroup.made.clear()
+    monkeypatch.setattr(runtime_local, "LocalGroup", _ShmGroup)
+    try:
+        with DistCAClient.local(servers, **kwargs) as client:
+            got = [step(client, seed) for seed in range(3)]
+        assert len(_ShmGroup.made) == 1
+        eps = _ShmGroup.made[0].eps
+        assert sum(t.bytes_sent for t in eps) > 0 and all(t._seq >= 6 for t in eps)
+        # Each endpoint's buffers were grown into symmetric arrays by the first rounds.
+        assert all(len(t._arrays) >= 2 for t in eps)
+    finally:
+        for g in _ShmGroup.made:
+            for t in g.eps:
+                t.close()
+            destroy_heap(g.handle)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
