@@ -125,7 +125,7 @@ class NvshmemHeap:
         return self._stream.cuda_stream
 
     def _source(self, src: torch.Tensor) -> torch.Tensor:
-        src = src.reshape(-1)
+        src = src.reshape(-1).contiguous()
         if src.device != self.device:  # tables are built on the host
             with torch.cuda.stream(self._stream):
                 src = src.to(self.device, non_blocking=False)
@@ -214,6 +214,7 @@ def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Calla
     except ImportError:
         raise
     except Exception as exc:  # noqa: BLE001 - NvshmemError and friends, reported as one kind
+        why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         raise DistCAError(f"could not start NVSHMEM for group epoch {epoch} as rank {rank} of "
-                          f"{world_size}: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from None
+                          f"{world_size}: {why}") from None
     return SymmetricTransport(heap, timeout_s=timeout_s, epoch=epoch)

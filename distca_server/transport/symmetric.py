@@ -55,7 +55,7 @@ from ..errors import DistCAError
 from .base import ALIGN, GrowingBuffers, aligned, check_exchange
 
 MAX_SEGMENTS = 16  # segments of one exchange (a round's tensors)
-MAX_WISHES = 8  # distinct buffer keys one PE may ask to grow in one exchange
+MAX_WISHES = 8  # growth requests one announce carries (more wait for the next exchange)
 # Signal words, per source PE: slot(kind, src) = kind * world_size + src.
 ANNOUNCE, DATA, ABORT = 0, 1, 2
 SIGNAL_KINDS = 3
@@ -250,8 +250,9 @@ class SymmetricTransport:
         layout, staged = [], 0
         for buf in recv:
             p = buf.data_ptr()
-            inside = (buf.device == arena.device and buf.numel() > 0 and lo_arrays <= p
-                      and p + buf.numel() <= hi and not self._in_staging(p - lo, buf.numel()))
+            inside = (buf.device == arena.device and buf.numel() > 0 and buf.is_contiguous()
+                      and lo_arrays <= p and p + buf.numel() <= hi
+                      and not self._in_staging(p - lo, buf.numel()))
             if inside or buf.numel() == 0:
                 layout.append((DIRECT, p - lo if inside else 0))
             else:
@@ -366,12 +367,10 @@ class SymmetricTransport:
 
         # 1. Announce where each sender's slices go (and the growth this PE asks for).
         layout, staged = self._recv_layout(recv)
-        wishes = dict(self._wishes)
+        # At most MAX_WISHES requests fit a row; any others wait for the next exchange.
+        wishes = dict(sorted(self._wishes.items())[:MAX_WISHES - 1])
         if staged > self._capacity(STAGING):
             wishes[STAGING] = staged
-        if len(wishes) > MAX_WISHES:
-            raise ValueError(f"participant {me} asks to grow {len(wishes)} buffers in one exchange "
-                             f"(at most {MAX_WISHES}): {sorted(self._keys.get(k, k) for k in wishes)}")
         prefix = np.zeros((nseg, P + 1), dtype=np.int64)
         for s in range(nseg):
             prefix[s, 1:] = np.cumsum(rs[s])
@@ -401,7 +400,8 @@ class SymmetricTransport:
             nw = int(inbox[pe, 2])
             requests.append({int(inbox[pe, 3 + 2 * i]): int(inbox[pe, 4 + 2 * i]) for i in range(nw)})
         self._grow(requests)
-        self._wishes.clear()
+        for kid in wishes:
+            self._wishes.pop(kid, None)
         staging_at = self._arrays[STAGING][-1][0] if STAGING in self._arrays else 0
 
         # 3. Data: put each peer's rows where it announced, then the sizes row with DATA[me] = seq.
@@ -415,7 +415,7 @@ class SymmetricTransport:
                 for s in range(nseg):
                     n = mine[s]
                     if n:
-                        where, off = int(row[3 + 2 * MAX_WISHES + 3 * s]), int(row[4 + 2 * MAX_WISHES + 3 * s])
+                        where, off = (int(x) for x in row[3 + 2 * MAX_WISHES + 3 * s:][:2])
                         a = int(send_at[s][pe])
                         heap.put(pe, off + (staging_at if where == STAGED else 0), send[s][a:a + n])
             else:
@@ -423,8 +423,8 @@ class SymmetricTransport:
                                   f"participant {pe} expects {theirs}")
             report = np.zeros(_REPORT, dtype=np.int64)
             report[:2 + nseg] = [seq, nseg] + mine
-            heap.put_signal(pe, self._report_at + me * _REPORT * 8, torch.from_numpy(report).view(torch.uint8),
-                            self._slot(DATA, me), seq)
+            heap.put_signal(pe, self._report_at + me * _REPORT * 8,
+                            torch.from_numpy(report).view(torch.uint8), self._slot(DATA, me), seq)
         for s in range(nseg):  # own split: a local copy
             n = ss[s][me]
             if n:
@@ -451,7 +451,8 @@ class SymmetricTransport:
                 for pe in self._peers():
                     n, b = rs[s][pe], int(prefix[s, pe])
                     if n:
-                        heap.copy(recv[s][b:b + n], heap.arena[staging_at + base + b:staging_at + base + b + n])
+                        at = staging_at + base + b
+                        heap.copy(recv[s][b:b + n], heap.arena[at:at + n])
         self.bytes_sent += sum(sum(sp) - sp[me] for sp in ss)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from distca_server.errors import DistCAError
 from distca_server.transport.local import LocalGroup
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
-from distca_server.transport.symmetric import DATA, SymmetricTransport, signal_words
+from distca_server.transport.symmetric import DATA, SymmetricTransport, key_id, signal_words
 
 TIMEOUT_S = 2.0
 SIZES = [0, 0, 1, 3, 64, 255, 256, 1000, 4096, 20000]  # zero-byte peers are common
@@ -52,7 +52,8 @@ def in_arena(transport, t: torch.Tensor) -> bool:
     return t.numel() > 0 and 0 <= t.data_ptr() - arena.data_ptr() < arena.numel()
 
 
-def run_rounds(transport, seed: int, rounds: int, device="cpu", direct: list | None = None) -> list[list[str]]:
+def run_rounds(transport, seed: int, rounds: int, device="cpu",
+               direct: list | None = None) -> list[list[str]]:
     """Run ``rounds`` exchanges; returns per round the digests of the received segments. Even rounds
     receive into ``buffer`` views (symmetric once grown), odd rounds into fresh tensors (staged);
     ``direct`` collects, per round, whether each segment was received in place (symmetric memory)."""
@@ -356,3 +357,60 @@ def test_attention_rounds_over_the_symmetric_transport_equal_the_local_transport
     for w, g in zip(want, got):
         for a, b in zip(w, g):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def _threads(P: int, fn):
+    """Run ``fn(rank)`` on ``P`` threads; returns their results (raises the first error)."""
+    out, errors = [None] * P, []
+
+    def one(r):
+        try:
+            out[r] = fn(r)
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_strided_receive_views_and_many_growing_keys():
+    """A non-contiguous receive view is staged and filled in place; more growth requests than one
+    announce carries are granted over the following exchanges."""
+    P = 2
+    handle = create_heap(P, heap_bytes=8 << 20)
+    try:
+        eps = [SymmetricTransport(ShmHeap(handle, r), timeout_s=5) for r in range(P)]
+        send = [torch.arange(12, dtype=torch.uint8) + 100 * r for r in range(P)]
+
+        def strided(r):
+            t = eps[r]
+            for i in range(10):
+                t.buffer(f"key{i}", 1000 + i)
+            wide = torch.zeros(24, dtype=torch.uint8)
+            t.exchange([send[r]], [[6, 6]], [wide[::2]], [[6, 6]])
+            return wide
+        got = _threads(P, strided)
+        for r in range(P):
+            want = torch.cat([send[0][6 * r:6 * r + 6], send[1][6 * r:6 * r + 6]])
+            assert torch.equal(got[r][::2], want) and not got[r][1::2].any()
+        grown = [k for k in range(10) if eps[0]._capacity(key_id(f"key{k}"))]
+        assert len(grown) == 7  # one announce carries 8 requests, staging's included
+
+        def empty(r):
+            z = torch.zeros(0, dtype=torch.uint8)
+            eps[r].exchange([z], [[0, 0]], [z], [[0, 0]])
+        _threads(P, empty)
+        for t in eps:
+            assert all(t._capacity(key_id(f"key{k}")) >= 1000 + k for k in range(10))
+            assert t.buffer("key9", 1009).data_ptr() - t.heap.arena.data_ptr() in range(t.heap.arena.numel())
+        # Every PE made the same allocations: the heap stays symmetric.
+        assert eps[0]._arrays == eps[1]._arrays
+        for t in eps:
+            t.close()
+    finally:
+        destroy_heap(handle)
