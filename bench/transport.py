@@ -4,7 +4,9 @@
 shared-memory heap (:mod:`distca_server.transport.shm`) against
 :class:`~distca_server.transport.torch_dist.TorchDistTransport` on gloo (``alltoall_base``), between
 ``P`` processes of this machine. ``--transport nvshmem`` (GPU machine): the same transport over the
-NVSHMEM heap against NCCL's ``all_to_all_single``, PEs sharing the GPUs round-robin.
+NVSHMEM heap against NCCL's ``all_to_all_single`` when there is a GPU per PE; with fewer GPUs (PEs
+share them round-robin, and NCCL refuses two ranks on one device) against a plain device copy of the
+bytes each PE receives (``copy``: the bandwidth ceiling on one GPU).
 
 Splits: each participant sends ``size`` bytes in all, cut between the other participants by seeded
 random weights with one zero-byte peer per sender when ``P >= 3`` (the raggedness of a CA round);
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import sys
 import time
@@ -79,6 +82,14 @@ def ragged_splits(P: int, size: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+def heap_bytes(P: int, sizes: list[int]) -> int:
+    """Arena per PE: the receive buffer's generations (each at least twice the last, never
+    reused) stay under twice the largest receive, plus room for the tables."""
+    most = max(sum(ragged_splits(P, size, seed=size)[src][dst] for src in range(P))
+               for size in sizes for dst in range(P))
+    return 2 * most + 16 * MiB
+
+
 def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, cuda: bool) -> float:
     times = []
     for i in range(warmup + iters):
@@ -94,8 +105,21 @@ def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, c
     return statistics.median(times)
 
 
-def _worker(rank: int, P: int, kind: str, sizes: list[int], iters: int, warmup: int, handle,
-            uids, stores, results) -> None:
+class _CopyOnly:
+    """The baseline where NCCL cannot run (several PEs on one GPU: NCCL refuses two ranks on one
+    device): each participant copies the bytes it receives from one of its buffers into another,
+    the memory-bandwidth floor of any exchange on one GPU. Not an all-to-all: no bytes compared."""
+
+    def exchange(self, send, send_splits, recv, recv_splits):
+        n = recv[0].numel()
+        recv[0].copy_(send[0][:n] if send[0].numel() >= n else recv[0])
+
+    def close(self):
+        pass
+
+
+def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int,
+            handle, uids, stores, results) -> None:
     from distca_server.transport.torch_dist import join_group
     cuda = kind == "nvshmem"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -103,14 +127,17 @@ def _worker(rank: int, P: int, kind: str, sizes: list[int], iters: int, warmup: 
         from distca_server.transport.nvshmem import join_nvshmem
         sym = join_nvshmem(rank=rank, world_size=P, timeout_s=120, device=device,
                            publish=lambda uid: [uids.put(uid) for _ in range(P - 1)],
-                           lookup=lambda: uids.get(timeout=120), heap_bytes=3 * max(sizes) + 64 * MiB)
+                           lookup=lambda: uids.get(timeout=120), heap_bytes=heap_bytes(P, sizes))
     else:
         from distca_server.transport.shm import ShmHeap
         from distca_server.transport.symmetric import SymmetricTransport
         sym = SymmetricTransport(ShmHeap(handle, rank), timeout_s=120)
-    base = join_group(epoch=0, rank=rank, world_size=P, host="127.0.0.1", timeout_s=120, device=device,
-                      publish=lambda host, port: [stores.put((host, port)) for _ in range(P - 1)],
-                      lookup=lambda: stores.get(timeout=120))
+    if baseline == "copy":
+        base = _CopyOnly()
+    else:
+        base = join_group(epoch=0, rank=rank, world_size=P, host="127.0.0.1", timeout_s=120, device=device,
+                          publish=lambda host, port: [stores.put((host, port)) for _ in range(P - 1)],
+                          lookup=lambda: stores.get(timeout=120))
     rows = []
     for size in sizes:
         splits = ragged_splits(P, size, seed=size)
@@ -126,7 +153,7 @@ def _worker(rank: int, P: int, kind: str, sizes: list[int], iters: int, warmup: 
         sym.exchange([send], [ss], [a], [rs])
         base.exchange([send], [ss], [recv_base], [rs])
         rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "base_s": t_base,
-                     "equal": bool(torch.equal(a, recv_base))})
+                     "equal": baseline == "copy" or bool(torch.equal(a, recv_base))})
     results.put((rank, rows))
     sym.close()
     base.close()
@@ -136,19 +163,30 @@ def _worker(rank: int, P: int, kind: str, sizes: list[int], iters: int, warmup: 
         os._exit(0)  # NVSHMEM's teardown is collective; the measurement is done
 
 
-def run(P: int, kind: str, sizes: list[int], iters: int, warmup: int) -> list[dict]:
+def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int) -> list[dict]:
     from distca_server.transport.shm import create_heap, destroy_heap
     ctx = mp.get_context("spawn" if kind == "nvshmem" else "forkserver")  # CUDA does not survive fork
     if kind == "shm":
         ctx.set_forkserver_preload(["torch"])
-    handle = create_heap(P, heap_bytes=3 * max(sizes) + 64 * MiB) if kind == "shm" else None
+    handle = create_heap(P, heap_bytes=heap_bytes(P, sizes)) if kind == "shm" else None
+    if kind == "nvshmem":  # NVSHMEM's heap must hold the arena (inherited by the PEs)
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes(P, sizes) + 64 * MiB))
     uids, stores, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, kind, sizes, iters, warmup, handle, uids, stores,
-                                               results)) for r in range(P)]
+    procs = [ctx.Process(target=_worker, args=(r, P, kind, baseline, sizes, iters, warmup, handle, uids,
+                                               stores, results)) for r in range(P)]
     try:
         for p in procs:
             p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in range(P))
+        per_rank: dict = {}
+        while len(per_rank) < P:
+            try:
+                rank, rows = results.get(timeout=5)
+                per_rank[rank] = rows
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"participants {dead} failed (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}); see their tracebacks above")
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -187,12 +225,14 @@ def main() -> None:
     while s <= hi:
         sizes.append(s)
         s *= 4
-    baseline = "nccl" if args.transport == "nvshmem" else "gloo"
+    baseline = "gloo"
+    if args.transport == "nvshmem":  # NCCL needs a GPU per rank
+        baseline = "nccl" if torch.cuda.device_count() >= max(procs) else "copy"
     device = torch.cuda.get_device_name(0) if args.transport == "nvshmem" else "cpu"
     json_path = args.json or (ROOT / "bench" / "results" / ("gpu/transport_nvshmem.json"
                               if args.transport == "nvshmem" else "transport_shm.json"))
     t0 = time.perf_counter()
-    rows = [row for P in procs for row in run(P, args.transport, sizes, iters, args.warmup)]
+    rows = [row for P in procs for row in run(P, args.transport, baseline, sizes, iters, args.warmup)]
     elapsed = time.perf_counter() - t0
 
     def table() -> None:

@@ -31,10 +31,11 @@ Memory: :meth:`SymmetricTransport.buffer` hands out views of *arrays* carved fro
 per key). A key's array grows only at step 2 of an exchange (growth must be agreed), so a
 ``buffer`` call larger than the key's array returns private memory for now and records the wish;
 the next exchange grows the array (to at least twice its size) and later calls get symmetric
-memory. A receive segment that is not inside the arena (a fresh tensor, or such private memory)
-is *staged*: its rows land in a transport-owned staging array and are copied out (one extra copy;
-never refused). Old generations of a key's array are not reused (views handed out stay valid), so
-an array holds at most twice its largest size; staging's are.
+memory. Rows for a receive segment in such private memory land at the same offset of the key's new
+array and are copied over (one extra copy, that exchange only). A receive segment anywhere else
+outside the arena (a fresh tensor) is *staged*: its rows land in a transport-owned staging array
+and are copied out (one extra copy; never refused). Old generations of a key's array are not reused
+(views handed out stay valid), so an array holds at most twice its largest size; staging's are.
 
 Failure: every wait is bounded by the exchange's deadline. A PE that times out sets its
 ``ABORT`` word on every peer, so the others fail at once instead of at their own deadline; it
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 
 from ..errors import DistCAError
-from .base import ALIGN, GrowingBuffers, aligned, check_exchange
+from .base import ALIGN, aligned, check_exchange
 
 MAX_SEGMENTS = 16  # segments of one exchange (a round's tensors)
 MAX_WISHES = 8  # growth requests one announce carries (more wait for the next exchange)
@@ -67,7 +68,9 @@ _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
 _ROW = 3 + 2 * MAX_WISHES + 3 * MAX_SEGMENTS
 # Report row (int64): seq, segments, bytes per segment.
 _REPORT = 2 + MAX_SEGMENTS
-DIRECT, STAGED = 0, 1  # an announced offset is into the arena / relative to the staging array
+# Where an announced offset points: into the arena, or into the staging array (STAGED) or a key's
+# array (its id, >= 2) as they are after this exchange's growth.
+DIRECT, STAGED = 0, 1
 STAGING = 1  # the staging array's key id (buffer keys hash to ids >= 2)
 
 
@@ -191,7 +194,7 @@ class SymmetricTransport:
         self._arrays: dict[int, list[tuple[int, int]]] = {}  # key id -> generations (offset, bytes)
         self._keys: dict[int, str] = {}
         self._wishes: dict[int, int] = {}  # key id -> bytes asked of `buffer` beyond its array
-        self._private = GrowingBuffers(self.device)
+        self._private: dict[int, torch.Tensor] = {}  # key id -> memory lent until the array grows
         self._seq = 0
         self._broken: str | None = None
         self._closed = False
@@ -208,7 +211,10 @@ class SymmetricTransport:
             off = gens[-1][0]
             return self.heap.arena[off:off + nbytes]
         self._wishes[kid] = max(self._wishes.get(kid, 0), nbytes)
-        return self._private.buffer(key, nbytes)
+        private = self._private.get(kid)
+        if private is None or private.numel() < nbytes:
+            private = self._private[kid] = torch.empty(aligned(nbytes), dtype=torch.uint8, device=self.device)
+        return private[:nbytes]
 
     def symmetric_bytes(self) -> int:
         """Arena bytes held by arrays (all generations, staging included)."""
@@ -241,9 +247,11 @@ class SymmetricTransport:
                 self._alloc.release(*gens.pop())
             gens.append((off, size))
 
-    def _recv_layout(self, recv: Sequence[torch.Tensor]):
-        """Per segment ``(where, base)``: DIRECT with the arena offset of ``recv[s]``, or STAGED with
-        an offset into the staging array; and the staging bytes needed."""
+    def _recv_layout(self, recv: Sequence[torch.Tensor], growing):
+        """Per segment ``(where, base)``: DIRECT with the arena offset of ``recv[s]``; a key id in
+        ``growing`` with the offset of ``recv[s]`` in that key's private memory (its rows land at
+        the same offset of the key's new array, then are copied over: no staging memory when a
+        buffer grows); or STAGED with an offset into the staging array. Also the staging bytes."""
         arena = self.heap.arena
         lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
         lo_arrays = lo + table_bytes(self.world_size)
@@ -253,8 +261,12 @@ class SymmetricTransport:
             inside = (buf.device == arena.device and buf.numel() > 0 and buf.is_contiguous()
                       and lo_arrays <= p and p + buf.numel() <= hi
                       and not self._in_staging(p - lo, buf.numel()))
+            lent = [(kid, p - self._private[kid].data_ptr()) for kid in growing if kid in self._private
+                    and 0 <= p - self._private[kid].data_ptr() <= self._private[kid].numel() - buf.numel()]
             if inside or buf.numel() == 0:
                 layout.append((DIRECT, p - lo if inside else 0))
+            elif lent and buf.is_contiguous():
+                layout.append(lent[0])
             else:
                 layout.append((STAGED, staged))
                 staged += aligned(buf.numel())
@@ -366,9 +378,9 @@ class SymmetricTransport:
                                  f"expected {rs[s][me]}")
 
         # 1. Announce where each sender's slices go (and the growth this PE asks for).
-        layout, staged = self._recv_layout(recv)
         # At most MAX_WISHES requests fit a row; any others wait for the next exchange.
         wishes = dict(sorted(self._wishes.items())[:MAX_WISHES - 1])
+        layout, staged = self._recv_layout(recv, wishes)
         if staged > self._capacity(STAGING):
             wishes[STAGING] = staged
         prefix = np.zeros((nseg, P + 1), dtype=np.int64)
@@ -402,7 +414,10 @@ class SymmetricTransport:
         self._grow(requests)
         for kid in wishes:
             self._wishes.pop(kid, None)
-        staging_at = self._arrays[STAGING][-1][0] if STAGING in self._arrays else 0
+            self._private.pop(kid, None)  # the caller's views keep it alive as long as they need
+        # Where STAGED and key-relative offsets start, now that the arrays have grown.
+        at = {kid: gens[-1][0] for kid, gens in self._arrays.items()}
+        at[DIRECT] = 0
 
         # 3. Data: put each peer's rows where it announced, then the sizes row with DATA[me] = seq.
         send_at = [np.concatenate([[0], np.cumsum(sp)]) for sp in ss]
@@ -417,7 +432,7 @@ class SymmetricTransport:
                     if n:
                         where, off = (int(x) for x in row[3 + 2 * MAX_WISHES + 3 * s:][:2])
                         a = int(send_at[s][pe])
-                        heap.put(pe, off + (staging_at if where == STAGED else 0), send[s][a:a + n])
+                        heap.put(pe, at[where] + off, send[s][a:a + n])
             else:
                 mismatches.append(f"participant {me} sends participant {pe} segment bytes {mine}, "
                                   f"participant {pe} expects {theirs}")
@@ -447,12 +462,12 @@ class SymmetricTransport:
 
         self._wait(DATA, seq, deadline, "data", arrived)
         for s, (where, base) in enumerate(layout):
-            if where == STAGED:
+            if where != DIRECT:
                 for pe in self._peers():
                     n, b = rs[s][pe], int(prefix[s, pe])
                     if n:
-                        at = staging_at + base + b
-                        heap.copy(recv[s][b:b + n], heap.arena[at:at + n])
+                        src = at[where] + base + b
+                        heap.copy(recv[s][b:b + n], heap.arena[src:src + n])
         self.bytes_sent += sum(sum(sp) - sp[me] for sp in ss)
 
     def close(self) -> None:
