@@ -149,7 +149,7 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
         # The two delivered the same bytes.
-        a = sym.buffer("bench", sum(rs)).clone()
+        a = sym.buffer("bench", sum(rs))
         sym.exchange([send], [ss], [a], [rs])
         base.exchange([send], [ss], [recv_base], [rs])
         rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "base_s": t_base,

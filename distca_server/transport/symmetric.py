@@ -235,16 +235,17 @@ class SymmetricTransport:
             if need[kid] <= cap:
                 continue
             size = max(aligned(need[kid]), 2 * cap)
+            gens = self._arrays.setdefault(kid, [])
+            if kid == STAGING and gens:  # never handed out: its range is free again
+                self._alloc.release(*gens.pop())
             off = self._alloc.alloc(size)
             if off is None:
+                name = "the staging array" if kid == STAGING else f"buffer {self._keys.get(kid, kid)!r}"
                 self._broken = "symmetric heap full"
                 raise DistCAError(
                     f"participant {self.rank}: the symmetric heap ({self.heap.arena.numel()} bytes) has "
-                    f"no room for {size} bytes of buffer {self._keys.get(kid, kid)!r} (holds "
+                    f"no room for {size} bytes of {name} (holds "
                     f"{self.symmetric_bytes()} bytes in arrays); make the heap larger")
-            gens = self._arrays.setdefault(kid, [])
-            if kid == STAGING and gens:  # never handed out: its old range is free again
-                self._alloc.release(*gens.pop())
             gens.append((off, size))
 
     def _recv_layout(self, recv: Sequence[torch.Tensor], growing):
