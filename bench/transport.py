@@ -1,0 +1,262 @@
+"""The one-sided exchange against the collective all-to-all, for the same ragged splits.
+
+``--transport shm`` (CPU): :class:`~distca_server.transport.symmetric.SymmetricTransport` over the
+shared-memory heap (:mod:`distca_server.transport.shm`) against
+:class:`~distca_server.transport.torch_dist.TorchDistTransport` on gloo (``alltoall_base``), between
+``P`` processes of this machine. ``--transport nvshmem`` (GPU machine): the same transport over the
+NVSHMEM heap against NCCL's ``all_to_all_single`` when there is a GPU per PE; with fewer GPUs (PEs
+share them round-robin, and NCCL refuses two ranks on one device) against a plain device copy of the
+bytes each PE receives (``copy``: the bandwidth ceiling on one GPU).
+
+Splits: each participant sends ``size`` bytes in all, cut between the other participants by seeded
+random weights with one zero-byte peer per sender when ``P >= 3`` (the raggedness of a CA round);
+nothing to itself (rows that stay home never pass through a transport). The symmetric transport
+receives into its ``buffer`` (symmetric memory after the first exchange grew it), the baseline into a
+preallocated tensor. Both endpoints live in the same processes and run each size back to back.
+
+Per size: ``--warmup`` exchanges, then ``--iters`` timed ones (fewer for large sizes: at least 3,
+at most enough to move ~2 GiB); a participant's time is its median exchange (GPU: synchronized);
+``ms`` is the slowest participant's, ``GB/s`` the bytes one participant sends off-rank divided by it
+(10^9 bytes per second).
+
+Usage::
+
+    python bench/transport.py                      # shm vs gloo, P = 2 and 4, 64 KiB .. 64 MiB
+    python bench/transport.py --quick              # P = 2, 64 KiB .. 4 MiB
+    python bench/transport.py --transport nvshmem --procs 2 4 --max-size 1GiB   # on the GPU machine
+
+Writes JSON to ``--json`` (default ``bench/results/transport_shm.json``, on GPU
+``bench/results/gpu/transport_nvshmem.json`` with the device name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from bench.report import finish  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def parse_size(text: str) -> int:
+    """``64KiB``, ``4MiB``, ``1GiB`` or a byte count."""
+    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * mult)
+    return int(text)
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
+def ragged_splits(P: int, size: int, seed: int = 0) -> list[list[int]]:
+    """``splits[src][dst]`` bytes, each row summing to ``size`` (rounded down to 16-byte rows), 0 to
+    itself and to one other peer when ``P >= 3``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for src in range(P):
+        w = torch.rand(P, generator=g) + 0.25
+        w[src] = 0
+        if P >= 3:
+            others = [d for d in range(P) if d != src]
+            w[others[int(torch.randint(0, P - 1, (1,), generator=g))]] = 0
+        parts = [int(size * float(x) / float(w.sum())) // 16 * 16 for x in w]
+        out.append(parts)
+    return out
+
+
+def heap_bytes(P: int, sizes: list[int]) -> int:
+    """Arena per PE: the receive buffer's generations (each at least twice the last, never
+    reused) stay under twice the largest receive, plus room for the tables."""
+    most = max(sum(ragged_splits(P, size, seed=size)[src][dst] for src in range(P))
+               for size in sizes for dst in range(P))
+    return 2 * most + 16 * MiB
+
+
+def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, cuda: bool) -> float:
+    times = []
+    for i in range(warmup + iters):
+        recv = recv_of()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        transport.exchange([send], [ss], [recv], [rs])
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _CopyOnly:
+    """The baseline where NCCL cannot run (several PEs on one GPU: NCCL refuses two ranks on one
+    device): each participant copies the bytes it receives from one of its buffers into another,
+    the memory-bandwidth floor of any exchange on one GPU. Not an all-to-all: no bytes compared."""
+
+    def exchange(self, send, send_splits, recv, recv_splits):
+        n = recv[0].numel()
+        recv[0].copy_(send[0][:n] if send[0].numel() >= n else recv[0])
+
+    def close(self):
+        pass
+
+
+def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int,
+            handle, uids, stores, results) -> None:
+    from distca_server.transport.torch_dist import join_group
+    cuda = kind == "nvshmem"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        from distca_server.transport.nvshmem import join_nvshmem
+        sym = join_nvshmem(rank=rank, world_size=P, timeout_s=120, device=device,
+                           publish=lambda uid: [uids.put(uid) for _ in range(P - 1)],
+                           lookup=lambda: uids.get(timeout=120), heap_bytes=heap_bytes(P, sizes))
+    else:
+        from distca_server.transport.shm import ShmHeap
+        from distca_server.transport.symmetric import SymmetricTransport
+        sym = SymmetricTransport(ShmHeap(handle, rank), timeout_s=120)
+    if baseline == "copy":
+        base = _CopyOnly()
+    else:
+        base = join_group(epoch=0, rank=rank, world_size=P, host="127.0.0.1", timeout_s=120, device=device,
+                          publish=lambda host, port: [stores.put((host, port)) for _ in range(P - 1)],
+                          lookup=lambda: stores.get(timeout=120))
+    rows = []
+    for size in sizes:
+        splits = ragged_splits(P, size, seed=size)
+        ss = splits[rank]
+        rs = [splits[src][rank] for src in range(P)]
+        send = torch.randint(0, 256, (sum(ss),), dtype=torch.uint8, device=device)
+        n = max(3, min(iters, (2 * GiB) // max(size, 1)))
+        recv_base = torch.empty(sum(rs), dtype=torch.uint8, device=device)
+        t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
+        t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
+        # The two delivered the same bytes.
+        a = sym.buffer("bench", sum(rs))
+        sym.exchange([send], [ss], [a], [rs])
+        base.exchange([send], [ss], [recv_base], [rs])
+        rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "base_s": t_base,
+                     "equal": baseline == "copy" or bool(torch.equal(a, recv_base))})
+    results.put((rank, rows))
+    sym.close()
+    base.close()
+    if cuda:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # NVSHMEM's teardown is collective; the measurement is done
+
+
+def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int) -> list[dict]:
+    from distca_server.transport.shm import create_heap, destroy_heap
+    ctx = mp.get_context("spawn" if kind == "nvshmem" else "forkserver")  # CUDA does not survive fork
+    if kind == "shm":
+        ctx.set_forkserver_preload(["torch"])
+    handle = create_heap(P, heap_bytes=heap_bytes(P, sizes)) if kind == "shm" else None
+    if kind == "nvshmem":  # NVSHMEM's heap must hold the arena (inherited by the PEs)
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes(P, sizes) + 64 * MiB))
+    uids, stores, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, P, kind, baseline, sizes, iters, warmup, handle, uids,
+                                               stores, results)) for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        per_rank: dict = {}
+        while len(per_rank) < P:
+            try:
+                rank, rows = results.get(timeout=5)
+                per_rank[rank] = rows
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"participants {dead} failed (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}); see their tracebacks above")
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if handle is not None:
+            destroy_heap(handle)
+    rows = []
+    for i, size in enumerate(sizes):
+        mine = [per_rank[r][i] for r in range(P)]
+        sym, base = max(m["sym_s"] for m in mine), max(m["base_s"] for m in mine)
+        sent = statistics.mean(m["sent"] for m in mine)
+        rows.append({"procs": P, "size": size, "iters": mine[0]["iters"], "sym_ms": 1e3 * sym,
+                     "base_ms": 1e3 * base, "sym_gbs": sent / sym / 1e9, "base_gbs": sent / base / 1e9,
+                     "speedup": base / sym, "equal": all(m["equal"] for m in mine)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", choices=["shm", "nvshmem"], default="shm")
+    ap.add_argument("--procs", type=int, nargs="+", default=None, help="participants (default 2 4)")
+    ap.add_argument("--min-size", default="64KiB")
+    ap.add_argument("--max-size", default="64MiB")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="P = 2, 64 KiB .. 4 MiB, 5 iterations")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    procs = args.procs or ([2] if args.quick else [2, 4])
+    lo, hi = parse_size(args.min_size), parse_size("4MiB" if args.quick else args.max_size)
+    iters = 5 if args.quick else args.iters
+    sizes = []
+    s = lo
+    while s <= hi:
+        sizes.append(s)
+        s *= 4
+    baseline = "gloo"
+    if args.transport == "nvshmem":  # NCCL needs a GPU per rank
+        baseline = "nccl" if torch.cuda.device_count() >= max(procs) else "copy"
+    device = torch.cuda.get_device_name(0) if args.transport == "nvshmem" else "cpu"
+    json_path = args.json or (ROOT / "bench" / "results" / ("gpu/transport_nvshmem.json"
+                              if args.transport == "nvshmem" else "transport_shm.json"))
+    t0 = time.perf_counter()
+    rows = [row for P in procs for row in run(P, args.transport, baseline, sizes, iters, args.warmup)]
+    elapsed = time.perf_counter() - t0
+
+    def table() -> None:
+        print(f"| P | bytes sent per participant | {args.transport} ms | {baseline} ms | "
+              f"{args.transport} GB/s | {baseline} GB/s | {baseline}/{args.transport} time | same bytes |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---|")
+        for r in rows:
+            print(f"| {r['procs']} | {fmt_size(r['size'])} | {r['sym_ms']:.3f} | {r['base_ms']:.3f} | "
+                  f"{r['sym_gbs']:.2f} | {r['base_gbs']:.2f} | {r['speedup']:.2f} | {r['equal']} |")
+
+    big = [r for r in rows if r["size"] == sizes[-1]]
+    small = [r for r in rows if r["size"] == sizes[0]]
+    headline = [f"{args.transport} vs {baseline} on {device}: at {fmt_size(sizes[-1])} "
+                + ", ".join(f"P={r['procs']} {r['sym_gbs']:.2f} vs {r['base_gbs']:.2f} GB/s" for r in big),
+                f"latency at {fmt_size(sizes[0])}: "
+                + ", ".join(f"P={r['procs']} {r['sym_ms']:.3f} vs {r['base_ms']:.3f} ms" for r in small)]
+    if not all(r["equal"] for r in rows):
+        headline.append("MISMATCH: the two transports delivered different bytes")
+    finish(table, headline, elapsed, json_path, {
+        "benchmark": "transport", "transport": args.transport, "baseline": baseline, "device": device,
+        "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows})
+    if not all(r["equal"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

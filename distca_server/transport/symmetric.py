@@ -1,0 +1,491 @@
+"""The one-sided ragged all-to-all: senders put their rows straight into the receivers' memory.
+
+Written once against a small :class:`SymmetricHeap` (the memory model of NVSHMEM): every
+participant (a *PE*) owns an *arena* of the same size that its peers can write into at the same
+offsets, and an array of 64-bit *signal words* its peers can set. :mod:`.shm` implements it with
+shared memory between the processes of one host (the pure-torch reference, and a real intra-host
+CPU transport); :mod:`.nvshmem` with NVSHMEM symmetric GPU memory.
+
+One exchange, number ``n`` (counted by every PE; the signals carry it, so rounds never mix and no
+signal word is ever reset):
+
+1. **Announce.** Each receiver ``R`` puts into every sender ``S``'s *inbox* row ``R``: where in
+   ``R``'s arena ``S``'s slice of every segment goes and how many bytes ``R`` expects, plus the
+   buffer growth ``R`` asks for (below), and sets ``S``'s signal ``ANNOUNCE[R] = n``. ``R`` sends it
+   on entering the exchange, i.e. after it has finished with exchange ``n - 1``'s data: the
+   announce is also the *credit* that ``R``'s receive buffers may be overwritten.
+2. **Agree on growth.** After every announce has arrived, every PE holds every PE's growth request,
+   so all of them make the same allocation decisions in the same order: the arena offsets of every
+   array stay the same everywhere (symmetric) without a collective.
+3. **Data.** ``S`` checks that what it is about to send to ``R`` is what ``R`` announced; if so it
+   puts its rows at the announced offsets, then puts its sizes row into ``R``'s *report* table with
+   ``DATA[S] = n`` (a put-with-signal: the signal lands after the data). A size mismatch fails the
+   exchange with ``ValueError`` on both ends (``S`` sends its true sizes instead of rows; ``R``
+   compares them with its own) and aborts the group.
+4. **Wait.** ``R`` waits until ``DATA[S] >= n`` for every peer and copies staged segments out.
+
+Own split (a rank to itself) is a local copy. No step needs a collective or a barrier: on one GPU
+shared by several PEs without MPS, NVSHMEM allows point-to-point RMA only.
+
+Memory: :meth:`SymmetricTransport.buffer` hands out views of *arrays* carved from the arena (one
+per key). A key's array grows only at step 2 of an exchange (growth must be agreed), so a
+``buffer`` call larger than the key's array returns private memory for now and records the wish;
+the next exchange grows the array (to at least twice its size) and later calls get symmetric
+memory. Rows for a receive segment in such private memory land at the same offset of the key's new
+array and are copied over (one extra copy, that exchange only). A receive segment anywhere else
+outside the arena (a fresh tensor) is *staged*: its rows land in a transport-owned staging array
+and are copied out (one extra copy; never refused). Old generations of a key's array are not reused
+(views handed out stay valid), so an array holds at most twice its largest size; staging's are.
+
+Failure: every wait is bounded by the exchange's deadline. A PE that times out sets its
+``ABORT`` word on every peer, so the others fail at once instead of at their own deadline; it
+raises :class:`DistCAError` naming the peers it did not hear from. A PE that closes sets
+``ABORT = CLOSED``: peers waiting on it fail, others finish what they have.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import DistCAError
+from .base import ALIGN, aligned, check_exchange
+
+MAX_SEGMENTS = 16  # segments of one exchange (a round's tensors)
+MAX_WISHES = 8  # growth requests one announce carries (more wait for the next exchange)
+# Signal words, per source PE: slot(kind, src) = kind * world_size + src.
+ANNOUNCE, DATA, ABORT = 0, 1, 2
+SIGNAL_KINDS = 3
+# What a PE's ABORT word says about it.
+CLOSED, TIMED_OUT, MISMATCH = 1, 2, 3
+_WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
+        MISMATCH: "found a size mismatch"}
+# Inbox row (int64): seq, segments, wishes, (key id, bytes) per wish, (where, offset, bytes) per segment.
+_ROW = 3 + 2 * MAX_WISHES + 3 * MAX_SEGMENTS
+# Report row (int64): seq, segments, bytes per segment.
+_REPORT = 2 + MAX_SEGMENTS
+# Where an announced offset points: into the arena, or into the staging array (STAGED) or a key's
+# array (its id, >= 2) as they are after this exchange's growth.
+DIRECT, STAGED = 0, 1
+STAGING = 1  # the staging array's key id (buffer keys hash to ids >= 2)
+
+
+def signal_words(world_size: int) -> int:
+    """How many signal words a heap of ``world_size`` PEs needs for :class:`SymmetricTransport`."""
+    return SIGNAL_KINDS * int(world_size)
+
+
+def table_bytes(world_size: int) -> int:
+    """Arena bytes the inbox and report tables take (at the arena's start)."""
+    return aligned(world_size * _ROW * 8) + aligned(world_size * _REPORT * 8)
+
+
+class SymmetricHeap(Protocol):
+    """One PE's endpoint of a symmetric heap.
+
+    Attributes:
+        rank, world_size: this PE and the number of PEs.
+        device: where the arena lives.
+        arena: uint8 [heap_bytes], this PE's part of the heap; peers write into it at the same
+            offsets they use in their own.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    arena: torch.Tensor
+
+    def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
+        """Write ``src`` (uint8, any device) into PE ``pe``'s arena at ``offset`` (may return
+        before the bytes have landed: see :meth:`quiet`)."""
+        ...
+
+    def put_signal(self, pe: int, offset: int, src: torch.Tensor, slot: int, value: int) -> None:
+        """:meth:`put`, then set PE ``pe``'s signal word ``slot`` to ``value`` once the bytes of this
+        and of every earlier put to ``pe`` have landed."""
+        ...
+
+    def signal(self, pe: int, slot: int, value: int) -> None:
+        """Set PE ``pe``'s signal word ``slot`` to ``value`` (after every earlier put to ``pe``)."""
+        ...
+
+    def signals(self) -> np.ndarray:
+        """A snapshot of this PE's signal words: int64 [signal_words(world_size)]."""
+        ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Local copy of uint8 ``src`` into ``dst`` on this PE's device (own split, staged rows)."""
+        ...
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A CPU copy of this PE's arena bytes ``[offset, offset + nbytes)`` (tables)."""
+        ...
+
+    def quiet(self) -> None:
+        """Return once every put and signal this PE issued has landed."""
+        ...
+
+    def idle(self, seconds: float) -> None:
+        """Block for up to ``seconds``; may return early, and should when a peer sets one of this
+        PE's signal words (a wake-up, or a short sleep for heaps that can only be polled)."""
+        ...
+
+    def close(self) -> None:
+        """Release this PE's mappings of the heap."""
+        ...
+
+
+def key_id(key: str) -> int:
+    """The id every PE uses for buffer ``key`` in growth requests (>= 2; 0 and 1 are reserved)."""
+    return 2 + zlib.crc32(key.encode()) % (2 ** 31)
+
+
+class _FirstFit:
+    """First-fit allocator of arena ranges. Deterministic: PEs that make the same calls in the
+    same order get the same offsets, which is what keeps the heap symmetric."""
+
+    def __init__(self, start: int, end: int):
+        self.free = [(start, end - start)] if end > start else []
+
+    def alloc(self, nbytes: int) -> int | None:
+        for i, (off, size) in enumerate(self.free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + nbytes, size - nbytes)
+                return off
+        return None
+
+    def release(self, off: int, nbytes: int) -> None:
+        self.free.append((off, nbytes))
+        self.free.sort()
+        merged = [self.free[0]]
+        for o, s in self.free[1:]:
+            lo, ls = merged[-1]
+            if lo + ls == o:
+                merged[-1] = (lo, ls + s)
+            else:
+                merged.append((o, s))
+        self.free = merged
+
+
+class SymmetricTransport:
+    """A :class:`.base.Transport` over a :class:`SymmetricHeap` (see the module docstring).
+
+    Args:
+        heap: this PE's heap endpoint; the transport owns it from now on (``close`` closes it).
+        timeout_s: deadline of an exchange unless ``exchange`` is given another.
+        epoch: the group epoch, named in errors.
+    """
+
+    def __init__(self, heap: SymmetricHeap, timeout_s: float = 60.0, epoch: int = 0):
+        self.heap = heap
+        self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
+        self.timeout_s, self.epoch = float(timeout_s), epoch
+        self.bytes_sent = 0
+        P = self.world_size
+        self._inbox_at, self._report_at = 0, aligned(P * _ROW * 8)
+        self._alloc = _FirstFit(table_bytes(P), heap.arena.numel())
+        self._arrays: dict[int, list[tuple[int, int]]] = {}  # key id -> generations (offset, bytes)
+        self._keys: dict[int, str] = {}
+        self._wishes: dict[int, int] = {}  # key id -> bytes asked of `buffer` beyond its array
+        self._private: dict[int, torch.Tensor] = {}  # key id -> memory lent until the array grows
+        self._seq = 0
+        self._broken: str | None = None
+        self._closed = False
+
+    # ---- buffers ----------------------------------------------------------------------------------
+    def buffer(self, key: str, nbytes: int) -> torch.Tensor:
+        """A uint8 [nbytes] view of buffer ``key``: symmetric memory once an exchange has sized the
+        key's array, private memory (and a growth request for the next exchange) before."""
+        kid, nbytes = key_id(key), int(nbytes)
+        if self._keys.setdefault(kid, key) != key:
+            raise ValueError(f"buffer keys {self._keys[kid]!r} and {key!r} hash to the same id {kid}")
+        gens = self._arrays.get(kid)
+        if gens and gens[-1][1] >= nbytes:
+            off = gens[-1][0]
+            return self.heap.arena[off:off + nbytes]
+        self._wishes[kid] = max(self._wishes.get(kid, 0), nbytes)
+        private = self._private.get(kid)
+        if private is None or private.numel() < nbytes:
+            private = self._private[kid] = torch.empty(aligned(nbytes), dtype=torch.uint8, device=self.device)
+        return private[:nbytes]
+
+    def symmetric_bytes(self) -> int:
+        """Arena bytes held by arrays (all generations, staging included)."""
+        return sum(size for gens in self._arrays.values() for _, size in gens)
+
+    def _capacity(self, kid: int) -> int:
+        gens = self._arrays.get(kid)
+        return gens[-1][1] if gens else 0
+
+    def _grow(self, requests: list[dict[int, int]]) -> None:
+        """Apply every PE's growth requests, the same way on every PE."""
+        need: dict[int, int] = {}
+        for req in requests:
+            for kid, n in req.items():
+                need[kid] = max(need.get(kid, 0), n)
+        for kid in sorted(need):
+            cap = self._capacity(kid)
+            if need[kid] <= cap:
+                continue
+            size = max(aligned(need[kid]), 2 * cap)
+            gens = self._arrays.setdefault(kid, [])
+            if kid == STAGING and gens:  # never handed out: its range is free again
+                self._alloc.release(*gens.pop())
+            off = self._alloc.alloc(size)
+            if off is None:
+                name = "the staging array" if kid == STAGING else f"buffer {self._keys.get(kid, kid)!r}"
+                self._broken = "symmetric heap full"
+                raise DistCAError(
+                    f"participant {self.rank}: the symmetric heap ({self.heap.arena.numel()} bytes) has "
+                    f"no room for {size} bytes of {name} (holds "
+                    f"{self.symmetric_bytes()} bytes in arrays); make the heap larger")
+            gens.append((off, size))
+
+    def _recv_layout(self, recv: Sequence[torch.Tensor], growing):
+        """Per segment ``(where, base)``: DIRECT with the arena offset of ``recv[s]``; a key id in
+        ``growing`` with the offset of ``recv[s]`` in that key's private memory (its rows land at
+        the same offset of the key's new array, then are copied over: no staging memory when a
+        buffer grows); or STAGED with an offset into the staging array. Also the staging bytes."""
+        arena = self.heap.arena
+        lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+        lo_arrays = lo + table_bytes(self.world_size)
+        layout, staged = [], 0
+        for buf in recv:
+            p = buf.data_ptr()
+            inside = (buf.device == arena.device and buf.numel() > 0 and buf.is_contiguous()
+                      and lo_arrays <= p and p + buf.numel() <= hi
+                      and not self._in_staging(p - lo, buf.numel()))
+            lent = [(kid, p - self._private[kid].data_ptr()) for kid in growing if kid in self._private
+                    and 0 <= p - self._private[kid].data_ptr() <= self._private[kid].numel() - buf.numel()]
+            if inside or buf.numel() == 0:
+                layout.append((DIRECT, p - lo if inside else 0))
+            elif lent and buf.is_contiguous():
+                layout.append(lent[0])
+            else:
+                layout.append((STAGED, staged))
+                staged += aligned(buf.numel())
+        return layout, staged
+
+    def _in_staging(self, off: int, n: int) -> bool:
+        return any(o < off + n and off < o + s for o, s in self._arrays.get(STAGING, []))
+
+    # ---- signals ----------------------------------------------------------------------------------
+    def _slot(self, kind: int, src: int) -> int:
+        return kind * self.world_size + src
+
+    def _peers(self) -> list[int]:
+        P, me = self.world_size, self.rank
+        return [(me + i) % P for i in range(1, P)]  # rotated, so senders start on different receivers
+
+    def _abort(self, code: int, why: str) -> None:
+        """Mark the group broken here and tell every peer (best effort: a peer may be gone)."""
+        if self._broken is None:
+            self._broken = why
+        for pe in self._peers():
+            try:
+                self.heap.signal(pe, self._slot(ABORT, self.rank), code)
+            except Exception:  # noqa: BLE001 - a dead peer's memory may be unreachable
+                pass
+        try:
+            self.heap.quiet()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _aborted_by(self, sig: np.ndarray, pending) -> tuple[int, int] | None:
+        """The first peer whose ABORT word ends this wait: any that timed out or found a mismatch,
+        or one we still wait for that left."""
+        for pe in self._peers():
+            code = int(sig[self._slot(ABORT, pe)])
+            if code in (TIMED_OUT, MISMATCH) or (code == CLOSED and pe in pending):
+                return pe, code
+        return None
+
+    def _wait(self, kind: int, seq: int, deadline: float, what: str, arrived=None) -> None:
+        """Wait until every peer's ``kind`` signal reaches ``seq``; ``arrived(pe)`` runs for each
+        as it comes (and may raise)."""
+        pending = set(self._peers())
+        while True:
+            sig = self.heap.signals()
+            for pe in sorted(pending):
+                if int(sig[self._slot(kind, pe)]) >= seq:
+                    pending.discard(pe)
+                    if arrived is not None:
+                        arrived(pe)
+            if not pending:
+                return
+            hit = self._aborted_by(sig, pending)
+            if hit is not None:
+                # A peer's last signals may have landed between our reads of its words: look once
+                # more, so a peer's sizes row is checked (ValueError) before its abort is reported.
+                sig = self.heap.signals()
+                for pe in sorted(pending):
+                    if arrived is not None and int(sig[self._slot(kind, pe)]) >= seq:
+                        arrived(pe)
+                pe, code = hit
+                self._broken = f"participant {pe} {_WHY.get(code, f'aborted ({code})')}"
+                raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}) aborted "
+                                  f"on participant {self.rank}: {self._broken}")
+            if time.monotonic() > deadline:
+                self._abort(TIMED_OUT, "timed out")
+                raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}): "
+                                  f"participant {self.rank} did not hear from participants "
+                                  f"{sorted(pending)} within the deadline")
+            # Until a peer's signal may have landed (heaps that can be woken return at once) or
+            # for a while; woken or not, the words are read again.
+            self.heap.idle(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    # ---- the exchange -----------------------------------------------------------------------------
+    def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
+                 recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
+                 timeout_s: float | None = None) -> None:
+        """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`).
+
+        Raises:
+            ValueError: bad splits or buffers, more than ``MAX_SEGMENTS`` segments, or a peer sends
+                a different size than this participant expects (or expects a different size than
+                it sends); the group is aborted.
+            DistCAError: the group was aborted or closed, a peer did not answer within the deadline,
+                or the symmetric heap is full.
+        """
+        P, me, heap = self.world_size, self.rank, self.heap
+        check_exchange(send, send_splits, recv, recv_splits, P, me)
+        if len(send) > MAX_SEGMENTS:
+            raise ValueError(f"an exchange moves at most {MAX_SEGMENTS} segments, got {len(send)}")
+        if self._closed or self._broken is not None:
+            raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "
+                              f"{'closed' if self._closed else 'aborted: ' + self._broken}")
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
+        ss = [[int(x) for x in sp] for sp in send_splits]
+        rs = [[int(x) for x in sp] for sp in recv_splits]
+        nseg = len(send)
+        self._seq += 1
+        seq = self._seq
+        hit = self._aborted_by(heap.signals(), set(self._peers()))
+        if hit is not None:  # a peer left or failed since the last exchange: nothing will answer
+            self._broken = f"participant {hit[0]} {_WHY.get(hit[1], 'aborted')}"
+            raise DistCAError(f"all-to-all (exchange {seq}, group epoch {self.epoch}) on participant "
+                              f"{me}: {self._broken}")
+        for s in range(nseg):
+            if ss[s][me] != rs[s][me]:
+                self._abort(MISMATCH, "own split mismatch")
+                raise ValueError(f"participant {me}: segment {s} to itself has {ss[s][me]} bytes, "
+                                 f"expected {rs[s][me]}")
+
+        # 1. Announce where each sender's slices go (and the growth this PE asks for).
+        # At most MAX_WISHES requests fit a row; any others wait for the next exchange.
+        wishes = dict(sorted(self._wishes.items())[:MAX_WISHES - 1])
+        layout, staged = self._recv_layout(recv, wishes)
+        if staged > self._capacity(STAGING):
+            wishes[STAGING] = staged
+        prefix = np.zeros((nseg, P + 1), dtype=np.int64)
+        for s in range(nseg):
+            prefix[s, 1:] = np.cumsum(rs[s])
+        # (numpy, not torch, for these small rows: this is per-exchange overhead.)
+        rows = np.zeros((P, _ROW), dtype=np.int64)
+        rows[:, :3] = (seq, nseg, len(wishes))
+        for i, (kid, n) in enumerate(sorted(wishes.items())):
+            rows[:, 3 + 2 * i:5 + 2 * i] = (kid, n)
+        segs = rows[:, 3 + 2 * MAX_WISHES:3 + 2 * MAX_WISHES + 3 * nseg].reshape(P, nseg, 3)
+        segs[:, :, 0] = [where for where, _ in layout]
+        segs[:, :, 1] = (np.array([base for _, base in layout])[:, None] + prefix[:, :P]).T
+        segs[:, :, 2] = np.array(rs).T
+        rows_t = torch.from_numpy(rows)
+        for pe in self._peers():
+            heap.put_signal(pe, self._inbox_at + me * _ROW * 8, rows_t[pe].view(torch.uint8),
+                            self._slot(ANNOUNCE, me), seq)
+        self._wait(ANNOUNCE, seq, deadline, "announce")
+        inbox = heap.read(self._inbox_at, P * _ROW * 8).view(torch.int64).view(P, _ROW).numpy()
+
+        # 2. Agree on growth: every PE applies every PE's requests in the same order.
+        requests = [wishes]
+        for pe in self._peers():
+            if int(inbox[pe, 0]) != seq:
+                self._abort(MISMATCH, "out of step")
+                raise DistCAError(f"participant {me}: participant {pe} announced exchange "
+                                  f"{int(inbox[pe, 0])} during exchange {seq} (out of step)")
+            nw = int(inbox[pe, 2])
+            requests.append({int(inbox[pe, 3 + 2 * i]): int(inbox[pe, 4 + 2 * i]) for i in range(nw)})
+        self._grow(requests)
+        for kid in wishes:
+            self._wishes.pop(kid, None)
+            self._private.pop(kid, None)  # the caller's views keep it alive as long as they need
+        # Where STAGED and key-relative offsets start, now that the arrays have grown.
+        at = {kid: gens[-1][0] for kid, gens in self._arrays.items()}
+        at[DIRECT] = 0
+
+        # 3. Data: put each peer's rows where it announced, then the sizes row with DATA[me] = seq.
+        send_at = [np.concatenate([[0], np.cumsum(sp)]) for sp in ss]
+        mismatches = []
+        for pe in self._peers():
+            row = inbox[pe]
+            theirs = [int(row[3 + 2 * MAX_WISHES + 3 * s + 2]) for s in range(int(row[1]))]
+            mine = [ss[s][pe] for s in range(nseg)]
+            if theirs == mine:
+                for s in range(nseg):
+                    n = mine[s]
+                    if n:
+                        where, off = (int(x) for x in row[3 + 2 * MAX_WISHES + 3 * s:][:2])
+                        a = int(send_at[s][pe])
+                        heap.put(pe, at[where] + off, send[s][a:a + n])
+            else:
+                mismatches.append(f"participant {me} sends participant {pe} segment bytes {mine}, "
+                                  f"participant {pe} expects {theirs}")
+            report = np.zeros(_REPORT, dtype=np.int64)
+            report[:2 + nseg] = [seq, nseg] + mine
+            heap.put_signal(pe, self._report_at + me * _REPORT * 8,
+                            torch.from_numpy(report).view(torch.uint8), self._slot(DATA, me), seq)
+        for s in range(nseg):  # own split: a local copy
+            n = ss[s][me]
+            if n:
+                a, b = int(send_at[s][me]), int(prefix[s, me])
+                heap.copy(recv[s][b:b + n], send[s][a:a + n])
+        heap.quiet()
+        if mismatches:
+            self._abort(MISMATCH, mismatches[0])
+            raise ValueError("; ".join(mismatches))
+
+        # 4. Wait for every peer's rows; a peer's sizes row tells what it sent.
+        def arrived(pe: int) -> None:
+            rep = heap.read(self._report_at + pe * _REPORT * 8, _REPORT * 8).view(torch.int64).tolist()
+            sent = rep[2:2 + int(rep[1])]
+            expect = [rs[s][pe] for s in range(nseg)]
+            if rep[0] != seq or sent != expect:
+                self._abort(MISMATCH, f"size mismatch with participant {pe}")
+                raise ValueError(f"participant {me}: participant {pe} sent segment bytes {sent} in "
+                                 f"exchange {rep[0]}, participant {me} expects {expect} in exchange {seq}")
+
+        self._wait(DATA, seq, deadline, "data", arrived)
+        for s, (where, base) in enumerate(layout):
+            if where != DIRECT:
+                for pe in self._peers():
+                    n, b = rs[s][pe], int(prefix[s, pe])
+                    if n:
+                        src = at[where] + base + b
+                        heap.copy(recv[s][b:b + n], heap.arena[src:src + n])
+        self.bytes_sent += sum(sum(sp) - sp[me] for sp in ss)
+
+    def close(self) -> None:
+        """Leave the group: peers waiting on this PE fail with ``DistCAError``."""
+        if self._closed:
+            return
+        self._closed = True
+        # A PE that aborted has told its peers why already; CLOSED would hide a timeout from them.
+        for pe in self._peers() if self._broken is None else []:
+            try:
+                self.heap.signal(pe, self._slot(ABORT, self.rank), CLOSED)
+            except Exception:  # noqa: BLE001 - a peer's memory may be gone already
+                pass
+        try:
+            self.heap.quiet()
+        finally:
+            self.heap.close()
+
+
+__all__ = ["ALIGN", "SymmetricHeap", "SymmetricTransport", "key_id", "signal_words", "table_bytes"]
