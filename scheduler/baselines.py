@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from .cost import CostModel
-from .planner import _band_shards, _validate
+from .bands import band_shards
+from .planner import validate_plan_args
 from .tasks import CATask, Plan
 
 
@@ -31,7 +32,7 @@ def no_balance(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
     Raises:
         ValueError: as :func:`scheduler.plan_batch`.
     """
-    _validate(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
+    validate_plan_args(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
     tasks = [[] for _ in range(num_servers)]
     for r, lens in enumerate(doc_lens_per_rank):
         server = _home_server(r, len(doc_lens_per_rank), num_servers)
@@ -53,7 +54,7 @@ def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
     Raises:
         ValueError: as :func:`scheduler.plan_batch`.
     """
-    _validate(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
+    validate_plan_args(doc_lens_per_rank, num_servers, cost, 0.0, mode, 1)
     S = num_servers
     tasks = [[] for _ in range(S)]
     gid = 0
@@ -66,7 +67,7 @@ def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
                 w = base + (1 if (j - gid) % S < extra else 0)
                 if w == 0:
                     continue
-                for qs, qe in _band_shards(l, a, a + w):
+                for qs, qe in band_shards(l, a, a + w):
                     tasks[j].append(CATask(r, i, qs, qe, 0, qe))
                 a += w
             gid += 1
@@ -88,7 +89,7 @@ def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
     Raises:
         ValueError: as :func:`scheduler.plan_batch`, or ``token_cap`` not positive.
     """
-    _validate(doc_lens_per_rank, num_servers, cost, 0.0, "inplace", 1)
+    validate_plan_args(doc_lens_per_rank, num_servers, cost, 0.0, "inplace", 1)
     R = num_servers
     if token_cap is not None and (not isinstance(token_cap, int) or isinstance(token_cap, bool)
                                   or token_cap <= 0):
