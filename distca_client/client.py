@@ -8,8 +8,8 @@ from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
-from scheduler.checks import is_int, is_number
-from scheduler.tasks import MODES, Plan
+from scheduler.checks import MODES, is_int, is_number
+from scheduler.tasks import Plan
 
 from .autograd import DistCAAttention, Pending
 from .validate import check_attend_inputs

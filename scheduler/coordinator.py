@@ -42,12 +42,12 @@ from functools import partial
 from typing import Callable
 
 from .arbitration import Arbitration, Member
-from .checks import bad_lengths, finite_nonnegative, is_int, positive_int
+from .checks import MODES, bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import CostModel
 from .messages import agreed_shape, error_answer, same_report
 from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanOutcome, ReportOutcome,
                        plan_and_cut)
-from .tasks import MODES, Plan
+from .tasks import Plan
 
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
 KEEP_EPOCHS = 2  # rendezvous addresses and failure verdicts of older epochs are forgotten

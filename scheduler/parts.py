@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptor
-from .checks import INT64_MAX, bad_lengths, int_in_range
+from .checks import INT64_MAX, MODES, bad_lengths, int_in_range
 from .cost import CostModel, window_arg, window_kv_start
 from .cover import cover_problems
-from .tasks import (MODES, Plan, participant_count, participant_roles,
+from .tasks import (Plan, participant_count, participant_roles,
                     server_participant_index)
 
 FORMAT = "distca.part"

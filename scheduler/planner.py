@@ -76,17 +76,17 @@ from typing import Sequence
 import numpy as np
 
 from .bound import load_bound
-from .checks import positive_int
+from .checks import check_batch, positive_int
 from .cost import CostModel, window_arg
 from .greedy import Greedy
 from .partial import split_past_blocks
 from .placement import PlacedBatch, held_cap_bound
-from .tasks import Plan, check_batch
+from .tasks import Plan
 
 
 def validate_plan_args(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
     """The checks of :func:`plan_batch` (and the baselines): the plan's own plus ``min_shard``.
-    Returns ``(doc_counts, doc_lens)`` (see :func:`~scheduler.tasks.check_batch`)."""
+    Returns ``(doc_counts, doc_lens)`` (see :func:`~scheduler.checks.check_batch`)."""
     positive_int("min_shard", min_shard)
     return check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
 

@@ -14,13 +14,10 @@ import numpy as np
 
 from . import descriptor
 from .bound import LoadBound, load_bound
-from .checks import INT64_MAX, bad_lengths, finite_nonnegative, is_int, positive_int
+from .checks import INT64_MAX, MODES, check_batch, check_rank_totals, is_int, positive_int
 from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, is_split, window_arg
 from .cover import cover_problems
 from .kv import kv_intervals
-
-MODES = ("inplace", "dedicated")
-
 
 class CATask(NamedTuple):
     """One CA-task: query rows ``[q_start, q_end)`` of one document attending to keys
@@ -72,81 +69,6 @@ def participant_roles(mode: str, num_ranks: int, participant: int) -> tuple[int 
     if participant < num_ranks:
         return participant, None
     return None, participant - num_ranks
-
-
-def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np.ndarray, np.ndarray]:
-    """The checks every plan's inputs pass, shared by :func:`~scheduler.plan_batch`, the baselines
-    and :class:`Plan` itself.
-
-    Returns:
-        ``(doc_counts, doc_lens)``: int64 [num_ranks] documents per rank and int64 [num_docs] all
-        lengths, rank after rank.
-
-    Raises:
-        ValueError: a mode other than :data:`MODES`; ``cost`` not a :class:`CostModel`;
-            ``num_servers`` not a positive int; ``epsilon`` not a finite number >= 0;
-            ``doc_lens_per_rank`` not a non-empty list of lists of positive int64 lengths (the
-            message names the rank and its first bad lengths), or a rank whose lengths sum past
-            int64; in-place mode with ``num_servers != len(doc_lens_per_rank)``.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(cost, CostModel):
-        raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
-    positive_int("num_servers", num_servers)
-    finite_nonnegative("epsilon", epsilon)
-    if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
-        raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")
-    if mode == "inplace" and num_servers != len(doc_lens_per_rank):
-        raise ValueError(f"inplace mode needs one server per client rank: num_servers={num_servers}, "
-                         f"ranks={len(doc_lens_per_rank)}")
-    arrays = _fast_arrays(doc_lens_per_rank)
-    if arrays is not None:
-        return arrays
-    for r, lens in enumerate(doc_lens_per_rank):  # slow path: find and name the bad rank
-        if not isinstance(lens, (list, tuple)):
-            raise ValueError(f"doc_lens_per_rank[{r}] must be a list of lengths, got "
-                             f"{type(lens).__name__} {str(lens)[:80]}")
-        bad = bad_lengths(lens)
-        if bad:
-            raise ValueError(f"rank {r}: document lengths must be positive ints, got {bad[:5]}")
-    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
-    lens = np.fromiter((int(x) for x in chain.from_iterable(doc_lens_per_rank)), dtype=np.int64,
-                       count=int(counts.sum()))
-    _check_rank_totals(counts, lens)
-    return counts, lens
-
-
-def _fast_arrays(doc_lens_per_rank):
-    """``(doc_counts, doc_lens)`` in a few C-speed passes when every rank is a list of plain or
-    signed numpy ints in ``[1, 2**63 - 1]``, else None (the caller finds and names the problem)."""
-    if not all(type(x) is list or type(x) is tuple for x in doc_lens_per_rank):
-        return None
-    types = set(map(type, chain.from_iterable(doc_lens_per_rank)))
-    if not all(t is int or issubclass(t, np.signedinteger) for t in types):
-        return None
-    counts = np.fromiter(map(len, doc_lens_per_rank), dtype=np.int64, count=len(doc_lens_per_rank))
-    try:
-        lens = np.fromiter(chain.from_iterable(doc_lens_per_rank), dtype=np.int64, count=int(counts.sum()))
-    except OverflowError:
-        return None
-    if len(lens) and int(lens.min()) < 1:
-        return None
-    _check_rank_totals(counts, lens)
-    return counts, lens
-
-
-def _check_rank_totals(counts: np.ndarray, lens: np.ndarray) -> None:
-    """Every rank's tokens must fit int64 (rows are indexed with int64); vectorised."""
-    nonempty = counts > 0
-    if not nonempty.any() or float(lens.max()) * float(counts.max()) < 2.0**62:
-        return
-    starts = (np.cumsum(counts) - counts)[nonempty]
-    approx = np.add.reduceat(lens.astype(np.float64), starts)
-    for r, start in zip(np.flatnonzero(nonempty)[approx > 2.0**62].tolist(), starts[approx > 2.0**62].tolist()):
-        total = sum(lens[start:start + counts[r]].tolist())
-        if total > INT64_MAX:
-            raise ValueError(f"rank {r}: documents of {total} tokens in all, more than int64 holds")
 
 
 def _tasks_array(server_tasks) -> np.ndarray:
@@ -295,7 +217,7 @@ class Plan:
         if bad.any():
             r = _first_rank_of(counts, int(np.argmax(bad)))
             raise ValueError(f"rank {r}: document lengths must be positive ints, got {lens[bad][:5].tolist()}")
-        _check_rank_totals(counts, lens)
+        check_rank_totals(counts, lens)
         starts = self.doc_offsets
         if self.mode == "inplace" and self.num_servers != num_ranks:
             raise ValueError(f"inplace mode needs one server per client rank: num_servers={self.num_servers}, "
