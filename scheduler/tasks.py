@@ -314,23 +314,44 @@ class Plan:
         return load_bound(self.doc_lens_flat, self.num_servers, self.min_shard, self.window)
 
     @cached_property
+    def _task_rows(self) -> tuple[np.ndarray, ...]:
+        """Row counts without the dense matrices: ``(q_rows, split, kv_server, kv_rank, kv_rows)``:
+        int64 [num_tasks] query rows and bool [num_tasks] :func:`~scheduler.cost.is_split` per task,
+        and per (server, rank, document) group its server, rank and KV rows (the union of its
+        tasks' key ranges, :func:`scheduler.kv.kv_intervals`), all int64."""
+        arr = self.task_array
+        kv = kv_intervals(arr)  # canonical order: each (server, rank, doc) group is contiguous
+        owner = kv.first[kv.group]
+        split = is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], self.window) if len(arr) else \
+            np.zeros(0, dtype=bool)
+        return arr[:, 4] - arr[:, 3], split, arr[owner, 0], arr[owner, 1], kv.lengths
+
+    def _off_rank(self, rank: np.ndarray, server: np.ndarray) -> np.ndarray:
+        """bool per row group: True where its rows really cross the network (all in dedicated mode,
+        all but a rank's own server in-place)."""
+        return rank != server if self.mode == "inplace" else np.ones(len(rank), dtype=bool)
+
+    def _per_server(self, server: np.ndarray, rows: np.ndarray) -> list[int]:
+        out = np.zeros(self.num_servers, dtype=np.int64)
+        np.add.at(out, server, rows)
+        return out.tolist()
+
+    @cached_property
     def row_matrix(self) -> tuple[np.ndarray, np.ndarray]:
         """Rows sent per (src_rank, server): ``(q_rows, kv_rows)``, both int64 [num_ranks, num_servers].
 
         ``kv_rows`` counts each document's KV rows once per server (the union of the key ranges its
         shards there need, :func:`scheduler.kv.kv_intervals`), however many shards of that
-        document the server runs.
+        document the server runs. Dense: the simulator's traffic matrices; byte totals
+        (:meth:`comm_bytes`, :meth:`held_bytes`) come from the per-task counts instead.
         """
         arr = self.task_array
         shape = (self.num_ranks, self.num_servers)
         q_rows = np.zeros(shape, dtype=np.int64)
         kv_rows = np.zeros(shape, dtype=np.int64)
-        if arr.size == 0:
-            return q_rows, kv_rows
-        np.add.at(q_rows, (arr[:, 1], arr[:, 0]), arr[:, 4] - arr[:, 3])
-        kv = kv_intervals(arr)  # canonical order: each (server, rank, doc) group is contiguous
-        owner = kv.first[kv.group]
-        np.add.at(kv_rows, (arr[owner, 1], arr[owner, 0]), kv.lengths)
+        q, _, kv_server, kv_rank, kv_len = self._task_rows
+        np.add.at(q_rows, (arr[:, 1], arr[:, 0]), q)
+        np.add.at(kv_rows, (kv_rank, kv_server), kv_len)
         return q_rows, kv_rows
 
     @cached_property
@@ -339,9 +360,9 @@ class Plan:
         server): int64 [num_ranks, num_servers], counted once per task like :attr:`row_matrix`'s
         query rows. A kept backward round sends these rows' merged O and LSE."""
         arr = self.task_array
+        q, split, *_ = self._task_rows
         rows = np.zeros((self.num_ranks, self.num_servers), dtype=np.int64)
-        split = is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], self.window)
-        np.add.at(rows, (arr[split, 1], arr[split, 0]), arr[split, 4] - arr[split, 3])
+        np.add.at(rows, (arr[split, 1], arr[split, 0]), q[split])
         return rows
 
     def off_rank_mask(self) -> np.ndarray:
@@ -362,10 +383,11 @@ class Plan:
         its own in-place server are not counted. K and V rows count once per (document, server);
         dK and dV come back the same way.
         """
-        q_rows, kv_rows = self.row_matrix
-        mask = self.off_rank_mask()
-        q_total, kv_total = _exact_sum(q_rows[mask]), _exact_sum(kv_rows[mask])
-        split_total = _exact_sum(self.split_row_matrix[mask]) if self.keep_activations else 0
+        arr = self.task_array
+        q, split, kv_server, kv_rank, kv_len = self._task_rows
+        off = self._off_rank(arr[:, 1], arr[:, 0])
+        q_total, kv_total = _exact_sum(q[off]), _exact_sum(kv_len[self._off_rank(kv_rank, kv_server)])
+        split_total = _exact_sum(q[off & split]) if self.keep_activations else 0
         result = {}
         for kind in RoundKind:
             merged = kind.split_dispatch_with(self.keep_activations)
@@ -384,12 +406,13 @@ class Plan:
         The owners' merged rows of split shards are :meth:`owner_held_bytes`. int [num_servers]."""
         if not self.keep_activations:
             return [0] * self.num_servers
-        q_rows, kv_rows = self.row_matrix
+        arr = self.task_array
+        q, split, kv_server, _, kv_len = self._task_rows
         hq, hkv = self.cost.held_row_bytes()
         merged = self.cost.merged_row_bytes()
-        return [int(q) * hq + int(kv) * hkv - int(sp) * merged
-                for q, kv, sp in zip(q_rows.sum(axis=0).tolist(), kv_rows.sum(axis=0).tolist(),
-                                     self.split_row_matrix.sum(axis=0).tolist())]
+        return [qs * hq + kv * hkv - sp * merged
+                for qs, kv, sp in zip(self._per_server(arr[:, 0], q), self._per_server(kv_server, kv_len),
+                                      self._per_server(arr[split, 0], q[split]))]
 
     def owner_held_bytes(self) -> list[int]:
         """Bytes each client rank (the queries' owner) keeps from a forward round until its
