@@ -395,11 +395,14 @@ def parse_args(argv):
                                                      "flash_attn on CUDA, torch_cpu on CPU)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs (default 3, quick 1)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs, median (default 10, quick 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs, median (default 10, quick 5)")
     p.add_argument("--max-kv-rows", type=int, default=None,
                    help="cap on the KV rows of one call (default: 60%% of free GPU memory; CPU: none)")
     p.add_argument("--profile-models", nargs="+", default=None,
                    help="MODEL:TP shapes of the ProfileTable (default llama3-8b:8 llama-34b:8; quick: llama3-8b:8)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: 1 with --quick on the CPU, whose OpenMP threads "
+                        "slow down many-fold on a busy machine; else torch's)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     p.add_argument("--no-png", action="store_true")
@@ -416,8 +419,10 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu)")
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 10)
+    args.repeats = args.repeats if args.repeats is not None else (5 if args.quick else 10)
     args.device_name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
+    if args.threads is not None or (args.quick and not cuda):
+        torch.set_num_threads(args.threads or 1)
     args.profile_models = args.profile_models or (["llama3-8b:8"] if args.quick else ["llama3-8b:8", "llama-34b:8"])
     if args.json is None:
         args.json = (ROOT / "bench" / "results" / "gpu" / device_slug(args.device_name) / "kernels.json" if cuda
@@ -427,7 +432,7 @@ def main(argv=None) -> int:
     checks: list[dict] = []
     result = dict(device=args.device_name, device_type=args.device.type, torch=torch.__version__,
                   cuda=torch.version.cuda, backend=backend.name, dtype=str(args.dtype).removeprefix("torch."),
-                  quick=args.quick, sections=args.sections, warmup=args.warmup, repeats=args.repeats,
+                  quick=args.quick, sections=args.sections, cpu_threads=torch.get_num_threads(), warmup=args.warmup, repeats=args.repeats,
                   max_kv_rows=args.max_kv_rows,
                   shape=dict(zip(("num_heads_q", "num_heads_kv", "head_dim"), cfg["shape"])),
                   docs=cfg["docs"], doc_len=cfg["doc_len"], checks=checks)
