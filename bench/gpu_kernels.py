@@ -35,7 +35,8 @@ no Ray. Three sections (``--sections``, default all):
     fused call: one call over ``N`` copies of the task (``N`` fills the chip: ``N·q_len >=
     --profile-rows``, within ``--max-kv-rows``), latency = time / N. Grid points with
     ``q_len > kv_len`` (never real tasks) repeat the ``(kv_len, kv_len)`` entry, whose causal work
-    is the same. Written as ``<json stem>_profile/<model>-tp<tp>/{forward,backward}.json`` for
+    is the same. Guard: at the points with ``q_len·kv_len <= 2^22`` the call's first task equals
+    distca's reference backend. Written as ``<json stem>_profile/<model>-tp<tp>/{forward,backward}.json`` for
     ``distca simulate --attn-profile DIR``.
 
 Timing: CUDA events around the call after ``--warmup`` runs, median of ``--repeats`` (overhead:
@@ -68,7 +69,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from distca_client import DistCAClient  # noqa: E402
-from distca_server.kernels import get_backend  # noqa: E402
+from distca_server.kernels import BACKENDS, get_backend  # noqa: E402
 from distca_sim.hardware import get_model  # noqa: E402
 from distca_sim.profile import ProfileTable  # noqa: E402
 from distca_sim.simulate import format_table  # noqa: E402
@@ -81,6 +82,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # ‖a − b‖ / ‖b‖ allowed between two calls that compute the same attention with different tilings:
 # both round the same exact result once to the dtype (bf16: 2^-8 per element; fp16: 2^-11).
 REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+REFERENCE_PAIRS = 1 << 22  # profile points small enough to check against the O(q·kv)-memory reference
 LSE_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}  # absolute, float32 LSE
 FULL = dict(shape=(32, 8, 128), docs=4, doc_len=32768, shard_sizes=[128 << i for i in range(7)],
             tokens=[8192 << i for i in range(5)], q_grid=[128 << i for i in range(8)],
@@ -257,7 +259,7 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 
 
 # ---- section 3: measured ProfileTable ---------------------------------------------------------------
-def profile_tables(args, cfg, backend, timer, cost: CostModel, label: str) -> tuple[ProfileTable, ProfileTable]:
+def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: str) -> tuple[ProfileTable, ProfileTable]:
     """(forward, backward) tables of one CA-task's share of a fused call (module doc)."""
     dev, dtype = args.device, args.dtype
     hq, hkv, dim = cost.num_heads_q, cost.num_heads_kv, cost.head_dim
@@ -274,6 +276,9 @@ def profile_tables(args, cfg, backend, timer, cost: CostModel, label: str) -> tu
             k, v = (randn(n * kl, hkv, dim, dtype, gen) for _ in range(2))
             cq, ck = cu_seqlens([ql] * n, dev), cu_seqlens([kl] * n, dev)
             out, lse = backend.forward(q, k, v, cq, ck, ql, kl, scale)
+            if ql * kl <= REFERENCE_PAIRS:  # the first copy against the plain-torch reference math
+                ref, _ = BACKENDS["reference"].forward(q[:ql], k[:kl], v[:kl], cq[:2], ck[:2], ql, kl, scale)
+                guard(f"profile {label} {ql}x{kl}: out", rel_err(out[:ql], ref), REL_TOL[dtype], checks)
             lat["forward"][ql, kl] = timer.median_s(
                 lambda: backend.forward(q, k, v, cq, ck, ql, kl, scale)) / n
             lat["backward"][ql, kl] = timer.median_s(
@@ -292,7 +297,7 @@ def profile_tables(args, cfg, backend, timer, cost: CostModel, label: str) -> tu
     return tables[0], tables[1]
 
 
-def bench_profile(args, cfg, backend, timer) -> list[dict]:
+def bench_profile(args, cfg, backend, timer, checks) -> list[dict]:
     rows = []
     for spec in args.profile_models:
         name, _, tp = spec.partition(":")
@@ -300,7 +305,7 @@ def bench_profile(args, cfg, backend, timer) -> list[dict]:
             raise ValueError(f"--profile-models entry {spec!r} must be MODEL:TP, e.g. llama3-8b:8")
         cost = get_model(name).cost_model(int(tp))
         cost = CostModel(cost.num_heads_q, cost.num_heads_kv, cost.head_dim, args.dtype.itemsize)
-        fwd, bwd = profile_tables(args, cfg, backend, timer, cost, spec)
+        fwd, bwd = profile_tables(args, cfg, backend, timer, checks, cost, spec)
         folder = args.json.with_name(args.json.stem + "_profile") / f"{name}-tp{tp}"
         folder.mkdir(parents=True, exist_ok=True)
         fwd.to_json(folder / "forward.json")
@@ -440,7 +445,7 @@ def main(argv=None) -> int:
     errors = result["errors"] = {}
     runs = {"shards": lambda: bench_shards(args, cfg, backend, timer, checks),
             "overhead": lambda: bench_overhead(args, cfg, backend, timer, checks),
-            "profile": lambda: bench_profile(args, cfg, backend, timer)}
+            "profile": lambda: bench_profile(args, cfg, backend, timer, checks)}
     for section in SECTIONS:
         if section not in args.sections:
             continue
