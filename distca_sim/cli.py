@@ -11,6 +11,7 @@ Examples::
         --context 131072 --dataset pretrain --epsilon 0.05
     distca simulate --gpus 128 --pp 4 --sweep --contexts 128K 256K --epsilon 0 0.05 0.1
     distca simulate --gpus 64 --no-keep-activations   # stateless servers: backward resends Q, K, V, O, LSE
+    distca simulate --gpu h100 --attn-profile bench/results/gpu/nvidia-h100-80gb-hbm3/kernels_profile/llama3-8b-tp8
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from .hardware import load_attention_profile
 from .simulate import (GPUS, MODELS, SYSTEMS, ParallelConfig, Workload, format_table, get_gpu,
                        get_model, simulate)
 
@@ -58,6 +60,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 2*pp with a pipeline, else 1)")
+    g.add_argument("--attn-profile", type=Path, default=None, metavar="DIR",
+                   help="measured attention latency: DIR/forward.json and DIR/backward.json "
+                        "(ProfileTable JSON, bench/gpu_kernels.py), for this model's per-GPU shape "
+                        "at --tp; default: the GPU preset's assumed rates")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="pretrain", choices=("pretrain", "prolong"))
     g.add_argument("--context", type=tokens, default=131072, help="tokens per rank (e.g. 128K)")
@@ -103,6 +109,9 @@ def main(args) -> int:
         model, gpu = _model(args), get_gpu(args.gpu)
         par = ParallelConfig.from_gpus(args.gpus, tp=args.tp, pp=args.pp,
                                        microbatches=args.microbatches)
+        if args.attn_profile is not None:
+            gpu = gpu.with_tables(*load_attention_profile(args.attn_profile, model.cost_model(par.tp)))
+            print(f"attention latency: measured tables from {args.attn_profile}")
         if not args.sweep:
             cmp = _run(args, model, gpu, par, args.context, args.epsilon)
             print(cmp.table())

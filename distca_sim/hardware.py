@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
 from .profile import ProfileTable
 
 __all__ = ["ModelConfig", "GPUConfig", "MODELS", "GPUS", "get_model", "get_gpu",
-           "attention_tables", "MEMORY_HEADROOM"]
+           "attention_tables", "load_attention_profile", "MEMORY_HEADROOM"]
 
 DTYPE_BYTES = 2            # bf16 activations, weights and wire tensors
 MEMORY_HEADROOM = 0.9      # usable fraction of HBM: the rest goes to the CUDA context, NCCL
@@ -311,3 +312,35 @@ def attention_tables(gpu: GPUConfig, cost: CostModel) -> tuple[ProfileTable, Pro
     return _analytic_tables(gpu.peak_flops * gpu.attn_fwd_efficiency,
                             gpu.peak_flops * gpu.attn_bwd_efficiency,
                             gpu.attn_task_overhead_s, cost)
+
+
+def load_attention_profile(directory, cost: CostModel) -> tuple[ProfileTable, ProfileTable]:
+    """Measured ``(forward, backward)`` tables for :meth:`GPUConfig.with_tables`.
+
+    Args:
+        directory: a folder holding ``forward.json`` and ``backward.json``, each a
+            :class:`ProfileTable` JSON (``bench/gpu_kernels.py --sections profile`` writes them).
+        cost: the per-GPU attention shape the simulation runs (``ModelConfig.cost_model(tp)``).
+
+    Each table's ``meta["cost"]`` must equal ``cost.to_dict()``: a latency measured for other
+    head counts, head_dim or element size would silently mis-price every CA-task.
+
+    Raises:
+        ValueError: a missing file, an invalid table, or a table without ``meta["cost"]`` or for
+            another attention shape (the message names both shapes).
+    """
+    folder = Path(directory)
+    tables = []
+    for kind in ("forward", "backward"):
+        path = folder / f"{kind}.json"
+        if not path.is_file():
+            raise ValueError(f"attention profile {folder}: no {kind}.json there (expected "
+                             f"forward.json and backward.json, ProfileTable JSON)")
+        table = ProfileTable.from_json(path)
+        shape = table.meta.get("cost")
+        if shape != cost.to_dict():
+            raise ValueError(f"attention profile {path} was measured for the attention shape {shape}, "
+                             f"but the simulation's per-GPU shape is {cost.to_dict()} (meta['cost'] "
+                             f"must match: measure the table for this model and tp)")
+        tables.append(table)
+    return tables[0], tables[1]
