@@ -1,7 +1,7 @@
 """``SchedulerActor``: the job's central scheduler, a named async Ray actor.
 
 A thin wrapper of :class:`scheduler.coordinator.Coordinator`, which holds every decision
-(membership, reports -> plan -> parts, group epochs, rendezvous, failure verdicts). This module
+(membership, reports -> plan -> parts, group epochs, the bootstrap relay, failure verdicts). This module
 adds only what needs Ray or an event loop: planning and cutting on a worker thread
 (``asyncio.to_thread``: the loop keeps answering pings and reports meanwhile), waiting with
 timeouts (``asyncio.wait_for``), pinging dedicated servers and feeding the results to the
@@ -108,7 +108,7 @@ class SchedulerActor:
             for the other members to check in before naming the silent ones lost.
         backend: attention kernel backend name for servers ("auto" picks the fastest).
         coordinator_options: more :class:`~scheduler.coordinator.Coordinator` keyword arguments
-            (``max_report_docs``, ``max_report_tokens``).
+            (``max_report_docs``, ``max_report_tokens``, ``transport``, ...).
     """
 
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05,
@@ -122,7 +122,7 @@ class SchedulerActor:
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
         self._batch_done: dict[tuple[int, int], asyncio.Event] = {}  # set when the batch resolves
         self._deadlines: dict[tuple[int, int], asyncio.TimerHandle] = {}  # of batches not resolved
-        self._store_set: dict[int, asyncio.Event] = {}
+        self._bootstrap_set: dict[int, asyncio.Event] = {}
         self._verdict_set: dict[int, asyncio.Event] = {}
         self._arbitration: dict[int, asyncio.Event] = {}  # epoch -> set once its arbitration opens
         self._discovering = None  # the search for servers by name after a restart, while it runs
@@ -138,8 +138,9 @@ class SchedulerActor:
         """A client joins (or rejoins after a restart of its own or of the scheduler) as ``rank``
         of ``world_size``; ``info`` may carry its last ``step`` and ``epoch``.
 
-        Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "scheduler"}``: the job's
-        settings, the step it must start at, and this scheduler's incarnation.
+        Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
+        "transport", "scheduler"}``: the job's settings, the step it must start at, and this
+        scheduler's incarnation.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's, or the job's
@@ -242,7 +243,7 @@ class SchedulerActor:
         ``request`` is a :func:`scheduler.messages.encode_report` message (step, batch, rank,
         documents, ``shape = {"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``). The
         answer (:func:`scheduler.messages.decode_answer`) is ``{"part": bytes, "group": {"epoch",
-        "world_rank", "world_size", "device_type"}}`` or ``{"error": kind, "message": str}`` where
+        "world_rank", "world_size", "device_type", "transport"}}`` or ``{"error": kind, "message": str}`` where
         kind is ``"ValueError"`` (bad input, sent to every client of the batch; a malformed
         request, to its sender alone) or ``"DistCAError"`` (a client never reported, no live
         server). One bytes argument and a bytes answer: see :mod:`scheduler.messages` for why.
@@ -321,7 +322,7 @@ class SchedulerActor:
     def _send(self, out: PlanOutcome, step: int, batch: int) -> None:
         for a in out.assignments:  # before the parts: a server joins the epoch, then serves
             self.handles[a.server].assign.remote(a.epoch, a.world_rank, a.world_size, a.plan_index,
-                                                 a.device_type)
+                                                 a.device_type, self.coord.transport)
         for sid, data in out.server_parts:
             self.handles[sid].install_part.remote(step, batch, data)
         if out.record is not None:
@@ -364,23 +365,25 @@ class SchedulerActor:
         log.warning("job %s: group epoch %d failed (%s); lost: %s; next step %d", self.name, epoch,
                     verdict["cause"][:300], ", ".join(verdict["lost"]) or "none", verdict["next_step"])
 
-    # ---- rendezvous ----------------------------------------------------------------------------
-    def publish_store(self, epoch: int, host: str, port: int) -> None:
-        self.coord.publish_store(epoch, host, port)
-        self._store_event(epoch).set()
+    # ---- bootstrap ----------------------------------------------------------------------------
+    def publish_bootstrap(self, epoch: int, value) -> None:
+        """World rank 0 of group ``epoch`` publishes its bootstrap value (see
+        :meth:`Coordinator.publish_bootstrap`; ``ValueError`` if oversized or not msgpack data)."""
+        self.coord.publish_bootstrap(epoch, value)
+        self._bootstrap_event(epoch).set()
 
-    async def store_address(self, epoch: int) -> tuple[str, int] | None:
-        """The rendezvous address of group ``epoch`` once world rank 0 published it (None on timeout)."""
+    async def bootstrap(self, epoch: int):
+        """Group ``epoch``'s bootstrap value once world rank 0 published it (None on timeout)."""
         try:
-            await asyncio.wait_for(self._store_event(epoch).wait(), timeout=self.timeout_s)
+            await asyncio.wait_for(self._bootstrap_event(epoch).wait(), timeout=self.timeout_s)
         except asyncio.TimeoutError:
             return None
-        return self.coord.store_address(epoch)
+        return self.coord.bootstrap(epoch)
 
-    def _store_event(self, epoch: int) -> asyncio.Event:
-        for old in [e for e in self._store_set if e < self.coord.epoch - KEEP_EPOCHS]:
-            del self._store_set[old]
-        return self._store_set.setdefault(epoch, asyncio.Event())
+    def _bootstrap_event(self, epoch: int) -> asyncio.Event:
+        for old in [e for e in self._bootstrap_set if e < self.coord.epoch - KEEP_EPOCHS]:
+            del self._bootstrap_set[old]
+        return self._bootstrap_set.setdefault(epoch, asyncio.Event())
 
     # ---- failures ------------------------------------------------------------------------------
     async def report_failure(self, epoch: int, world_rank: int, step: int, reached: int = 0,

@@ -17,8 +17,11 @@ call is one state transition that returns plain data telling the wrapper what to
   :meth:`~Coordinator.fail_step` (a client's own bad input: every client gets its ``ValueError``);
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
-  plan order); :meth:`~Coordinator.publish_store` / :meth:`~Coordinator.store_address` relay each
-  epoch's rendezvous address;
+  plan order); :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
+  epoch's *bootstrap value* from world rank 0 to the others: whatever the job's transport needs
+  to form the group (:data:`TRANSPORTS`): the ``TCPStore`` ``[host, port]`` of ``torch_dist``,
+  the shared-memory heap's handle of ``shm``, the NVSHMEM unique id's bytes of ``nvshmem``.
+  The scheduler reads nothing in it; it only bounds its size (:data:`MAX_BOOTSTRAP_BYTES`);
 - failures: :meth:`~Coordinator.failure` and :meth:`~Coordinator.close_failure` decide who was
   lost in a failed epoch. Every member checks in with how far it got (rounds reached in the
   epoch); the lost are the members that did not check in within the grace period and the clients
@@ -42,6 +45,8 @@ from functools import partial
 from typing import Callable
 
 from .arbitration import Arbitration, Member
+import msgpack
+
 from .checks import MODES, bad_lengths, finite_nonnegative, is_int, positive_int
 from .cost import CostModel
 from .messages import agreed_shape, error_answer, same_report
@@ -50,7 +55,7 @@ from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanO
 from .tasks import Plan
 
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
-KEEP_EPOCHS = 2  # rendezvous addresses and failure verdicts of older epochs are forgotten
+KEEP_EPOCHS = 2  # bootstrap values and failure verdicts of older epochs are forgotten
 PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
 # A report is bounded before anything else looks at it: one client's documents and tokens per
 # batch. Far above real batches (~10^2-10^4 documents, <= 1M tokens per rank), far below what
@@ -58,6 +63,26 @@ PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazil
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
 SERVER_STATES = ("alive", "suspect", "dead")
+# How a job's group epochs move their tensors (distca_server/runtime/groups.py forms them):
+# torch.distributed (gloo on CPU, NCCL on GPU), the one-sided exchange over shared memory between
+# the processes of one host (CPU tensors), or over NVSHMEM symmetric GPU memory.
+TRANSPORTS = ("torch_dist", "shm", "nvshmem")
+TRANSPORT_DEVICES = {"torch_dist": ("cpu", "cuda"), "shm": ("cpu",), "nvshmem": ("cuda",)}
+# A bootstrap value is plain msgpack data, at most this many bytes packed (a TCPStore address, a
+# heap handle and an NVSHMEM unique id take ~20-200): members hand it to each other through the
+# scheduler, which must not hold whatever a buggy or hostile member publishes.
+MAX_BOOTSTRAP_BYTES = 4096
+
+
+def check_transport(transport) -> str:
+    """``transport`` if it names one of :data:`TRANSPORTS`.
+
+    Raises:
+        ValueError: naming the value and the choices.
+    """
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
 
 
 class _Batch:
@@ -87,17 +112,22 @@ class Coordinator:
         keep_activations, max_held_bytes_per_server: planner settings (see
             :func:`scheduler.plan_batch`): servers keep each layer's activations until its
             backward round (default), under an optional per-server cap.
+        transport: how every group epoch moves its tensors, one of :data:`TRANSPORTS`; handed
+            to every member with its group. ``"shm"`` needs every member of an epoch on one node
+            and CPU tensors, ``"nvshmem"`` CUDA tensors: a batch that breaks this fails for every
+            client (``DistCAError`` naming the nodes, ``ValueError`` naming the device type).
 
     Raises:
-        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε, ``min_shard``
-            or report bound.
+        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε, ``min_shard``,
+            report bound or transport.
     """
 
     def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05, min_shard: int = 128,
                  timeout_s: float = 60.0, failure_grace_s: float = 1.0, backend: str = "auto",
                  max_report_docs: int = MAX_REPORT_DOCS, max_report_tokens: int = MAX_REPORT_TOKENS,
                  timer: Callable[[], float] = time.perf_counter, keep_activations: bool = True,
-                 max_held_bytes_per_server: int | None = None):
+                 max_held_bytes_per_server: int | None = None, transport: str = "torch_dist"):
+        self.transport = check_transport(transport)
         if mode not in MODES:
             raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
         finite_nonnegative("epsilon", epsilon)
@@ -122,7 +152,7 @@ class Coordinator:
         self.epoch_servers: tuple[int, ...] = ()  # server ids of the current epoch, in plan order
         self.groups: dict[int, dict[int, Member]] = {}  # epoch -> world rank -> member
         self.batches: dict[tuple[int, int], _Batch] = {}
-        self.stores: dict[int, tuple[str, int]] = {}
+        self.bootstraps: dict[int, object] = {}  # epoch -> world rank 0's bootstrap value
         self.failures: dict[int, Arbitration] = {}
         self.failed_steps: dict[int, dict] = {}  # step -> the error answer every report of it gets
         self.next_step = 0
@@ -142,8 +172,8 @@ class Coordinator:
         job's step and epoch numbering this way.
 
         Returns:
-            ``{"name", "mode", "timeout_s", "backend", "next_step"}``: the job's settings and the
-            step the client must start at.
+            ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
+            "transport"}``: the job's settings and the step the client must start at.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's.
@@ -159,7 +189,7 @@ class Coordinator:
         self._rebuild(info)
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
                 "backend": self.backend, "next_step": max(self.next_step, self.floor),
-                "keep_activations": self.keep_activations}
+                "keep_activations": self.keep_activations, "transport": self.transport}
 
     def _rebuild(self, info: dict) -> None:
         """Take a registering member's last step and epoch into account (after a scheduler
@@ -227,20 +257,61 @@ class Coordinator:
         self.epoch += 1
         self.members, self.epoch_servers = members, servers
         self.groups[self.epoch] = self._describe(servers)
-        for table in (self.stores, self.failures, self.groups):
+        for table in (self.bootstraps, self.failures, self.groups):
             for old in [e for e in table if e < self.epoch - KEEP_EPOCHS]:
                 del table[old]
         world = W + len(servers)
         return EpochDecision(self.epoch, servers, tuple(
             Assignment(sid, self.epoch, W + i, world, i, device_type) for i, sid in enumerate(servers)))
 
-    def publish_store(self, epoch: int, host: str, port: int) -> None:
-        """World rank 0 of group ``epoch`` publishes its rendezvous address."""
-        self.stores[epoch] = (host, port)
+    def publish_bootstrap(self, epoch: int, value) -> None:
+        """World rank 0 of group ``epoch`` publishes what the others need to join it (opaque here:
+        see the module doc). Kept as its msgpack round trip (lists for tuples), so every member
+        looks up plain data.
 
-    def store_address(self, epoch: int) -> tuple[str, int] | None:
-        """The rendezvous address of group ``epoch``, or None while none was published."""
-        return self.stores.get(epoch)
+        Raises:
+            ValueError: ``epoch`` not an int >= 0, ``value`` None, not msgpack data, or more than
+                :data:`MAX_BOOTSTRAP_BYTES` packed.
+        """
+        if not is_int(epoch) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if value is None:
+            raise ValueError(f"group epoch {epoch}: the bootstrap value must not be None")
+        try:
+            packed = msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"group epoch {epoch}: the bootstrap value must be msgpack data, got "
+                             f"{type(value).__name__} ({exc})") from None
+        if len(packed) > MAX_BOOTSTRAP_BYTES:
+            raise ValueError(f"group epoch {epoch}: the bootstrap value takes {len(packed)} bytes packed, "
+                             f"more than {MAX_BOOTSTRAP_BYTES}")
+        self.bootstraps[int(epoch)] = msgpack.unpackb(packed, raw=False)
+
+    def bootstrap(self, epoch: int):
+        """Group ``epoch``'s bootstrap value, or None while none was published (or once the
+        epoch is forgotten)."""
+        return self.bootstraps.get(epoch)
+
+    def _transport_error(self, device_type: str, servers) -> dict | None:
+        """The error answer of a batch the job's transport cannot carry: a device type it does
+        not move, or (``shm``) members on several nodes; None if it can."""
+        if device_type not in TRANSPORT_DEVICES[self.transport]:
+            return error_answer("ValueError", f"job {self.name!r} runs transport {self.transport!r}, which "
+                                              f"moves {' or '.join(TRANSPORT_DEVICES[self.transport])} "
+                                              f"tensors, not {device_type}")
+        if self.transport != "shm":
+            return None
+        nodes: dict[str, list[str]] = {}
+        for r in range(self.world_size or 0):
+            nodes.setdefault(str(self.clients.get(r, {}).get("node", "?")), []).append(f"client rank {r}")
+        for sid in servers if self.mode == "dedicated" else ():
+            nodes.setdefault(str(self.servers.get(sid, {}).get("node", "?")), []).append(f"attention server {sid}")
+        if len(nodes) <= 1:
+            return None
+        where = "; ".join(f"node {n}: {', '.join(who)}" for n, who in sorted(nodes.items()))
+        return error_answer("DistCAError", f"job {self.name!r} runs transport 'shm', which needs every "
+                                           f"member of a group on one node, but they are on {len(nodes)} "
+                                           f"nodes ({where})")
 
     # ---- one step ----------------------------------------------------------------------------
     def report(self, step: int, batch: int, rank: int, doc_lens, shape) -> ReportOutcome:
@@ -337,7 +408,7 @@ class Coordinator:
         ``cut``: the result of :meth:`plan_work` for the same arguments, if already computed.
 
         Every client's answer becomes ``{"part": bytes, "group": {"epoch", "world_rank",
-        "world_size", "device_type"}}``; every part carries the plan's id
+        "world_size", "device_type", "transport"}}``; every part carries the plan's id
         (:func:`~scheduler.parts.plan_identity`). Bad documents give every client the same
         ``ValueError`` answer, no live server a ``DistCAError`` answer.
         """
@@ -360,8 +431,13 @@ class Coordinator:
         self.plans[key] = cut.descriptor
         while len(self.plans) > PLANS_KEPT:
             del self.plans[next(iter(self.plans))]
+        refused = self._transport_error(device_type, servers)
+        if refused is not None:
+            self._resolve(key, state, refused)
+            return PlanOutcome(resolved=True)
         decision = self.epoch_for(servers, device_type)
-        group = {"epoch": decision.epoch, "world_size": plan.num_participants, "device_type": device_type}
+        group = {"epoch": decision.epoch, "world_size": plan.num_participants, "device_type": device_type,
+                 "transport": self.transport}
         self._resolve(key, state, None, {r: {"part": parts[r], "group": dict(group, world_rank=r)}
                                          for r in range(W)})
         record = self._record(plan, step, batch, servers, cut.plan_ms, cut.cut_ms)
@@ -578,4 +654,5 @@ class Coordinator:
                 "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
 
 
-__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS"]
+__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_BOOTSTRAP_BYTES", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS",
+           "TRANSPORTS", "check_transport"]

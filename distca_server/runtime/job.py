@@ -13,11 +13,14 @@ from __future__ import annotations
 import time
 
 import ray
+import torch
 
 from scheduler.actor import (NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name,
                              total_bytes)
+from scheduler.coordinator import check_transport
 
 from ..errors import DistCAError
+from .groups import remove_heaps
 from .server_actor import AttentionServerActor
 
 _GONE_S = 30.0  # shutdown waits this long for the killed actors' names to be released
@@ -35,7 +38,8 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
            failure_grace_s: float = 1.0, backend: str = "auto", detached: bool = True,
            max_restarts: int = 0, scheduler_restarts: int = -1, server_options: dict | None = None,
            start_timeout_s: float = 300.0, coordinator_options: dict | None = None,
-           keep_activations: bool = True, max_held_bytes_per_server: int | None = None) -> dict:
+           keep_activations: bool = True, max_held_bytes_per_server: int | None = None,
+           transport: str = "torch_dist") -> dict:
     """Start job ``name``: its scheduler and ``servers`` dedicated attention servers, all or
     nothing (if any actor fails to start, the ones started are stopped and the error raised).
 
@@ -66,18 +70,27 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
             nothing on any setting. False: every backward round resends everything.
         max_held_bytes_per_server: with ``keep_activations``, the most bytes of kept activations
             one layer of one batch may leave on any server (the planner's cap; None: no cap).
+        transport: how every group epoch moves its tensors: ``"torch_dist"`` (gloo on CPU,
+            NCCL on GPU; any placement), ``"shm"`` (the one-sided exchange over shared memory:
+            CPU tensors, every client and server of the job on one node: an epoch whose members
+            span nodes fails its batch on every client with a ``DistCAError`` naming the nodes,
+            since where clients run is only known then) or ``"nvshmem"`` (CUDA tensors; needs
+            nvshmem4py and a GPU where ``launch`` runs).
 
     Returns:
         ``{"scheduler": handle, "servers": [handles]}``.
 
     Raises:
-        ValueError: bad arguments, or actors of a job of that name already running.
+        ValueError: bad arguments (a ``transport`` not in
+            :data:`scheduler.coordinator.TRANSPORTS`, or ``"nvshmem"`` without nvshmem4py or a
+            CUDA device here), or actors of a job of that name already running.
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
     if type(keep_activations) is not bool:
         raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    _check_transport_here(transport)
     coordinator_options = dict(coordinator_options or {}, keep_activations=keep_activations,
-                               max_held_bytes_per_server=max_held_bytes_per_server)
+                               max_held_bytes_per_server=max_held_bytes_per_server, transport=transport)
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
     if mode not in ("dedicated", "inplace"):
@@ -119,6 +132,20 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
     return {"scheduler": scheduler, "servers": handles}
 
 
+def _check_transport_here(transport) -> None:
+    """Refuse a transport name that is not one, or ``"nvshmem"`` where it cannot run."""
+    check_transport(transport)
+    if transport == "nvshmem":
+        from ..transport.nvshmem import _modules
+        try:
+            _modules()
+        except ImportError as exc:
+            raise ValueError(f"transport 'nvshmem' needs nvshmem4py and cuda.core (pip install "
+                             f"'distca[nvshmem]'): {exc}") from None
+        if not torch.cuda.is_available():
+            raise ValueError("transport 'nvshmem' needs a CUDA device, and torch sees none here")
+
+
 def status(name: str = "default") -> dict:
     """The job's state (see ``SchedulerActor.status``). Without a scheduler that answers (gone or
     restarting), the servers found by name answer for themselves: ``scheduler`` says which.
@@ -158,7 +185,9 @@ def status(name: str = "default") -> dict:
 
 def shutdown(name: str = "default") -> int:
     """Stop every actor of job ``name`` found by name (servers, then the scheduler, none of them
-    restarted), and wait until their names are free; returns how many were stopped."""
+    restarted), and wait until their names are free; returns how many were stopped. Shared-memory
+    heaps of the job that a killed member left on this node are removed (see
+    :func:`~distca_server.runtime.groups.remove_heaps`)."""
     names = job_actor_names(name)
     stopped = 0
     for n in names[::-1]:  # servers first: the scheduler is last to go
@@ -169,4 +198,5 @@ def shutdown(name: str = "default") -> int:
     deadline = time.monotonic() + _GONE_S
     while job_actor_names(name) and time.monotonic() < deadline:
         time.sleep(0.1)
+    remove_heaps(name)
     return stopped

@@ -2,9 +2,9 @@
 dedicated attention servers.
 
 Each membership of the job (clients, live servers, device type) is a *group epoch* the scheduler
-hands out. A member joins epoch ``e`` as world rank ``r`` of ``w`` through the scheduler's
-rendezvous relay (world rank 0 publishes its ``TCPStore`` address, the others look it up) and runs
-rounds over it: the round header first (:mod:`distca_server.header`: which round, and whether
+hands out. A member joins epoch ``e`` as world rank ``r`` of ``w`` with the job's transport through
+the scheduler's bootstrap relay (world rank 0 publishes what the others need to join, e.g. its
+``TCPStore`` address; see :mod:`.groups`) and runs rounds over it: the round header first (:mod:`distca_server.header`: which round, and whether
 every pair agrees on what moves), then the participant's round.
 
 Liveness comes from the data plane. When a round fails anywhere (a participant found its part
@@ -39,7 +39,7 @@ from scheduler.cost import RoundKind
 from ..errors import DistCAError
 from ..header import RoundHeader, check_claims, claims, common_header, exchange_header
 from ..participant import Participant
-from ..transport.torch_dist import TorchDistTransport, join_group
+from .groups import Group, join_epoch
 
 POLL_S = 5.0  # one long-poll of the scheduler lasts at most this long
 _WAKE_S = 0.1  # while polling, check this often whether the member moved to another epoch
@@ -126,18 +126,21 @@ class GroupMember:
     """One participant's place in the job's group epochs.
 
     Args:
-        scheduler: the job's ``SchedulerActor`` handle (``publish_store``, ``store_address``,
+        scheduler: the job's ``SchedulerActor`` handle (``publish_bootstrap``, ``bootstrap``,
             ``report_failure``, ``watch``).
-        host: this node's IP address (where world rank 0 hosts the rendezvous store).
+        host: this node's IP address (where a ``torch_dist`` world rank 0 hosts its store).
         timeout_s: deadline of the join and of every exchange inside a round.
         who: how errors name this member, e.g. ``"rank 0"`` or ``"server 1"``.
         watch: start a thread per joined epoch that long-polls the scheduler (clients); a
             dedicated server polls from its own control loop instead.
+        job: the job's name (names its shared-memory heaps).
     """
 
-    def __init__(self, scheduler, host: str, timeout_s: float, who: str, *, watch: bool = True):
-        self.scheduler, self.host, self.timeout_s, self.who = scheduler, host, timeout_s, who
-        self.transport: TorchDistTransport | None = None
+    def __init__(self, scheduler, host: str, timeout_s: float, who: str, *, watch: bool = True,
+                 job: str = "default"):
+        self.scheduler, self.host, self.timeout_s, self.who, self.job = scheduler, host, timeout_s, who, job
+        self.transport = None  # the current epoch's Transport endpoint, None while in no group
+        self._group: Group | None = None
         self.epoch: int | None = None  # the last epoch joined (or tried); kept after leaving
         self.world_rank: int | None = None
         self.world_size: int | None = None
@@ -163,9 +166,11 @@ class GroupMember:
         return self.rounds_done + (1 if self.in_round else 0)
 
     # ---- joining and leaving -----------------------------------------------------------------------
-    def join(self, epoch: int, world_rank: int, world_size: int, device, *, step: int) -> None:
+    def join(self, epoch: int, world_rank: int, world_size: int, device, *, step: int,
+             transport: str = "torch_dist") -> None:
         """Be world rank ``world_rank`` of group epoch ``epoch`` (no-op if already), leaving the
-        previous epoch's group.
+        previous epoch's group; ``transport``: the job's (one of
+        :data:`scheduler.coordinator.TRANSPORTS`).
 
         Raises:
             GroupFailure: the group could not be formed in time (reported to the scheduler as a
@@ -180,12 +185,12 @@ class GroupMember:
             threading.Thread(target=self._watch_epoch, args=(epoch,), daemon=True,
                              name=f"distca-watch-{self.who}-{epoch}").start()
         try:
-            self.transport = join_group(
-                epoch=epoch, rank=world_rank, world_size=world_size, host=self.host,
-                timeout_s=self.timeout_s, device=torch.device(device),
-                publish=lambda host, port: ask(self.scheduler.publish_store.remote(epoch, host, port),
-                                               self.timeout_s),
+            self._group = join_epoch(
+                transport, job=self.job, epoch=epoch, rank=world_rank, world_size=world_size,
+                host=self.host, timeout_s=self.timeout_s, device=torch.device(device),
+                publish=lambda value: ask(self.scheduler.publish_bootstrap.remote(epoch, value), self.timeout_s),
                 lookup=lambda: self._lookup(epoch))
+            self.transport = self._group.transport
         except DistCAError as exc:
             raise self.fail(step, f"joining group epoch {epoch}", str(exc)) from None
         finally:
@@ -196,7 +201,7 @@ class GroupMember:
         an exchange of this member is still pending in it). A group with an abandoned header
         exchange pending is closed when that exchange ends: closing it now would wait for it."""
         self._live = None
-        transport, self.transport = self.transport, None
+        transport, self.transport, self._group = self.transport, None, None
         if transport is None:
             return
         pending = self._pending
@@ -266,6 +271,9 @@ class GroupMember:
             if header is not None:
                 own = claims(participant_for(header), header.kind)
             rows = self._header(transport, header, own, header_timeout_s, epoch)
+            group = self._group
+            if group is not None and group.transport is transport:
+                group.settled()  # every member attached
             common = common_header(rows, num_clients)
             step, what = common.step, common.describe()
             participant = participant_for(common)
@@ -411,8 +419,8 @@ class GroupMember:
         """In a round of an abandoned epoch: a data exchange that only its timeout ends."""
         return self.in_round and self.epoch in self._abandoned
 
-    def _lookup(self, epoch: int) -> tuple[str, int]:
-        addr = ask(self.scheduler.store_address.remote(epoch), self.timeout_s + 5)
-        if addr is None:
-            raise DistCAError(f"no rendezvous address for group epoch {epoch} within {self.timeout_s:g} s")
-        return tuple(addr)
+    def _lookup(self, epoch: int):
+        value = ask(self.scheduler.bootstrap.remote(epoch), self.timeout_s + 5)
+        if value is None:
+            raise DistCAError(f"no bootstrap value for group epoch {epoch} within {self.timeout_s:g} s")
+        return value

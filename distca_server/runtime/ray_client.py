@@ -139,7 +139,7 @@ class RayClientRuntime(Runtime):
                              f"{keep_activations} (it is set once per job, at launch)")
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
-        self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}")
+        self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}", job=name)
         self.member.scheduler_incarnation = cfg["scheduler"]
         self._needs_register = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-client-{self.rank}")
@@ -260,7 +260,8 @@ class RayClientRuntime(Runtime):
                     f"reported {len(doc_lens)} documents ({sum(doc_lens)} tokens), {fmt.cost}")
             group = answer["group"]
             try:
-                self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step)
+                self.member.join(group["epoch"], group["world_rank"], group["world_size"], device, step=step,
+                                 transport=group["transport"])
             except GroupFailure as failure:
                 raise self._resume_after(failure) from None
             backend = get_backend(self.backend, device)

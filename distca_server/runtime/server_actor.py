@@ -81,7 +81,7 @@ class AttentionServer:
         self.last_error = ""
         self.held_bytes = self.peak_held_bytes = 0  # kept activations now, and the most ever held
         self.failures: list[float] = []  # wall-clock times (time.time()) of the failures it saw
-        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False)
+        self.member = GroupMember(self.scheduler, self.node, timeout_s, f"server {index}", watch=False, job=name)
         self._metrics = ray_metrics("server")
         self._round_kind = None  # the kind of the round being served (from its common header)
         self._handle = ray.get_runtime_context().current_actor
@@ -109,12 +109,13 @@ class AttentionServer:
         not stuck in a round of a failed epoch (which only the round's timeout ends)."""
         return not self._stop and not self.member.stuck
 
-    def assign(self, epoch: int, world_rank: int, world_size: int, plan_index: int, device_type: str) -> None:
-        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) at the next round;
-        a wait for the next round of an older epoch ends now."""
+    def assign(self, epoch: int, world_rank: int, world_size: int, plan_index: int, device_type: str,
+               transport: str) -> None:
+        """Join group ``epoch`` as ``world_rank`` (plan server ``plan_index``) with the job's
+        ``transport`` at the next round; a wait for the next round of an older epoch ends now."""
         with self._cond:
             if self._assignment is None or epoch > self._assignment[0]:
-                self._assignment = (epoch, world_rank, world_size, plan_index, device_type)
+                self._assignment = (epoch, world_rank, world_size, plan_index, device_type, transport)
                 self._cond.notify_all()
         if self.member.epoch is not None and self.member.epoch < epoch:
             self.member.abandon(self.member.epoch, "superseded")
@@ -207,15 +208,15 @@ class AttentionServer:
                 if pending is None:
                     continue
             if pending is not None:  # a new group epoch: leave the old group, join the new one
-                epoch, world_rank, world_size, plan_index, device_type = pending
+                epoch, world_rank, world_size, plan_index, device_type, transport = pending
                 num_clients = world_rank - plan_index  # world ranks: clients first, then servers
                 device = torch.device("cuda" if device_type == "cuda" else "cpu")
                 self.state = f"joining epoch {epoch}"
-                log.info("server %d: joining group epoch %d as world rank %d of %d (plan server %d, %s)",
-                         self.index, epoch, world_rank, world_size, plan_index, device_type)
+                log.info("server %d: joining group epoch %d as world rank %d of %d (plan server %d, %s, %s)",
+                         self.index, epoch, world_rank, world_size, plan_index, device_type, transport)
                 self._retire(participants, keep=0)
                 try:
-                    member.join(epoch, world_rank, world_size, device, step=-1)
+                    member.join(epoch, world_rank, world_size, device, step=-1, transport=transport)
                 except GroupFailure as failure:
                     self._failed(failure)
                     continue

@@ -17,7 +17,9 @@ would need a fence here.
 
 Bootstrap: the creator (world rank 0, like the rendezvous store of :mod:`.torch_dist`) makes every
 PE's files with :func:`create_heap` and hands the others the returned *handle*, a small msgpack-able
-dict, the analogue of NVSHMEM's unique id; each PE attaches with :class:`ShmHeap`.
+dict, the analogue of NVSHMEM's unique id; each PE attaches with :class:`ShmHeap`, which maps every
+PE's files and opens every doorbell at once: once all PEs attached, the files may be removed (the
+mappings and pipes stay), so a PE that dies later leaves nothing in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from .symmetric import SymmetricTransport, signal_words, table_bytes
 DEFAULT_HEAP_BYTES = 1 << 30  # sparse: only written pages use memory
 
 
-def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str | None = None) -> dict:
-    """Make the shared files of a heap of ``world_size`` PEs with ``heap_bytes`` of arena each.
+def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str | None = None,
+                prefix: str = "distca-heap-") -> dict:
+    """Make the shared files of a heap of ``world_size`` PEs with ``heap_bytes`` of arena each, in
+    a new directory named ``prefix`` + a random suffix under ``root``.
 
     Returns:
         the handle ``{"kind": "shm", "path", "world_size", "heap_bytes"}`` the PEs attach with.
@@ -55,7 +59,7 @@ def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str
                          f"{world_size} PEs, got {heap_bytes}")
     if root is None and os.path.isdir("/dev/shm"):
         root = "/dev/shm"
-    path = tempfile.mkdtemp(prefix="distca-heap-", dir=root)
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
     for pe in range(world_size):
         for name, size in ((f"pe{pe}.arena", heap_bytes), (f"pe{pe}.signals", 8 * signal_words(world_size))):
             with open(os.path.join(path, name), "wb") as f:
@@ -94,9 +98,13 @@ class ShmHeap:
         self._arenas = [torch.frombuffer(a, dtype=torch.uint8) for a, _ in self._maps]
         self._signals = [np.frombuffer(s, dtype=np.int64) for _, s in self._maps]
         self.arena = self._arenas[self.rank]
-        # Read-write, so the pipe never reports end-of-file while no peer has it open.
-        self._bell = os.open(os.path.join(handle["path"], f"pe{rank}.bell"), os.O_RDWR | os.O_NONBLOCK)
-        self._rings: dict[int, int] = {}
+        # Read-write, so the pipe never reports end-of-file while no peer has it open; the peers'
+        # too (a write-only open fails while the peer has not attached), all now, so that the
+        # heap's files are not needed once every PE attached.
+        bells = [os.open(os.path.join(handle["path"], f"pe{pe}.bell"), os.O_RDWR | os.O_NONBLOCK)
+                 for pe in range(P)]
+        self._bell = bells[self.rank]
+        self._rings = {pe: fd for pe, fd in enumerate(bells) if pe != self.rank}
 
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
         self.copy(self._arenas[pe][offset:offset + src.numel()], src)
@@ -117,11 +125,8 @@ class ShmHeap:
 
     def _ring(self, pe: int) -> None:
         try:
-            if pe not in self._rings:
-                self._rings[pe] = os.open(os.path.join(self.handle["path"], f"pe{pe}.bell"),
-                                          os.O_WRONLY | os.O_NONBLOCK)
             os.write(self._rings[pe], b"\0")
-        except OSError:  # not listening yet (it reads its words before it blocks), gone, or full
+        except (OSError, KeyError):  # full (it reads its words before it blocks), or closed
             pass
 
     def idle(self, seconds: float) -> None:
@@ -156,18 +161,23 @@ class ShmHeap:
 
 def join_shm(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
              lookup: Callable[[], dict], heap_bytes: int = DEFAULT_HEAP_BYTES,
-             epoch: int = 0) -> SymmetricTransport:
-    """Form (or join) a shared-memory group: rank 0 creates the heap and ``publish``-es its handle,
-    the others ``lookup()`` it (e.g. through the scheduler, with the group epoch). Rank 0 removes
-    the heap's files when it closes.
+             epoch: int = 0, prefix: str = "distca-heap-") -> SymmetricTransport:
+    """Form (or join) a shared-memory group: rank 0 creates the heap (its directory named
+    ``prefix`` + a random suffix) and ``publish``-es its handle, the others ``lookup()`` it (e.g.
+    through the scheduler, with the group epoch). Rank 0 removes the heap's files when it closes,
+    or earlier with :func:`destroy_heap` once every PE attached.
 
     Raises:
         DistCAError: the heap could not be created or attached within ``timeout_s``.
     """
     try:
         if rank == 0:
-            handle = create_heap(world_size, heap_bytes)
-            publish(handle)
+            handle = create_heap(world_size, heap_bytes, prefix=prefix)
+            try:
+                publish(handle)
+            except BaseException:
+                destroy_heap(handle)
+                raise
         else:
             handle = lookup()
         heap = ShmHeap(handle, rank, owner=rank == 0)

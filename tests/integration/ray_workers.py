@@ -36,6 +36,17 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def reconnect(self, name: str, timeout_s: float = 10.0) -> None:
+        """Close this worker's client and connect to job ``name`` instead (tests that run several
+        jobs reuse their worker processes)."""
+        self.client.close()
+        self.client = DistCAClient.connect(name, rank=self.rank, world_size=2, timeout_s=timeout_s)
+
+    def transport_kind(self) -> str | None:
+        """The class name of the transport of this client's group epoch (None while in none)."""
+        transport = self.client._runtime.member.transport
+        return None if transport is None else type(transport).__name__
+
     def scheduler_lost(self) -> bool:
         """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
         return self.client._runtime.member.scheduler_lost

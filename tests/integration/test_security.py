@@ -49,8 +49,8 @@ class SquattingScheduler:
         return encode_answer({"part": self.payload, "group": {"epoch": 0, "world_rank": rank,
                                                               "world_size": 1, "device_type": "cpu"}})
 
-    def publish_store(self, epoch, host, port):  # a client that joined a group would call this
-        self.published.append((epoch, host, port))
+    def publish_bootstrap(self, epoch, value):  # a client that joined a group would call this
+        self.published.append((epoch, value))
 
     def joined(self):
         return self.published
@@ -101,7 +101,7 @@ def test_hostile_part_is_refused_before_any_group_forms(local_ray, payload, matc
         out = ray.get(Victim.remote().attend.remote(name), timeout=60)
         assert not out["ok"] and out["type"] == "ValueError", out
         assert re.search(match, out["message"]), out["message"]
-        # Refused before joining a group: no store published, no transport, no epoch.
+        # Refused before joining a group: no bootstrap value published, no transport, no epoch.
         assert out["epoch"] is None and not out["transport"], out
         assert ray.get(squatter.joined.remote()) == []
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scheduler import CostModel, plan_batch
-from scheduler.coordinator import Coordinator
+from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES, Coordinator
 from scheduler.outcomes import Assignment
 from scheduler.parts import PlanPart, plan_identity, plan_part
 
@@ -37,13 +37,15 @@ class Ticks:
         return self.t
 
 
-def make(mode="dedicated", clients=2, servers=2, timer=None):
+def make(mode="dedicated", clients=2, servers=2, timer=None, transport="torch_dist", node=None):
+    """A coordinator with registered clients and servers, each on its own node unless ``node``."""
     c = Coordinator("job", mode, epsilon=0.05, min_shard=8, timeout_s=10.0, failure_grace_s=GRACE,
-                    timer=timer or Ticks(1.0))
+                    timer=timer or Ticks(1.0), transport=transport)
     for r in range(clients):
-        assert c.register_client(r, clients, {"incarnation": f"c{r}", "node": f"node{r}"})["next_step"] == 0
+        info = {"incarnation": f"c{r}", "node": node or f"node{r}"}
+        assert c.register_client(r, clients, info)["next_step"] == 0
     for s in range(servers):
-        c.register_server(s, {"incarnation": f"s{s}", "node": f"srv{s}"})
+        c.register_server(s, {"incarnation": f"s{s}", "node": node or f"srv{s}"})
     return c
 
 
@@ -82,7 +84,8 @@ def test_full_step_dedicated_parts_match_plan_part():
     assert c.plan_descriptor(0, 0) == plan.to_msgpack()
     for r in range(2):
         answer = c.answer(0, 0, r)
-        assert answer["group"] == {"epoch": 0, "world_rank": r, "world_size": 4, "device_type": "cpu"}
+        assert answer["group"] == {"epoch": 0, "world_rank": r, "world_size": 4, "device_type": "cpu",
+                                   "transport": "torch_dist"}
         same_part(decode(answer), plan_part(plan, r, 0, 0, plan_id=pid))
     assert [sid for sid, _ in out.server_parts] == [0, 1]
     for i, (sid, data) in enumerate(out.server_parts):
@@ -158,7 +161,8 @@ def test_server_drops_out_then_client_restarts_then_device_changes():
     out = run_step(c, 1, live={0})  # server 1 does not answer its ping
     assert c.epoch == 1 and out.assignments == (Assignment(0, 1, 2, 3, 0, "cpu"),)
     assert [sid for sid, _ in out.server_parts] == [0]
-    assert c.answer(1, 0, 0)["group"] == {"epoch": 1, "world_rank": 0, "world_size": 3, "device_type": "cpu"}
+    assert c.answer(1, 0, 0)["group"] == {"epoch": 1, "world_rank": 0, "world_size": 3, "device_type": "cpu",
+                                             "transport": "torch_dist"}
     assert decode(c.answer(1, 0, 0)).num_servers == 1
     assert c.servers_to_ping() == {0: "alive", 1: "suspect"} and c.last["server_flops"].keys() == {0}
     assert [row["state"] for row in c.status()["servers"]] == ["alive", "suspect"]
@@ -530,16 +534,67 @@ def test_restart_rebuilds_step_and_epoch_from_registrations():
 
 
 # ---- rendezvous and status ---------------------------------------------------------------------------
-def test_rendezvous_addresses_per_epoch():
+@pytest.mark.parametrize("value", [["10.0.0.1", 2900],  # torch_dist: the TCPStore address
+                                   {"kind": "shm", "path": "/dev/shm/distca-heap-x", "world_size": 3,
+                                    "heap_bytes": 1 << 30},  # shm: the heap's handle
+                                   bytes(range(128))])  # nvshmem: a unique id's bytes
+def test_bootstrap_values_per_epoch(value):
     c = make()
-    assert c.store_address(0) is None
-    c.publish_store(0, "10.0.0.1", 2900)
-    assert c.store_address(0) == ("10.0.0.1", 2900)
-    for step in range(4):  # every step a new epoch (a server restarts); old addresses are forgotten
+    assert c.bootstrap(0) is None
+    c.publish_bootstrap(0, value)
+    assert c.bootstrap(0) == value
+    for step in range(4):  # every step a new epoch (a server restarts); old values are forgotten
         c.register_server(1, {"incarnation": f"s1-{step}"})
         run_step(c, step)
-        c.publish_store(c.epoch, "h", step)
-    assert c.epoch == 3 and c.store_address(0) is None and c.store_address(3) == ("h", 3)
+        c.publish_bootstrap(c.epoch, [value, step])
+    assert c.epoch == 3 and c.bootstrap(0) is None  # older than KEEP_EPOCHS before the current one
+    assert [c.bootstrap(e) for e in range(3 - KEEP_EPOCHS, 4)] == [[value, e] for e in range(3 - KEEP_EPOCHS, 4)]
+    # tuples come back as lists (msgpack data): every member looks up the same plain value
+    c.publish_bootstrap(3, ("h", 1))
+    assert c.bootstrap(3) == ["h", 1]
+
+
+def test_bootstrap_values_are_bounded_plain_data():
+    c = make()
+    c.publish_bootstrap(0, b"x" * (MAX_BOOTSTRAP_BYTES - 5))  # fits with its msgpack header
+    with pytest.raises(ValueError, match=rf"takes {MAX_BOOTSTRAP_BYTES + 3} bytes packed, more than "
+                                         rf"{MAX_BOOTSTRAP_BYTES}"):
+        c.publish_bootstrap(1, b"x" * MAX_BOOTSTRAP_BYTES)
+    with pytest.raises(ValueError, match="must be msgpack data, got object"):
+        c.publish_bootstrap(1, object())
+    with pytest.raises(ValueError, match="must not be None"):
+        c.publish_bootstrap(1, None)
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got '1'"):
+        c.publish_bootstrap("1", [1])
+    assert c.bootstrap(1) is None
+
+
+def test_transport_is_checked_and_handed_out_with_the_group():
+    with pytest.raises(ValueError, match=r"transport must be one of \('torch_dist', 'shm', 'nvshmem'\), "
+                                         r"got 'gloo'"):
+        make(transport="gloo")
+    c = make(transport="shm", node="10.0.0.1")
+    assert c.register_client(0, 2, {"incarnation": "c0", "node": "10.0.0.1"})["transport"] == "shm"
+    out = run_step(c, 0)
+    for r in range(2):
+        assert c.answer(0, 0, r)["group"]["transport"] == "shm"
+    assert len(out.assignments) == 2 and c.transport == "shm"  # the actor assigns with coord.transport
+
+
+def test_shm_refuses_a_group_across_nodes_and_cuda_tensors():
+    c = make(transport="shm", node="10.0.0.1")
+    c.register_server(1, {"incarnation": "s1", "node": "10.0.0.9"})
+    run_step(c, 0)
+    for r in range(2):
+        answer = c.answer(0, 0, r)
+        assert answer["error"] == "DistCAError", answer
+        assert "needs every member of a group on one node, but they are on 2 nodes" in answer["message"]
+        assert "attention server 1" in answer["message"] and "10.0.0.9" in answer["message"]
+    assert c.epoch == -1  # no group formed
+    d = make(transport="shm", servers=1, node="n")
+    run_step(d, 0, shape=dict(SHAPE, device_type="cuda"))
+    assert d.answer(0, 0, 0)["error"] == "ValueError"
+    assert "moves cpu tensors, not cuda" in d.answer(0, 0, 0)["message"]
 
 
 def test_status_rows():

@@ -1,0 +1,128 @@
+"""A job with ``transport="shm"``: the one-sided exchange over shared memory between the processes
+of one node, bootstrapped through the scheduler with each group epoch (the heap's handle).
+
+In-place and dedicated jobs equal the float64 reference and, bit for bit, the same job over
+torch_dist; a dedicated server killed mid-step fails both clients within the timeout + 1 s naming
+it and the next step is exact; no heap file of a job is left in /dev/shm while it runs (rank 0
+removes them once every member attached) nor after ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from distca_server import launch, shutdown, status  # noqa: E402
+from distca_server.runtime.groups import heap_prefix  # noqa: E402
+
+T = 3.0  # the fault job's timeout
+SLACK = 1.0  # "within the timeout + 1 s", as tests/integration/test_faults.py
+LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]]]
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+
+def _heaps(name: str) -> list[str]:
+    return glob.glob(os.path.join("/dev/shm", glob.escape(heap_prefix(name)) + "*"))
+
+
+def _workers(name, world, timeout_s):
+    from ray_workers import TrainWorker
+    return [TrainWorker.remote(name, r, world, timeout_s) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def workers(local_ray):
+    """Two client processes reused by every job of the module (each connects to a job in turn)."""
+    name = "shm-first"
+    job = launch(name=name, mode="inplace", timeout_s=10.0, detached=False, transport="shm")  # noqa: F841
+    try:
+        yield _workers(name, 2, 10.0)
+    finally:
+        shutdown(name)
+
+
+def _steps(workers, name, mode, transport):
+    """Two steps of two layers, forward and backward, on 2 clients; per step and rank the max
+    relative error against the float64 reference."""
+    job = launch(name=name, servers=1, mode=mode, timeout_s=10.0, detached=False, min_shard=8,
+                 server_options={"num_cpus": 0}, transport=transport)  # noqa: F841 - keeps the actors alive
+    try:
+        ray.get([w.reconnect.remote(name) for w in workers], timeout=60)
+        errors = []
+        for step, lens in enumerate(LENS):
+            results = ray.get([w.step.remote(lens[r], step) for r, w in enumerate(workers)], timeout=120)
+            assert all(r["ok"] for r in results), results
+            errors.append([r["error"] for r in results])
+        kinds = ray.get([w.transport_kind.remote() for w in workers], timeout=30)
+        assert kinds == ["SymmetricTransport" if transport == "shm" else "TorchDistTransport"] * 2
+        if transport == "shm":
+            assert _heaps(name) == []  # removed by rank 0 once every member attached
+        return errors
+    finally:
+        shutdown(name)
+
+
+@pytest.mark.parametrize("mode", ["inplace", "dedicated"])
+def test_shm_job_equals_the_reference_and_torch_dist(workers, mode):
+    shm = _steps(workers, f"shm-{mode}", mode, "shm")
+    assert max(max(e) for e in shm) <= 1e-5, shm
+    assert shm == _steps(workers, f"gloo-{mode}", mode, "torch_dist")  # the same bytes, the same results
+    assert _heaps(f"shm-{mode}") == []
+
+
+def test_bad_transports_are_refused_at_launch(local_ray):
+    with pytest.raises(ValueError, match=r"transport must be one of \('torch_dist', 'shm', 'nvshmem'\), "
+                                         r"got 'gloo'"):
+        launch(name="badtransport", transport="gloo", detached=False)
+    from distca_server.transport.nvshmem import available
+    if not available():
+        with pytest.raises(ValueError, match="transport 'nvshmem' needs"):
+            launch(name="badtransport", transport="nvshmem", detached=False)
+
+
+def test_a_killed_server_fails_the_step_then_the_job_goes_on_over_shm(workers):
+    """test_faults.py's killed server, over shm: both clients fail within the timeout + 1 s naming
+    server 1 (a dead PE never signals, so the survivors' deadline finds it); the next step runs
+    on server 0 alone, then on both once Ray restarted server 1; shutdown leaves no heap file."""
+    name = "shmkill"
+    job = launch(name=name, servers=2, mode="dedicated", timeout_s=T, failure_grace_s=0.5, detached=False,
+                 max_restarts=1, server_options={"num_cpus": 0}, min_shard=8, transport="shm")
+    try:
+        ray.get([w.reconnect.remote(name, T) for w in workers], timeout=60)
+        lens = LENS[0]
+
+        def exact_step(seed, servers):
+            results = ray.get([w.step.remote(lens[r], seed) for r, w in enumerate(workers)], timeout=120)
+            assert all(r["ok"] for r in results), results
+            assert max(r["error"] for r in results) <= 1e-5
+            assert all(ray.get([job["servers"][i].ping.remote() for i in servers], timeout=30))
+
+        exact_step(1, (0, 1))
+        assert all(r["ok"] for r in ray.get([w.forward_only.remote(lens[r], 2) for r, w in enumerate(workers)],
+                                            timeout=60))
+        ray.kill(job["servers"][1], no_restart=False)
+        results = ray.get([w.finish.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=60)
+        for r in results:
+            assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+            assert "attention server 1" in r["message"], r["message"]
+        exact_step(3, (0,))  # while server 1 restarts
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(job["servers"][1].ping.remote(), timeout=30)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline, "server 1 did not come back"
+                time.sleep(0.2)
+        exact_step(4, (0, 1))
+        assert status(name)["last"]["server_flops"].keys() == {0, 1}
+        assert _heaps(name) == []
+    finally:
+        shutdown(name)
+    assert _heaps(name) == []
