@@ -468,7 +468,9 @@ class Participant:
                                        self._full(rows["out"], x["out"]), self._full(rows["lse"], x["lse"]),
                                        softmax_scale)
             return dict(zip(("dq", "dk", "dv"), g))
-        if dout is not None and (dk is None or dv is None):
+        if dout is not None and (dk is None or dv is None) and not self.results_home:
+            # the scatter of dK, dV needs their shape (the client kept no K, V); rows that stay
+            # home are handed back as the kernel wrote them, with no buffer and no copy
             kv = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))
             dk = torch.empty_like(kv) if dk is None else dk
             dv = torch.empty_like(kv) if dv is None else dv
