@@ -64,7 +64,8 @@ def old_cut(plan, step: int, batch: int) -> list[PlanPart]:
             cost=plan.cost, participant=p, rank=rank, server=server,
             doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
             client_tasks=arr[arr[:, 1] == rank] if rank is not None else arr[:0],
-            server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0]))
+            server_tasks=arr[arr[:, 0] == server] if server is not None else arr[:0],
+            window=plan.window, keep_activations=plan.keep_activations))
     return parts
 
 
