@@ -41,7 +41,8 @@ def _up(args) -> int:
     from scheduler.coordinator import Coordinator
     try:  # the scheduler's own checks, here before any Ray call (in its actor they would kill it)
         Coordinator(args.name, args.mode, epsilon=args.epsilon, min_shard=args.min_shard,
-                    timeout_s=args.timeout, failure_grace_s=args.failure_grace)
+                    timeout_s=args.timeout, failure_grace_s=args.failure_grace, transport=args.transport,
+                    keep_activations=args.keep_activations)
         for flag in ("timeout", "failure_grace", "start_timeout"):
             if finite_nonnegative(f"--{flag.replace('_', '-')}", getattr(args, flag)) == 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got 0")
@@ -52,7 +53,8 @@ def _up(args) -> int:
         launch(name=args.name, servers=servers, mode=args.mode, epsilon=args.epsilon,
                min_shard=args.min_shard, timeout_s=args.timeout, failure_grace_s=args.failure_grace,
                backend=args.backend, detached=True, max_restarts=args.server_restarts,
-               scheduler_restarts=args.scheduler_restarts, start_timeout_s=args.start_timeout)
+               scheduler_restarts=args.scheduler_restarts, start_timeout_s=args.start_timeout,
+               transport=args.transport, keep_activations=args.keep_activations)
     except (ValueError, DistCAError) as exc:  # a job of that name is running, bad settings, no room
         raise CLIError(str(exc)) from None
     except Exception as exc:  # an actor that failed in its constructor: Ray's error, first line
@@ -168,6 +170,12 @@ def _register_runtime(subparsers) -> None:
     up.add_argument("--scheduler-restarts", type=int, default=-1,
                     help="how often Ray restarts a dead scheduler (-1: always)")
     up.add_argument("--backend", default="auto", help="attention kernel backend on the servers")
+    up.add_argument("--transport", default="torch_dist",
+                    help="how group epochs move tensors: torch_dist (gloo/NCCL), shm (one node, CPU) "
+                         "or nvshmem (GPU)")
+    up.add_argument("--keep-activations", action=argparse.BooleanOptionalAction, default=True,
+                    help="servers keep each layer's activations until its backward round, which then "
+                         "sends dO only (--no-keep-activations: stateless servers)")
     up.add_argument("--address", **address)
     up.set_defaults(func=_up)
     st = subparsers.add_parser("status", help="print a job's servers, load, bytes and errors")

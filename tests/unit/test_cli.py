@@ -58,7 +58,8 @@ def test_bad_settings_refused_before_ray():
     for argv, words in ((["--min-shard", "0"], "min_shard must be a positive int, got 0"),
                         (["--epsilon", "-1"], "epsilon must be a finite number >= 0, got -1.0"),
                         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
-                        (["--start-timeout", "nan"], "--start-timeout must be a finite number >= 0, got nan")):
+                        (["--start-timeout", "nan"], "--start-timeout must be a finite number >= 0, got nan"),
+                        (["--transport", "tcp"], "transport must be one of ('torch_dist', 'shm', 'nvshmem'), got 'tcp'")):
         out = _run_cli("up", *argv, "--address", "127.0.0.1:1")  # never reached
         assert out.returncode == 1
         assert out.stderr.strip().splitlines() == [f"distca up: {words}"]
