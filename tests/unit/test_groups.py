@@ -14,12 +14,12 @@ from distca_server.errors import DistCAError
 from distca_server.runtime.groups import heap_prefix, join_epoch, remove_heaps
 from distca_server.transport.base import all_to_all
 from distca_server.transport.shm import create_heap
+from test_transport_symmetric import in_threads
 
 
 def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
     """Every rank joins in its own thread; rank 0 publishes into ``root_values[epoch]``."""
     published = threading.Event()
-    groups, errors = [None] * P, []
 
     def publish(value):
         root_values[epoch] = value
@@ -29,19 +29,9 @@ def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
         assert published.wait(5)
         return root_values[epoch]
 
-    def one(r):
-        try:
-            groups[r] = join_epoch(kind, job=job, epoch=epoch, rank=r, world_size=P, host="127.0.0.1",
-                                   timeout_s=5.0, device=torch.device("cpu"), publish=publish, lookup=lookup)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return groups
+    return in_threads(P, lambda r: join_epoch(kind, job=job, epoch=epoch, rank=r, world_size=P,
+                                              host="127.0.0.1", timeout_s=5.0, device=torch.device("cpu"),
+                                              publish=publish, lookup=lookup))
 
 
 def _exchange(groups):

@@ -25,11 +25,12 @@ def _lens(seed: int) -> list[int]:
     return lens + [1]  # always a 1-token document
 
 
-def _inputs(lens, hq, hkv, d, dtype, seed):
+def layer_inputs(lens, hq, hkv, d, dtype, seed, layers=LAYERS):
+    """``layers`` (q, k, v) triples and one dout, drawn in float64 then cast to ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     per_layer = [[torch.randn(T, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv)]
-                 for _ in range(LAYERS)]
+                 for _ in range(layers)]
     dout = torch.randn(T, hq, d, generator=g, dtype=torch.float64)
     return [[t.to(dtype) for t in layer] for layer in per_layer], dout.to(dtype)
 
@@ -66,7 +67,7 @@ CASES = [  # (seed, hq, hkv, d, servers, mode)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_layers_match_float64_reference(seed, hq, hkv, d, servers, mode, dtype):
     lens = _lens(seed)
-    layers, dout = _inputs(lens, hq, hkv, d, dtype, seed)
+    layers, dout = layer_inputs(lens, hq, hkv, d, dtype, seed)
     scale = d ** -0.5
     with _client(servers, mode) as client:
         got = _stack(lambda q, k, v: client.attend(q, k, v, lens), layers, dout)
@@ -83,7 +84,7 @@ def test_layers_match_float64_reference(seed, hq, hkv, d, servers, mode, dtype):
 @pytest.mark.parametrize("servers,mode", [(4, "inplace"), (3, "dedicated")])
 def test_bf16_error_within_twice_plain_torch(servers, mode):
     lens = _lens(11) + [777]
-    layers, dout = _inputs(lens, 8, 2, 64, torch.bfloat16, 11)
+    layers, dout = layer_inputs(lens, 8, 2, 64, torch.bfloat16, 11)
     scale = 64 ** -0.5
     with _client(servers, mode) as client:
         got = _stack(lambda q, k, v: client.attend(q, k, v, lens), layers, dout)
@@ -100,7 +101,7 @@ def test_bf16_error_within_twice_plain_torch(servers, mode):
 def test_counted_bytes_equal_bytes_moved(mode, seed):
     lens = _lens(20 + seed)
     servers = random.Random(seed).randint(2, 6)
-    layers, dout = _inputs(lens, 4, 2, 16, torch.float32, seed)
+    layers, dout = layer_inputs(lens, 4, 2, 16, torch.float32, seed)
     with _client(servers, mode) as client:
         _stack(lambda q, k, v: client.attend(q, k, v, lens), layers, dout)
         moved, plan = client.traffic(), client.last_plan
@@ -116,7 +117,7 @@ def test_counted_bytes_equal_bytes_moved(mode, seed):
 
 def test_kept_backward_moves_fewer_bytes_and_same_gradients():
     lens = [600, 3, 250, 1, 90]
-    layers, dout = _inputs(lens, 4, 1, 32, torch.float64, 3)
+    layers, dout = layer_inputs(lens, 4, 1, 32, torch.float64, 3)
     results = {}
     for keep in (True, False):
         with _client(4, "dedicated", keep=keep) as client:
@@ -144,7 +145,7 @@ def _saved_bytes(fn) -> int:
 @pytest.mark.parametrize("mode", ["inplace", "dedicated"])
 def test_client_saves_nothing_and_servers_hold_plan_bytes(mode):
     lens = [700, 5, 300, 1, 41]
-    layers, _ = _inputs(lens, 4, 2, 32, torch.float32, 9)
+    layers, _ = layer_inputs(lens, 4, 2, 32, torch.float32, 9)
     held = {}
     for keep in (True, False):
         with _client(3, mode, keep=keep) as client:
@@ -164,7 +165,7 @@ def test_client_saves_nothing_and_servers_hold_plan_bytes(mode):
 
 def test_forward_without_grad_keeps_nothing():
     lens = [300, 20]
-    layers, _ = _inputs(lens, 4, 1, 16, torch.float32, 2)
+    layers, _ = layer_inputs(lens, 4, 1, 16, torch.float32, 2)
     with _client(2, "inplace") as client:
         with torch.no_grad():
             client.attend(*layers[0], lens)
@@ -175,7 +176,7 @@ def test_forward_without_grad_keeps_nothing():
 
 def test_new_step_releases_kept_activations():
     lens = [300, 20, 1]
-    layers, _ = _inputs(lens, 4, 1, 16, torch.float32, 4)
+    layers, _ = layer_inputs(lens, 4, 1, 16, torch.float32, 4)
     with _client(3, "dedicated") as client:
         leaves = [t.clone().requires_grad_() for t in layers[0]]
         out = client.attend(*leaves, lens)
@@ -189,7 +190,7 @@ def test_new_step_releases_kept_activations():
 
 def test_inplace_change_of_a_kept_tensor_is_refused():
     lens = [200]
-    layers, _ = _inputs(lens, 2, 1, 16, torch.float32, 5)
+    layers, _ = layer_inputs(lens, 2, 1, 16, torch.float32, 5)
     with _client(1, "inplace") as client:  # one server: it keeps the client's own tensors
         q, k, v = (t.clone().requires_grad_() for t in layers[0])
         out = client.attend(q * 1, k * 1, v * 1, lens)
@@ -279,7 +280,7 @@ def test_capped_plans_stay_balanced(servers, tokens):
 
 def test_local_client_passes_the_cap():
     lens = [700, 5, 300, 1, 41]
-    layers, _ = _inputs(lens, 4, 2, 32, torch.float32, 9)
+    layers, _ = layer_inputs(lens, 4, 2, 32, torch.float32, 9)
     with pytest.raises(ValueError, match="max_held_bytes_per_server"):
         DistCAClient.local(2, keep_activations=False, max_held_bytes_per_server=10)
     with _client(3, "dedicated", max_held_bytes_per_server=10) as client:

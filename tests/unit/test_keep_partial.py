@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_attend_partial import split_keys
+from test_keep_activations import layer_inputs
 
 from distca_client import DistCAClient
 from distca_server.errors import DistCAError
@@ -28,15 +29,6 @@ from scheduler.cost import is_split
 
 LAYERS = 2
 SCALE = 0.25
-
-
-def _inputs(lens, hq, hkv, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-    layers = [[torch.randn(T, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv)]
-              for _ in range(LAYERS)]
-    dout = torch.randn(T, hq, d, generator=g, dtype=torch.float64)
-    return [[t.to(dtype) for t in layer] for layer in layers], dout.to(dtype)
 
 
 def _stack(attend, layers, dout, during=None):
@@ -118,7 +110,7 @@ def test_random_key_splits_match_reference(seed, dtype):
     window = rng.choice([None, None, None, 7, 128])
     hq, hkv = rng.choice([(4, 1), (4, 2), (8, 2), (2, 2)])
     lens = rng.sample(DOCS, rng.randint(1, 5)) + [rng.choice([257, 301, 511])] + [1]
-    layers, dout = _inputs(lens, hq, hkv, 16, dtype, seed)
+    layers, dout = layer_inputs(lens, hq, hkv, 16, dtype, seed, layers=LAYERS)
     client, plan = _client(lens, servers, mode, ranks, RowFormat.of(*layers[0][:2]), window,
                            lambda p: _kept(split_keys(p, rng, 5)))
     arr = plan.task_array
@@ -136,7 +128,7 @@ def test_one_shard_split_over_servers(servers, mode):
     sits elsewhere) and that rank keeps the merged O and LSE of every row of it. With one other
     server, both pieces sit on it (its merged rows arrive once per task)."""
     lens = [900, 33, 1]
-    layers, dout = _inputs(lens, 4, 2, 16, torch.float64, servers)
+    layers, dout = layer_inputs(lens, 4, 2, 16, torch.float64, servers, layers=LAYERS)
     ranks = servers if mode == "inplace" else 2
 
     def make(base):
@@ -162,7 +154,7 @@ def test_planned_partial_kept_plans_through_attend(mode, servers):
     """plan_batch(partial_kv=True, keep_activations=True) splits a shard on the key axis (min_shard
     larger than bands allow); its plan equals the float64 reference through DistCAClient.local."""
     lens = [1500, 20, 7]
-    layers, dout = _inputs(lens, 4, 2, 16, torch.float64, 1)
+    layers, dout = layer_inputs(lens, 4, 2, 16, torch.float64, 1, layers=LAYERS)
     ranks = servers if mode == "inplace" else 1
     fmt = RowFormat.of(*layers[0][:2])
     client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=300, timeout_s=60)
@@ -177,7 +169,7 @@ def test_planned_partial_kept_plans_through_attend(mode, servers):
 
 def test_bf16_error_within_twice_plain_torch():
     lens = [301, 129, 511, 2]
-    layers, dout = _inputs(lens, 4, 2, 32, torch.bfloat16, 3)
+    layers, dout = layer_inputs(lens, 4, 2, 32, torch.bfloat16, 3, layers=LAYERS)
     rng = random.Random(5)
     client, _ = _client(lens, 4, "inplace", 4, RowFormat.of(*layers[0][:2]), None,
                         lambda p: _kept(split_keys(p, rng, 6)))
@@ -196,7 +188,7 @@ def test_new_step_releases_merged_rows_too(mode):
     """A new step drops what servers keep and what owners keep of split shards; the old
     backward round then raises DistCAError."""
     lens = [600, 20, 1]
-    layers, _ = _inputs(lens, 4, 1, 16, torch.float32, 4)
+    layers, _ = layer_inputs(lens, 4, 1, 16, torch.float32, 4, layers=LAYERS)
     rng = random.Random(2)
     client, plan = _client(lens, 3, mode, 3 if mode == "inplace" else 2, RowFormat.of(*layers[0][:2]),
                            None, lambda p: _kept(split_keys(p, rng, 4)))

@@ -73,15 +73,15 @@ def run_rounds(transport, seed: int, rounds: int, device="cpu",
     return out
 
 
-def expected_digests(seed: int, rounds: int, P: int) -> list[list[list[str]]]:
-    """What LocalTransport delivers for the same rounds: ``[rank][round][segment]`` digests."""
-    group = LocalGroup(P, timeout_s=30)
+def in_threads(P: int, fn) -> list:
+    """``fn(r)`` for every rank ``r`` of ``P``, each in its own thread; the results by rank. Fails
+    the test with every error raised."""
     result: list = [None] * P
     errors = []
 
     def one(r):
         try:
-            result[r] = run_rounds(group.endpoint(r), seed, rounds)
+            result[r] = fn(r)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
     threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
@@ -91,6 +91,12 @@ def expected_digests(seed: int, rounds: int, P: int) -> list[list[list[str]]]:
         t.join()
     assert not errors, errors
     return result
+
+
+def expected_digests(seed: int, rounds: int, P: int) -> list[list[list[str]]]:
+    """What LocalTransport delivers for the same rounds: ``[rank][round][segment]`` digests."""
+    group = LocalGroup(P, timeout_s=30)
+    return in_threads(P, lambda r: run_rounds(group.endpoint(r), seed, rounds))
 
 
 # ---- processes -------------------------------------------------------------------------------------
