@@ -86,7 +86,9 @@ def test_plausible_values(demo):
     rounds = lambda server, kind: sum(v("ray_distca_rounds_served_total", server=server, round=kind))  # noqa: E731
     assert rounds("0", "forward") == STEPS * LAYERS
     assert rounds("0", "backward") == (STEPS - 1) * LAYERS  # the backward of the killed step failed
-    assert rounds("1", "forward") >= (KILL_AT + 1) * LAYERS and rounds("1", "backward") >= KILL_AT * LAYERS
+    # server 1 served every round before the kill, but a killed process loses what it counted since
+    # its last report (every second): its series hold at least the steps before the killed one
+    assert rounds("1", "forward") >= KILL_AT * LAYERS and rounds("1", "backward") >= (KILL_AT - 1) * LAYERS
     sent = lambda kind: sum(v("ray_distca_server_bytes_sent_total", server="0", round=kind))  # noqa: E731
     assert 0 < sent("forward") < sent("backward")
     buckets = [s for s in samples if s.name == "ray_distca_step_plan_ms_bucket"]
