@@ -42,7 +42,7 @@ def _up(args) -> int:
     try:  # the scheduler's own checks, here before any Ray call (in its actor they would kill it)
         Coordinator(args.name, args.mode, epsilon=args.epsilon, min_shard=args.min_shard,
                     timeout_s=args.timeout, failure_grace_s=args.failure_grace, transport=args.transport,
-                    keep_activations=args.keep_activations)
+                    keep_activations=args.keep_activations, partial_kv=args.partial_kv)
         for flag in ("timeout", "failure_grace", "start_timeout"):
             if finite_nonnegative(f"--{flag.replace('_', '-')}", getattr(args, flag)) == 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got 0")
@@ -54,7 +54,7 @@ def _up(args) -> int:
                min_shard=args.min_shard, timeout_s=args.timeout, failure_grace_s=args.failure_grace,
                backend=args.backend, detached=True, max_restarts=args.server_restarts,
                scheduler_restarts=args.scheduler_restarts, start_timeout_s=args.start_timeout,
-               transport=args.transport, keep_activations=args.keep_activations)
+               transport=args.transport, keep_activations=args.keep_activations, partial_kv=args.partial_kv)
     except (ValueError, DistCAError) as exc:  # a job of that name is running, bad settings, no room
         raise CLIError(str(exc)) from None
     except Exception as exc:  # an actor that failed in its constructor: Ray's error, first line
@@ -176,6 +176,8 @@ def _register_runtime(subparsers) -> None:
     up.add_argument("--keep-activations", action=argparse.BooleanOptionalAction, default=True,
                     help="servers keep each layer's activations until its backward round, which then "
                          "sends dO only (--no-keep-activations: stateless servers)")
+    up.add_argument("--partial-kv", action="store_true",
+                    help="the planner may also split a query shard's keys over servers")
     up.add_argument("--address", **address)
     up.set_defaults(func=_up)
     st = subparsers.add_parser("status", help="print a job's servers, load, bytes and errors")

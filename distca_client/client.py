@@ -40,7 +40,7 @@ class DistCAClient:
     def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
               mode: str = "inplace", *, num_ranks: int | None = None, min_shard: int = 128,
               timeout_s: float = 60.0, keep_activations: bool = True,
-              max_held_bytes_per_server: int | None = None) -> "DistCAClient":
+              max_held_bytes_per_server: int | None = None, partial_kv: bool = False) -> "DistCAClient":
         """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
 
         Args:
@@ -57,6 +57,8 @@ class DistCAClient:
                 V, O and LSE.
             max_held_bytes_per_server: with ``keep_activations``, the planner's cap on the bytes
                 one layer of one batch leaves held on a server (see :func:`scheduler.plan_batch`).
+            partial_kv: the planner may also split a query shard's keys over servers where that
+                balances better (``plan_batch(..., partial_kv=True)``; full causal attention only).
 
         Raises:
             ValueError: any argument out of range, naming it.
@@ -78,8 +80,9 @@ class DistCAClient:
             problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
         if not is_number(timeout_s) or not 0 < timeout_s < float("inf"):
             problems.append(f"timeout_s={timeout_s!r} (must be finite and > 0)")
-        if type(keep_activations) is not bool:
-            problems.append(f"keep_activations={keep_activations!r} (must be a bool)")
+        for name, value in (("keep_activations", keep_activations), ("partial_kv", partial_kv)):
+            if type(value) is not bool:
+                problems.append(f"{name}={value!r} (must be a bool)")
         if max_held_bytes_per_server is not None and (not is_int(max_held_bytes_per_server)
                                                       or max_held_bytes_per_server < 1
                                                       or keep_activations is not True):
@@ -89,7 +92,8 @@ class DistCAClient:
             raise ValueError("DistCAClient.local: " + "; ".join(problems))
         return cls(LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
                                 int(min_shard), float(timeout_s), keep_activations,
-                                None if max_held_bytes_per_server is None else int(max_held_bytes_per_server)))
+                                None if max_held_bytes_per_server is None else int(max_held_bytes_per_server),
+                                partial_kv))
 
     @classmethod
     def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,

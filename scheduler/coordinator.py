@@ -109,9 +109,10 @@ class Coordinator:
         max_report_docs, max_report_tokens: the most documents and tokens one client may report
             for one batch; a larger report is a ``ValueError`` for every client of the batch.
         timer: clock for measuring planning and cutting (seconds; default ``time.perf_counter``).
-        keep_activations, max_held_bytes_per_server: planner settings (see
+        keep_activations, max_held_bytes_per_server, partial_kv: planner settings (see
             :func:`scheduler.plan_batch`): servers keep each layer's activations until its
-            backward round (default), under an optional per-server cap.
+            backward round (default), under an optional per-server cap; shards' keys may be
+            split over servers (``partial_kv``).
         transport: how every group epoch moves its tensors, one of :data:`TRANSPORTS`; handed
             to every member with its group. ``"shm"`` needs every member of an epoch on one node
             and CPU tensors, ``"nvshmem"`` CUDA tensors: a batch that breaks this fails for every
@@ -126,7 +127,8 @@ class Coordinator:
                  timeout_s: float = 60.0, failure_grace_s: float = 1.0, backend: str = "auto",
                  max_report_docs: int = MAX_REPORT_DOCS, max_report_tokens: int = MAX_REPORT_TOKENS,
                  timer: Callable[[], float] = time.perf_counter, keep_activations: bool = True,
-                 max_held_bytes_per_server: int | None = None, transport: str = "torch_dist"):
+                 max_held_bytes_per_server: int | None = None, transport: str = "torch_dist",
+                 partial_kv: bool = False):
         self.transport = check_transport(transport)
         if mode not in MODES:
             raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
@@ -135,8 +137,10 @@ class Coordinator:
         self.max_report_docs = positive_int("max_report_docs", max_report_docs)
         self.max_report_tokens = positive_int("max_report_tokens", max_report_tokens)
         self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
-        if type(keep_activations) is not bool:
-            raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+        for flag, value in (("keep_activations", keep_activations), ("partial_kv", partial_kv)):
+            if type(value) is not bool:
+                raise ValueError(f"{flag} must be a bool, got {value!r}")
+        self.partial_kv = partial_kv
         if max_held_bytes_per_server is not None:
             positive_int("max_held_bytes_per_server", max_held_bytes_per_server)
         self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
@@ -378,7 +382,7 @@ class Coordinator:
         return partial(plan_and_cut, [state.reports[r][0] for r in range(W)],
                        len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
                        self.min_shard, step, batch, self.timer, self.keep_activations,
-                       self.max_held_bytes_per_server, state.shape[2])
+                       self.max_held_bytes_per_server, state.shape[2], self.partial_kv)
 
     def _oversized(self, rank: int, doc_lens) -> str | None:
         """The message refusing a report above the bounds, or None (bad lengths are the

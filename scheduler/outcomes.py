@@ -82,12 +82,13 @@ class PlanCut:
 
 
 def plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None) -> PlanCut:
+                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None,
+                  partial_kv=False) -> PlanCut:
     try:
         start = timer()
         plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
                           min_shard=min_shard, window=window, keep_activations=keep_activations,
-                          max_held_bytes_per_server=max_held_bytes_per_server)
+                          max_held_bytes_per_server=max_held_bytes_per_server, partial_kv=partial_kv)
         planned = timer()
         whole = plan.to_msgpack()
         parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]

@@ -39,7 +39,7 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
            max_restarts: int = 0, scheduler_restarts: int = -1, server_options: dict | None = None,
            start_timeout_s: float = 300.0, coordinator_options: dict | None = None,
            keep_activations: bool = True, max_held_bytes_per_server: int | None = None,
-           transport: str = "torch_dist") -> dict:
+           transport: str = "torch_dist", partial_kv: bool = False) -> dict:
     """Start job ``name``: its scheduler and ``servers`` dedicated attention servers, all or
     nothing (if any actor fails to start, the ones started are stopped and the error raised).
 
@@ -76,6 +76,8 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
             span nodes fails its batch on every client with a ``DistCAError`` naming the nodes,
             since where clients run is only known then) or ``"nvshmem"`` (CUDA tensors; needs
             nvshmem4py and a GPU where ``launch`` runs).
+        partial_kv: the planner may also split a query shard's keys over servers where that
+            balances better (``plan_batch(..., partial_kv=True)``; full causal attention only).
 
     Returns:
         ``{"scheduler": handle, "servers": [handles]}``.
@@ -89,8 +91,11 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
     if type(keep_activations) is not bool:
         raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
     _check_transport_here(transport)
+    if type(partial_kv) is not bool:
+        raise ValueError(f"partial_kv must be a bool, got {partial_kv!r}")
     coordinator_options = dict(coordinator_options or {}, keep_activations=keep_activations,
-                               max_held_bytes_per_server=max_held_bytes_per_server, transport=transport)
+                               max_held_bytes_per_server=max_held_bytes_per_server, transport=transport,
+                               partial_kv=partial_kv)
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
     if mode not in ("dedicated", "inplace"):

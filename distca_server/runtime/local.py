@@ -150,7 +150,7 @@ class LocalRuntime(Runtime):
         num_servers: attention servers (threads).
         num_ranks: virtual client ranks the batch is cut into.
         mode: "inplace" or "dedicated".
-        epsilon, min_shard, keep_activations, max_held_bytes_per_server: planner settings (see
+        epsilon, min_shard, keep_activations, max_held_bytes_per_server, partial_kv: planner settings (see
             :func:`scheduler.plan_batch`).
         backend: kernel backend name or "auto".
         timeout_s: how long an in-process all-to-all waits for a participant.
@@ -158,8 +158,9 @@ class LocalRuntime(Runtime):
 
     def __init__(self, num_servers: int, num_ranks: int, mode: str, epsilon: float,
                  backend: str, min_shard: int, timeout_s: float, keep_activations: bool = True,
-                 max_held_bytes_per_server: int | None = None):
+                 max_held_bytes_per_server: int | None = None, partial_kv: bool = False):
         self.num_servers, self.num_ranks, self.mode = num_servers, num_ranks, mode
+        self.partial_kv = partial_kv
         self.epsilon, self.backend, self.min_shard = epsilon, backend, min_shard
         self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
         self.timeout_s = timeout_s
@@ -179,7 +180,8 @@ class LocalRuntime(Runtime):
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
                               cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard,
                               window=window, keep_activations=self.keep_activations,
-                              max_held_bytes_per_server=self.max_held_bytes_per_server)
+                              max_held_bytes_per_server=self.max_held_bytes_per_server,
+                              partial_kv=self.partial_kv)
             self._plans[key] = plan
             while len(self._plans) > PLANS_KEPT:
                 self._plans.popitem(last=False)

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from scheduler import CostModel, plan_batch
+from scheduler import CostModel, Plan, plan_batch
 from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES, Coordinator
+from scheduler.cost import is_split
 from scheduler.outcomes import Assignment
 from scheduler.parts import PlanPart, plan_identity, plan_part
 
@@ -646,3 +647,23 @@ def test_coordinator_imports_neither_torch_nor_ray():
             "print(sorted(m for m in ('torch', 'ray', 'asyncio') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_partial_kv_plans_split_key_blocks():
+    """``Coordinator(partial_kv=True)`` (``launch(partial_kv=...)``) plans with key splits where the
+    bands cannot balance: one 2,048-token document over 4 servers at min_shard 512."""
+    lens = [[2048], [5]]
+    for partial_kv in (False, True):
+        c = Coordinator("job", "dedicated", epsilon=0.05, min_shard=512, timeout_s=10.0,
+                        failure_grace_s=GRACE, timer=Ticks(1.0), partial_kv=partial_kv)
+        for r in range(2):
+            c.register_client(r, 2, {"incarnation": f"c{r}", "node": "n"})
+        for s in range(4):
+            c.register_server(s, {"incarnation": f"s{s}", "node": "n"})
+        assert run_step(c, 0, lens=lens).resolved
+        plan = Plan.from_msgpack(c.plan_descriptor(0, 0))
+        arr = plan.task_array
+        assert bool(is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], None).any()) is partial_kv
+        assert (plan.imbalance()[1] <= 1.05 + 1e-9) is partial_kv
+    with pytest.raises(ValueError, match="partial_kv must be a bool"):
+        Coordinator("job", partial_kv="yes")

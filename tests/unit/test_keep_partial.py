@@ -249,3 +249,25 @@ def test_held_cap_keeps_unsplit_plan_when_splits_break_it():
     assert capped == bands
     roomy = plan_batch(lens, 6, partial_kv=True, max_held_bytes_per_server=max(split.held_bytes()), **kw)
     assert roomy == split
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_local_client_plans_partial_kv(keep):
+    """``DistCAClient.local(partial_kv=True)``: a document the head-tail bands cannot balance
+    (2,048 tokens over 4 dedicated servers at min_shard 512: two bands, max/mean 2) gets key
+    blocks split onto the idle servers, and attend stays exact, kept or stateless."""
+    lens = [2048, 5]
+    layers, dout = layer_inputs(lens, 4, 2, 16, torch.float64, 4, layers=LAYERS)
+    balance = {}
+    for partial_kv in (False, True):
+        with DistCAClient.local(4, mode="dedicated", num_ranks=1, min_shard=512, timeout_s=60,
+                                keep_activations=keep, partial_kv=partial_kv) as client:
+            got = _stack(lambda q, k, v: client.attend(q, k, v, lens, softmax_scale=SCALE), layers, dout)
+            plan = client.last_plan
+            arr = plan.task_array
+            assert bool(is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], None).any()) is partial_kv
+            balance[partial_kv] = plan.imbalance()[1]
+            _check(got, _want(lens, layers, dout), torch.float64)
+    assert balance[False] >= 1.9 and balance[True] <= 1.05 + 1e-9
+    with pytest.raises(ValueError, match="partial_kv=1"):
+        DistCAClient.local(2, partial_kv=1)
