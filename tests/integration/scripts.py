@@ -20,3 +20,20 @@ def load_script(relative_path: str, module_name: str):
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_ray_script(relative_path: str, module_name: str, argv: list[str]) -> tuple[int, bool]:
+    """``main(argv)`` of a script that starts its own Ray: ``(exit status, whether main left a Ray
+    it started running)``. Afterwards such a Ray is shut down and the module forgotten, so the
+    next test starts clean."""
+    import ray
+    was_running = ray.is_initialized()
+    left_running = False
+    try:
+        status = load_script(relative_path, module_name).main(argv)
+        left_running = not was_running and ray.is_initialized()
+        return status, left_running
+    finally:
+        if not was_running and ray.is_initialized():
+            ray.shutdown()
+        sys.modules.pop(module_name, None)

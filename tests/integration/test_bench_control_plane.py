@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scripts import load_script
+from scripts import load_script, run_ray_script
 
 ray = pytest.importorskip("ray")
 
@@ -15,15 +15,8 @@ MODULE = "bench_control_plane"
 
 
 def test_quick_run_writes_expected_rows(tmp_path, capsys):
-    bench = load_script("bench/control_plane.py", MODULE)
     out = tmp_path / "cp.json"
-    was_running = ray.is_initialized()
-    try:
-        assert bench.main(["--quick", "--json", str(out)]) == 0
-    finally:
-        if not was_running and ray.is_initialized():
-            ray.shutdown()
-        sys.modules.pop(MODULE, None)
+    assert run_ray_script("bench/control_plane.py", MODULE, ["--quick", "--json", str(out)]) == (0, False)
     printed = capsys.readouterr().out
     assert "after last" in printed and "step/pings" in printed
     assert "parts: msgpack bytes, each decoded to its client's part of one plan: yes" in printed

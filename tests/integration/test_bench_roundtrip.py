@@ -3,32 +3,20 @@ the same batches, and the JSON has a timed row per configuration and round kind.
 
 import json
 import math
-import sys
 
 import pytest
 
-from scripts import load_script
+from scripts import run_ray_script
 
 ray = pytest.importorskip("ray")
 
 MODULE = "bench_roundtrip"
 
 
-def load_bench():
-    return load_script("bench/roundtrip.py", MODULE)  # Ray ships its actor class by value
-
-
 def test_quick_run_writes_timed_rows(tmp_path, capsys):
-    bench = load_bench()
     out = tmp_path / "r.json"
-    was_running = ray.is_initialized()
-    try:
-        assert bench.main(["--quick", "--json", str(out)]) == 0
-    finally:
-        if not was_running and ray.is_initialized():
-            ray.shutdown()
-        sys.modules.pop(MODULE, None)
-    assert ray.is_initialized() == was_running  # main() shut down the Ray it started
+    status, left_running = run_ray_script("bench/roundtrip.py", MODULE, ["--quick", "--json", str(out)])
+    assert status == 0 and not left_running  # main() shut down the Ray it started
     printed = capsys.readouterr().out
     assert "ray/local" in printed and "dedicated 2c+1s" in printed
     assert out.with_suffix(".png").exists()

@@ -2,11 +2,10 @@
 past the timeout and a late client; every fault survived, no wrong output, the JSON complete."""
 
 import json
-import sys
 
 import pytest
 
-from scripts import load_script
+from scripts import run_ray_script
 
 ray = pytest.importorskip("ray")
 
@@ -14,15 +13,8 @@ MODULE = "bench_soak"
 
 
 def test_quick_soak_survives_every_fault(tmp_path, capsys):
-    bench = load_script("bench/soak.py", MODULE)  # Ray ships its client actor class by value
-    out = tmp_path / "soak.json"
-    was_running = ray.is_initialized()
-    try:
-        assert bench.main(["--quick", "--json", str(out)]) == 0
-    finally:
-        if not was_running and ray.is_initialized():
-            ray.shutdown()
-        sys.modules.pop(MODULE, None)
+    out = tmp_path / "soak.json"  # Ray ships the script's client actor class by value
+    assert run_ray_script("bench/soak.py", MODULE, ["--quick", "--json", str(out)]) == (0, False)
     printed = capsys.readouterr().out
     assert "faults survived" in printed and "RSS start MiB" in printed
 
