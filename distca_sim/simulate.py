@@ -46,7 +46,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from scheduler.baselines import capped_lpt
-from scheduler.checks import at_least
+from scheduler.checks import at_least, boolean
 
 from .hardware import GPUS, MEMORY_HEADROOM, MODELS, GPUConfig, ModelConfig, get_gpu, get_model
 from .systems import Context, RunResult, run_distca, run_packing, run_per_doc_cp, run_wlb_ideal
@@ -343,8 +343,7 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
         ValueError: an unknown model, GPU, system or dataset; a layout that does not fit the model;
             bad ε, CP degrees, recompute mode or ``keep_activations``.
     """
-    if type(keep_activations) is not bool:
-        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    boolean("keep_activations", keep_activations)
     model = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not isinstance(model, ModelConfig) or not isinstance(gpu, GPUConfig):

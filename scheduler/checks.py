@@ -77,6 +77,13 @@ def finite_nonnegative(name: str, value) -> float:
     return float(value)
 
 
+def boolean(name: str, value) -> bool:
+    """``value`` if it is a bool (not 0 or 1, not None); else a ``ValueError`` naming ``name``."""
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def bad_lengths(lengths) -> list:
     """The entries of ``lengths`` that are not token counts (ints in ``[1, 2**63 - 1]``), in order."""
     # Fast path in C (map/min/max) for the common all-plain-int list: planning checks every
@@ -166,3 +173,17 @@ def check_rank_totals(counts: np.ndarray, lens: np.ndarray) -> None:
         total = sum(lens[start:start + counts[r]].tolist())
         if total > INT64_MAX:
             raise ValueError(f"rank {r}: documents of {total} tokens in all, more than int64 holds")
+
+
+TRANSPORTS = ("torch_dist", "shm", "nvshmem")  # how a job's group epochs move tensors
+
+
+def check_transport(transport) -> str:
+    """``transport`` if it names one of :data:`TRANSPORTS`.
+
+    Raises:
+        ValueError: naming the value and the choices.
+    """
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport

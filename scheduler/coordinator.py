@@ -19,7 +19,7 @@ call is one state transition that returns plain data telling the wrapper what to
   membership or the device type changes (world ranks: clients first, then dedicated servers in
   plan order); :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
   epoch's *bootstrap value* from world rank 0 to the others: whatever the job's transport needs
-  to form the group (:data:`TRANSPORTS`): the ``TCPStore`` ``[host, port]`` of ``torch_dist``,
+  to form the group (:data:`~scheduler.checks.TRANSPORTS`): the ``TCPStore`` ``[host, port]`` of ``torch_dist``,
   the shared-memory heap's handle of ``shm``, the NVSHMEM unique id's bytes of ``nvshmem``.
   The scheduler reads nothing in it; it only bounds its size (:data:`MAX_BOOTSTRAP_BYTES`);
 - failures: :meth:`~Coordinator.failure` and :meth:`~Coordinator.close_failure` decide who was
@@ -47,7 +47,7 @@ from typing import Callable
 from .arbitration import Arbitration, Member
 import msgpack
 
-from .checks import MODES, bad_lengths, finite_nonnegative, is_int, positive_int
+from .checks import MODES, bad_lengths, boolean, check_transport, finite_nonnegative, is_int, positive_int
 from .cost import CostModel
 from .messages import agreed_shape, error_answer, same_report
 from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanOutcome, ReportOutcome,
@@ -63,26 +63,14 @@ PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazil
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
 SERVER_STATES = ("alive", "suspect", "dead")
-# How a job's group epochs move their tensors (distca_server/runtime/groups.py forms them):
+# The device types each transport of scheduler.checks.TRANSPORTS moves (groups.py forms them):
 # torch.distributed (gloo on CPU, NCCL on GPU), the one-sided exchange over shared memory between
 # the processes of one host (CPU tensors), or over NVSHMEM symmetric GPU memory.
-TRANSPORTS = ("torch_dist", "shm", "nvshmem")
 TRANSPORT_DEVICES = {"torch_dist": ("cpu", "cuda"), "shm": ("cpu",), "nvshmem": ("cuda",)}
 # A bootstrap value is plain msgpack data, at most this many bytes packed (a TCPStore address, a
 # heap handle and an NVSHMEM unique id take ~20-200): members hand it to each other through the
 # scheduler, which must not hold whatever a buggy or hostile member publishes.
 MAX_BOOTSTRAP_BYTES = 4096
-
-
-def check_transport(transport) -> str:
-    """``transport`` if it names one of :data:`TRANSPORTS`.
-
-    Raises:
-        ValueError: naming the value and the choices.
-    """
-    if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    return transport
 
 
 class _Batch:
@@ -113,7 +101,7 @@ class Coordinator:
             :func:`scheduler.plan_batch`): servers keep each layer's activations until its
             backward round (default), under an optional per-server cap; shards' keys may be
             split over servers (``partial_kv``).
-        transport: how every group epoch moves its tensors, one of :data:`TRANSPORTS`; handed
+        transport: how every group epoch moves its tensors, one of :data:`~scheduler.checks.TRANSPORTS`; handed
             to every member with its group. ``"shm"`` needs every member of an epoch on one node
             and CPU tensors, ``"nvshmem"`` CUDA tensors: a batch that breaks this fails for every
             client (``DistCAError`` naming the nodes, ``ValueError`` naming the device type).
@@ -137,10 +125,8 @@ class Coordinator:
         self.max_report_docs = positive_int("max_report_docs", max_report_docs)
         self.max_report_tokens = positive_int("max_report_tokens", max_report_tokens)
         self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
-        for flag, value in (("keep_activations", keep_activations), ("partial_kv", partial_kv)):
-            if type(value) is not bool:
-                raise ValueError(f"{flag} must be a bool, got {value!r}")
-        self.partial_kv = partial_kv
+        boolean("keep_activations", keep_activations)
+        self.partial_kv = boolean("partial_kv", partial_kv)
         if max_held_bytes_per_server is not None:
             positive_int("max_held_bytes_per_server", max_held_bytes_per_server)
         self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
@@ -658,5 +644,4 @@ class Coordinator:
                 "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
 
 
-__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_BOOTSTRAP_BYTES", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS",
-           "TRANSPORTS", "check_transport"]
+__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_BOOTSTRAP_BYTES", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS"]

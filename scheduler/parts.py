@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptor
-from .checks import INT64_MAX, MODES, bad_lengths, int_in_range
+from .checks import INT64_MAX, MODES, bad_lengths, boolean, int_in_range
 from .cost import CostModel, window_arg, window_kv_start
 from .cover import cover_problems
 from .tasks import (Plan, participant_count, participant_roles,
@@ -77,8 +77,7 @@ class PlanPart:
 
     def __post_init__(self) -> None:
         self.window = window_arg(self.window)
-        if type(self.keep_activations) is not bool:
-            raise ValueError(f"keep_activations must be a bool, got {self.keep_activations!r}")
+        boolean("keep_activations", self.keep_activations)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.cost, CostModel):

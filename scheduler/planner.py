@@ -76,7 +76,7 @@ from typing import Sequence
 import numpy as np
 
 from .bound import load_bound
-from .checks import check_batch, positive_int
+from .checks import boolean, check_batch, positive_int
 from .cost import CostModel, window_arg
 from .greedy import Greedy
 from .partial import split_past_blocks
@@ -150,8 +150,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         raise ValueError(f"partial_kv must be True or False, got {partial_kv!r}")
     if max_kv_rows_per_server is not None:
         positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
-    if type(keep_activations) is not bool:
-        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    boolean("keep_activations", keep_activations)
+    boolean("partial_kv", partial_kv)
     cap = max_held_bytes_per_server
     if cap is not None:
         positive_int("max_held_bytes_per_server", cap)

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import descriptor
 from .bound import LoadBound, load_bound
-from .checks import INT64_MAX, MODES, check_batch, check_rank_totals, is_int, positive_int
+from .checks import INT64_MAX, MODES, boolean, check_batch, check_rank_totals, is_int, positive_int
 from .cost import KV_TENSORS, CostModel, RoundKind, causal_pairs, is_split, window_arg
 from .cover import cover_problems
 from .kv import kv_intervals
@@ -156,8 +156,7 @@ class Plan:
                  window: int | None = None):
         counts, flat = check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon)
         positive_int("min_shard", min_shard)
-        if type(keep_activations) is not bool:
-            raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+        boolean("keep_activations", keep_activations)
         window = window_arg(window)
         if not isinstance(server_tasks, (list, tuple)) or len(server_tasks) != num_servers:
             raise ValueError(f"server_tasks must hold one list per server ({num_servers})")

@@ -1,6 +1,6 @@
 """Forming a group epoch with the job's transport, bootstrapped through the scheduler.
 
-The job picks its transport once, at launch (:data:`scheduler.coordinator.TRANSPORTS`); every
+The job picks its transport once, at launch (:data:`scheduler.checks.TRANSPORTS`); every
 member learns it with its group (a client's report answer, a dedicated server's assignment) and
 joins epoch ``e`` with :func:`join_epoch`. World rank 0 makes what the others need and publishes
 it as the epoch's *bootstrap value* (``SchedulerActor.publish_bootstrap``); the others look it up
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from scheduler.coordinator import check_transport
+from scheduler.checks import check_transport
 
 from ..errors import DistCAError
 from ..transport.shm import destroy_heap, join_shm
@@ -81,7 +81,7 @@ def join_epoch(kind: str, *, job: str, epoch: int, rank: int, world_size: int, h
     """Form (or join) group epoch ``epoch`` as world rank ``rank`` with transport ``kind``.
 
     Args:
-        kind: one of :data:`scheduler.coordinator.TRANSPORTS`.
+        kind: one of :data:`scheduler.checks.TRANSPORTS`.
         job: the job's name (names its shared-memory heaps).
         host: this node's address (where a ``torch_dist`` rank 0 listens).
         device: where the member's tensors live.

@@ -17,7 +17,7 @@ import torch
 
 from scheduler.actor import (NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name,
                              total_bytes)
-from scheduler.coordinator import check_transport
+from scheduler.checks import boolean, check_transport
 
 from ..errors import DistCAError
 from .groups import remove_heaps
@@ -84,15 +84,13 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
 
     Raises:
         ValueError: bad arguments (a ``transport`` not in
-            :data:`scheduler.coordinator.TRANSPORTS`, or ``"nvshmem"`` without nvshmem4py or a
+            :data:`scheduler.checks.TRANSPORTS`, or ``"nvshmem"`` without nvshmem4py or a
             CUDA device here), or actors of a job of that name already running.
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
-    if type(keep_activations) is not bool:
-        raise ValueError(f"keep_activations must be a bool, got {keep_activations!r}")
+    boolean("keep_activations", keep_activations)
     _check_transport_here(transport)
-    if type(partial_kv) is not bool:
-        raise ValueError(f"partial_kv must be a bool, got {partial_kv!r}")
+    boolean("partial_kv", partial_kv)
     coordinator_options = dict(coordinator_options or {}, keep_activations=keep_activations,
                                max_held_bytes_per_server=max_held_bytes_per_server, transport=transport,
                                partial_kv=partial_kv)

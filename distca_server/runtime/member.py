@@ -170,7 +170,7 @@ class GroupMember:
              transport: str = "torch_dist") -> None:
         """Be world rank ``world_rank`` of group epoch ``epoch`` (no-op if already), leaving the
         previous epoch's group; ``transport``: the job's (one of
-        :data:`scheduler.coordinator.TRANSPORTS`).
+        :data:`scheduler.checks.TRANSPORTS`).
 
         Raises:
             GroupFailure: the group could not be formed in time (reported to the scheduler as a
