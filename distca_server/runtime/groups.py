@@ -28,24 +28,22 @@ import torch
 from scheduler.checks import check_transport
 
 from ..errors import DistCAError
-from ..transport.shm import destroy_heap, join_shm
+from ..transport.shm import HEAP_PREFIX, destroy_heap, heap_root, join_shm
 from ..transport.torch_dist import join_group
-
-_SHM_ROOT = "/dev/shm"
-
 
 def heap_prefix(job: str, epoch: int | None = None) -> str:
     """The directory-name prefix of job ``job``'s shared-memory heaps (of ``epoch``, if given).
     Characters that a file name cannot safely hold are replaced, so any job name works."""
     safe = re.sub(r"[^A-Za-z0-9_.]", "_", job)
-    return f"distca-heap-{safe}-e" + ("" if epoch is None else f"{int(epoch)}-")
+    return f"{HEAP_PREFIX}{safe}-e" + ("" if epoch is None else f"{int(epoch)}-")
 
 
-def remove_heaps(job: str, below_epoch: int | None = None, root: str = _SHM_ROOT) -> list[str]:
+def remove_heaps(job: str, below_epoch: int | None = None, root: str | None = None) -> list[str]:
     """Remove job ``job``'s heap directories on this node (those of epochs below ``below_epoch``
     only, if given); returns the paths removed. Mappings that live processes hold stay valid."""
     prefix = heap_prefix(job)
     removed = []
+    root = heap_root() if root is None else root
     for path in glob.glob(os.path.join(glob.escape(root), glob.escape(prefix) + "*")):
         # <prefix><epoch>-<mkdtemp suffix>: a job whose name extends this one's does not match.
         m = re.fullmatch(r"(\d+)-\w+", os.path.basename(path)[len(prefix):])

@@ -38,12 +38,18 @@ from ..errors import DistCAError
 from .symmetric import SymmetricTransport, signal_words, table_bytes
 
 DEFAULT_HEAP_BYTES = 1 << 30  # sparse: only written pages use memory
+HEAP_PREFIX = "distca-heap-"  # every heap directory's name starts so
+
+
+def heap_root() -> str:
+    """Where heaps are made: ``/dev/shm`` (memory) when the host has it, else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str | None = None,
-                prefix: str = "distca-heap-") -> dict:
+                prefix: str = HEAP_PREFIX) -> dict:
     """Make the shared files of a heap of ``world_size`` PEs with ``heap_bytes`` of arena each, in
-    a new directory named ``prefix`` + a random suffix under ``root``.
+    a new directory named ``prefix`` + a random suffix under ``root`` (default :func:`heap_root`).
 
     Returns:
         the handle ``{"kind": "shm", "path", "world_size", "heap_bytes"}`` the PEs attach with.
@@ -57,9 +63,7 @@ def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str
     if heap_bytes <= table_bytes(world_size):
         raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables of "
                          f"{world_size} PEs, got {heap_bytes}")
-    if root is None and os.path.isdir("/dev/shm"):
-        root = "/dev/shm"
-    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    path = tempfile.mkdtemp(prefix=prefix, dir=heap_root() if root is None else root)
     for pe in range(world_size):
         for name, size in ((f"pe{pe}.arena", heap_bytes), (f"pe{pe}.signals", 8 * signal_words(world_size))):
             with open(os.path.join(path, name), "wb") as f:
@@ -161,7 +165,7 @@ class ShmHeap:
 
 def join_shm(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
              lookup: Callable[[], dict], heap_bytes: int = DEFAULT_HEAP_BYTES,
-             epoch: int = 0, prefix: str = "distca-heap-") -> SymmetricTransport:
+             epoch: int = 0, prefix: str = HEAP_PREFIX) -> SymmetricTransport:
     """Form (or join) a shared-memory group: rank 0 creates the heap (its directory named
     ``prefix`` + a random suffix) and ``publish``-es its handle, the others ``lookup()`` it (e.g.
     through the scheduler, with the group epoch). Rank 0 removes the heap's files when it closes,
