@@ -73,7 +73,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scheduler import CostModel, plan_batch  # noqa: E402
-from scheduler.cost import KV_TENSORS  # noqa: E402
+from scheduler.cost import KEPT_TENSORS, KV_TENSORS  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
@@ -86,7 +86,6 @@ QUICK_TOKENS = (65536, 131072)
 EPSILONS = (0.0, 0.05, 0.1)
 MIN_SHARD = 128
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
-Q_TENSORS = ("q", "out", "lse", "dout", "dq")
 MIB = 2 ** 20
 TARGETS = ((256, 8.0), (1024, 30.0))  # (servers, ms) at TARGET_TOKENS per rank, ε = TARGET_EPSILON
 TARGET_TOKENS, TARGET_EPSILON = 131072, 0.05
@@ -101,7 +100,6 @@ VARIANTS = (  # (name, partial_kv, keep_activations); the first is the baseline 
     ("stateless", False, False), ("kept", False, True), ("partial-KV", True, False), ("both", True, True))
 VARIANT_SERVERS, QUICK_VARIANT_SERVERS = (128, 256, 512, 1024), (32, 128)
 VARIANT_TOKENS, VARIANT_EPSILON, VARIANT_MODES = 131072, 0.05, ("inplace", "dedicated")
-RESENT = ("q", "k", "v", "out", "lse")  # what a stateless backward round sends again
 GIB = 2 ** 30
 
 
@@ -165,7 +163,8 @@ def bench_config(trace, servers, tokens, repeats, warmup, slow_s, log):
         plan, median_s, times, wall_s = time_plan(lambda: call(batch, servers), repeats, warmup,
                                                   slow_s)
         comm = plan.comm_bytes()
-        q_bytes = sum(comm[k].get(n, 0) for k in ("forward", "backward") for n in Q_TENSORS)
+        q_bytes = sum(b for k in ("forward", "backward") for n, b in comm[k].items()
+                      if n != "total" and n not in KV_TENSORS)
         kv_bytes = sum(comm[k].get(n, 0) for k in ("forward", "backward") for n in KV_TENSORS)
         total = comm["forward"]["total"] + comm["backward"]["total"]
         assert total == q_bytes + kv_bytes
@@ -285,7 +284,7 @@ def bench_variants(trace, servers, mode, repeats, warmup, slow_s) -> list[dict]:
             "comm_bytes": comm, "forward_bytes": comm["forward"]["total"], "backward_bytes": bwd["total"],
             "total_bytes": comm["forward"]["total"] + bwd["total"],
             "fwd_gib": comm["forward"]["total"] / GIB, "bwd_gib": bwd["total"] / GIB,
-            "resent_gib": sum(bwd.get(n, 0) for n in RESENT) / GIB, "dout_gib": bwd["dout"] / GIB,
+            "resent_gib": sum(bwd.get(n, 0) for n in KEPT_TENSORS) / GIB, "dout_gib": bwd["dout"] / GIB,
             "dq_gib": bwd["dq"] / GIB, "dkdv_gib": (bwd["dk"] + bwd["dv"]) / GIB,
             "imbalance": plan.imbalance()[1], "plan_ms": median_s * 1e3,
             "plan_ms_runs": [t * 1e3 for t in times], "num_tasks": int(len(plan.task_array)),
