@@ -14,6 +14,10 @@ For each number of in-place servers (= client ranks), one Pretrain batch is draw
 - ``cut+enc``: ``plan_parts`` plus ``to_msgpack()`` of every part: what the scheduler does per
   batch (the ``distca_cut_ms`` metric).
 
+Beside them, ``bytes ms``: ``Plan.comm_bytes()`` and ``Plan.held_bytes()`` of a freshly decoded copy
+of the plan (their row counts are cached on a plan, so each timed run gets a new copy): what the
+scheduler's record of every plan computes.
+
 Times are medians of ``--repeats`` runs after one warm-up (``time.perf_counter``). Every run also
 checks that the new parts encode to exactly the bytes of the old ones. Target: cutting all parts
 takes at most 25% of ``plan_batch``'s own time at 1024 servers x 128K tokens per rank.
@@ -38,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler import CostModel, plan_batch  # noqa: E402
+from scheduler import CostModel, Plan, plan_batch  # noqa: E402
 from scheduler.parts import PlanPart, plan_parts  # noqa: E402
 from scheduler.tasks import participant_roles  # noqa: E402
 from bench.report import finish  # noqa: E402
@@ -81,6 +85,18 @@ def timed(fn, repeats: int, warmup: bool) -> tuple[object, float, list[float]]:
     return result, statistics.median(times), times
 
 
+def time_accounting(plan, repeats: int) -> tuple[float, list[float]]:
+    """Median ms of ``comm_bytes()`` + ``held_bytes()`` on a fresh copy of ``plan`` per run."""
+    whole, times = plan.to_msgpack(), []
+    for _ in range(repeats):
+        fresh = Plan.from_msgpack(whole)
+        t0 = time.perf_counter()
+        fresh.comm_bytes()
+        fresh.held_bytes()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
 def bench_config(servers: int, tokens: int, repeats: int, warmup: bool) -> dict:
     batch = sample_batch(TRACE, servers, tokens, seed=0, step=0)
     plan, plan_ms, plan_runs = timed(lambda: plan_batch(batch, servers, cost=COST, epsilon=EPSILON,
@@ -88,6 +104,7 @@ def bench_config(servers: int, tokens: int, repeats: int, warmup: bool) -> dict:
     old, old_ms, old_runs = timed(lambda: old_cut(plan, 3, 1), repeats, warmup)
     new, cut_ms, cut_runs = timed(lambda: plan_parts(plan, 3, 1), repeats, warmup)
     enc, enc_ms, enc_runs = timed(lambda: [p.to_msgpack() for p in plan_parts(plan, 3, 1)], repeats, warmup)
+    bytes_ms, bytes_runs = time_accounting(plan, repeats)
     old_bytes = [p.to_msgpack() for p in old]
     if old_bytes != [p.to_msgpack() for p in new] or old_bytes != enc:
         raise AssertionError(f"{servers} servers: the one-pass parts differ from the validated ones")
@@ -98,7 +115,9 @@ def bench_config(servers: int, tokens: int, repeats: int, warmup: bool) -> dict:
         "plan_ms": plan_ms, "old_cut_ms": old_ms, "cut_ms": cut_ms, "cut_encode_ms": enc_ms,
         "cut_vs_plan": cut_ms / plan_ms, "cut_encode_vs_plan": enc_ms / plan_ms,
         "old_cut_vs_plan": old_ms / plan_ms, "speedup": old_ms / cut_ms,
-        "runs_ms": {"plan": plan_runs, "old_cut": old_runs, "cut": cut_runs, "cut_encode": enc_runs},
+        "bytes_ms": bytes_ms, "bytes_vs_plan": bytes_ms / plan_ms,
+        "runs_ms": {"plan": plan_runs, "old_cut": old_runs, "cut": cut_runs, "cut_encode": enc_runs,
+                    "bytes": bytes_runs},
     }
 
 
@@ -108,6 +127,7 @@ COLUMNS = [  # (header, key, format)
     ("cut ms", "cut_ms", "{:,.2f}"), ("cut+enc ms", "cut_encode_ms", "{:,.2f}"),
     ("old/plan", "old_cut_vs_plan", "{:.2f}"), ("cut/plan", "cut_vs_plan", "{:.3f}"),
     ("cut+enc/plan", "cut_encode_vs_plan", "{:.3f}"), ("speedup", "speedup", "{:,.0f}x"),
+    ("bytes ms", "bytes_ms", "{:,.2f}"), ("bytes/plan", "bytes_vs_plan", "{:.3f}"),
 ]
 
 

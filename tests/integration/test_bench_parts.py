@@ -19,7 +19,7 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
     assert [(r["servers"], r["tokens_per_rank"]) for r in rows] == [(16, 32768), (64, 32768)]
     for r in rows:
         assert r["participants"] == r["servers"] and r["num_tasks"] >= r["num_docs"] > 0
-        for key in ("plan_ms", "old_cut_ms", "cut_ms", "cut_encode_ms"):
+        for key in ("plan_ms", "old_cut_ms", "cut_ms", "cut_encode_ms", "bytes_ms"):
             assert r[key] > 0
         assert abs(r["cut_vs_plan"] - r["cut_ms"] / r["plan_ms"]) < 1e-9
         assert r["part_bytes"] > 0
