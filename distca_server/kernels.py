@@ -545,9 +545,16 @@ def _token_positions(cu_seqlens_q):
 
 
 class TorchVarlenBackend(_BandedKernel, AttentionBackend):
-    """torch's built-in FlashAttention-2 varlen op (`torch.ops.torch_attn._varlen_attn`, torch >= 2.10,
-    CUDA). Causal via window (-1, 0), which the kernel aligns bottom-right; a sliding window W is
-    (W - 1, 0); GQA native."""
+    """torch's built-in FlashAttention-2 varlen kernels (CUDA): the aten ops
+    ``_flash_attention_forward`` / ``_flash_attention_backward`` that
+    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) wraps. Causal via window (-1, 0),
+    which the kernel aligns bottom-right; a sliding window W is (W - 1, 0); GQA native.
+
+    The aten ops are called by keyword rather than through the private ``torch_attn::_varlen_attn``
+    custom op: that op's positional parameters changed between torch releases (2.11 and 2.13 differ),
+    while the aten schemas have kept theirs. LSE layout: ``[H, T_q]`` float32 on recent torch,
+    ``[B, H, max_seqlen_q]`` on older builds; :func:`_lse_from_kernel` reads either.
+    """
 
     name = "torch_varlen"
     device_types = ("cuda",)
@@ -561,29 +568,26 @@ class TorchVarlenBackend(_BandedKernel, AttentionBackend):
     def _kernel_handles(self, q):
         return _flash_kernel_handles(q)
 
-    @staticmethod
-    def _ops():
-        import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
-        return torch.ops.torch_attn
-
     def _banded_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         left, right):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse, _ = self._ops()._varlen_attn(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, right == 0, scale, [left, right],
-            q.shape[1] != k.shape[1], None, None, None)
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, right == 0, False,
+            scale=scale, window_size_left=left, window_size_right=right)[:2]
         lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
         return out, lse
 
     def _banded_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, left, right):
-        # Dropout is off, so the Philox seed/offset are unused, but the op wants a uint64[2] buffer.
+        # Dropout is off, so the Philox state is never read, but the op wants its two tensors.
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return self._ops()._varlen_attn_backward(
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
             _lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, right == 0, rng_state, scale,
-            [left, right])
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, right == 0, rng_state, unused,
+            scale=scale, window_size_left=left, window_size_right=right)
+        return dq, dk, dv
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,7 @@ every PE calls :func:`join_nvshmem`.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -96,6 +97,11 @@ class NvshmemHeap:
                              f"got {heap_bytes}")
         core, bindings, Device = _modules()
         self._core, self._bindings = core, bindings
+        words = signal_words(world_size)
+        heap_bytes = aligned(heap_bytes)
+        # NVSHMEM reserves its symmetric heap at init (1 GiB unless told): room for ours, plus
+        # NVSHMEM's own symmetric state. An explicit NVSHMEM_SYMMETRIC_SIZE wins.
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + 8 * words + (64 << 20)))
         device = torch.device(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -104,8 +110,6 @@ class NvshmemHeap:
         dev.set_current()
         core.init(device=dev, uid=_uid_from(uid), rank=rank, nranks=world_size, initializer_method="uid")
         self.rank, self.world_size, self.device = rank, world_size, device
-        words = signal_words(world_size)
-        heap_bytes = aligned(heap_bytes)
         # One collective allocation, now: the arena, then the signal words.
         self._whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))
         self.arena = self._whole[:heap_bytes]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from distca_server import kernels
-from distca_server.kernels import BACKENDS, available_backends, check_backend_name, get_backend
+from distca_server.kernels import (BACKENDS, TorchVarlenBackend, available_backends, check_backend_name,
+                                   get_backend)
 from distca_server.refs import attention_ref, plain_attention
 
 # name: (q_lens, k_lens, num_heads_q, num_heads_kv, head_dim)
@@ -402,3 +403,29 @@ def test_gpu_odd_head_dim_falls_back_within_2x_of_plain_torch(backend):
     b = _gpu_backend_or_skip(backend)
     x = sharpen(make_inputs(([7, 30, 1], [20, 45, 9], 8, 2, 100), torch.bfloat16, device="cuda", seed=13))
     assert_within_2x_plain_torch(b, x)
+
+
+def test_torch_varlen_calls_match_the_installed_aten_schemas():
+    # The GPU kernels cannot run here, but their aten ops have meta kernels: a call whose arguments
+    # the installed torch's schemas refuse fails on CPU installs too, not first on a lent GPU.
+    b = TorchVarlenBackend()
+    q = torch.empty(10, 8, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(12, 2, 64, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    for left, right in ((-1, 0), (3, 0), (-1, -1)):
+        out, lse = b._banded_forward(q, k, k, cu, cu, 5, 6, 0.125, left, right)
+        assert out.shape == q.shape and lse.shape == (10, 8) and lse.dtype == torch.float32
+        dq, dk, dv = b._banded_backward(q, q, k, k, out, lse, cu, cu, 5, 6, 0.125, left, right)
+        assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_half_precision_head_dims_within_2x_of_plain_torch(backend, dtype, head_dim):
+    # Odd lengths, a 1-token document, GQA 4: the kernels' supported head dims in both half types.
+    b = _gpu_backend_or_skip(backend)
+    x = make_inputs(([1, 3, 97, 256], [1, 50, 101, 256], 8, 2, head_dim), dtype, device="cuda", seed=14)
+    assert_within_2x_plain_torch(b, sharpen(x), atol=1e-3)

@@ -205,3 +205,49 @@ def test_windowed_cpu_memory_is_per_chunk():
     assert max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, _ in pieces) <= 64 * (64 + 16)
     assert sum(r1 - r0 for r0, r1, *_ in pieces) == 20000
     assert list(itertools.chain.from_iterable(range(r0, r1) for r0, r1, *_ in pieces)) == list(range(20000))
+
+
+# ---------------------------------------------------------------- GPU (skipped without CUDA)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _on_cuda(x):
+    return {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in x.items()}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
+@pytest.mark.parametrize("window", [1, 7, 64, 10**6])
+@pytest.mark.parametrize("case", ["odd_gqa4_d128", "bottom_right_gqa8", "rows_without_keys"])
+def test_gpu_windowed_bf16_within_2x_of_plain_torch(backend, window, case):
+    if not BACKENDS[backend].is_available():
+        pytest.skip(f"{backend} not available")
+    x = _on_cuda(make_inputs(ALL_CASES[case], torch.bfloat16, seed=5))
+    expected = oracle(x, window)
+    for name, a, p, e in zip(NAMES, run(backend, x, window), plain(x, window), expected):
+        assert max_error(a, e) <= 2 * max_error(p, e) + 1e-3, name
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
+@pytest.mark.parametrize("window", [None, 3, 16, 100])
+def test_gpu_partial_kv_diagonals_match_the_definition(backend, window):
+    # The shapes a valid partial-KV plan makes: one kernel call per (left, right) mask class.
+    if not BACKENDS[backend].is_available():
+        pytest.skip(f"{backend} not available")
+    q_lens, k_lens, diagonals, hq, hkv, d = EXPRESSIBLE
+    x = _on_cuda(make_inputs((q_lens, k_lens, hq, hkv, d), torch.bfloat16, seed=9))
+    if window is not None and any(dd - (lk - lq) > window - 1 and window < lq + dd
+                                  for lq, lk, dd in zip(q_lens, k_lens, diagonals)):
+        pytest.skip("not expressible as one (left, right) window per class")
+    expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
+                                diagonals)
+    b = BACKENDS[backend]
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
+    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
+        scale = max(1.0, e[torch.isfinite(e)].abs().max().item())
+        assert max_error(a.cpu(), e) <= 2e-2 * scale, name  # bf16 rounding of O(1) values
