@@ -95,7 +95,7 @@ for s in "$@"; do
         ntests) stage ntests 180 "${PYTEST[@]}" -m nvshmem tests/unit/test_transport_nvshmem.py \
                     tests/unit/test_attend_transport.py ;;
         # shellcheck disable=SC2086
-        transport) stage transport 150 "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
+        transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
                        --max-size 1GiB --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
         *) echo "unknown stage $s (env, ktests, kernels, ntests, transport)" >&2; status=1 ;;
     esac

@@ -215,6 +215,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="P = 2, 64 KiB .. 4 MiB, 5 iterations")
+    ap.add_argument("--baseline", choices=["auto", "gloo", "nccl", "copy"], default="auto",
+                    help="auto: gloo for shm; for nvshmem NCCL with a GPU per PE, else a device copy "
+                         "(nccl forces NCCL, e.g. to see whether it runs several ranks on one GPU)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     procs = args.procs or ([2] if args.quick else [2, 4])
@@ -228,6 +231,8 @@ def main() -> None:
     baseline = "gloo"
     if args.transport == "nvshmem":  # NCCL needs a GPU per rank
         baseline = "nccl" if torch.cuda.device_count() >= max(procs) else "copy"
+    if args.baseline != "auto":
+        baseline = args.baseline
     device = torch.cuda.get_device_name(0) if args.transport == "nvshmem" else "cpu"
     json_path = args.json or (ROOT / "bench" / "results" / ("gpu/transport_nvshmem.json"
                               if args.transport == "nvshmem" else "transport_shm.json"))

@@ -54,6 +54,7 @@ class LocalBatch(PlannedBatch):
     def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device,
                  step: int, batch: int):
         self.runtime, self._plan, self.fmt, self.step, self.batch = runtime, plan, fmt, step, batch
+        self.device = torch.device(device)
         backend = get_backend(runtime.backend, device)
         self.backend_name = backend.name
         self.participants = [Participant(part, fmt, backend, device)
@@ -75,7 +76,7 @@ class LocalBatch(PlannedBatch):
     def _run(self, jobs) -> list:
         """Run one round's jobs; a failed round releases the batch's kept activations."""
         try:
-            return self.runtime.run(jobs)
+            return self.runtime.run(jobs, self.device)
         except BaseException as exc:
             self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
             raise
@@ -217,8 +218,11 @@ class LocalRuntime(Runtime):
             kept = seq if batch.keep_activations and counts_for_step else None
             return self._state.claimable(batch, self._rounds.submit(fn, *args, kept), kept)
 
-    def run(self, jobs):
+    def run(self, jobs, device: torch.device | str = "cpu"):
         """Run one exchange-synchronised job per participant; return their results in order.
+
+        Each job gets its participant's transport endpoint on ``device`` (where the batch's
+        tensors live: the endpoint's buffers must be there too).
 
         A failing participant aborts the group so the others stop waiting; the first real
         error (not the peers' resulting :class:`DistCAError`) is re-raised.
@@ -231,7 +235,7 @@ class LocalRuntime(Runtime):
 
         def call(i, job):
             try:
-                return job(group.endpoint(i))
+                return job(group.endpoint(i, device))
             except BaseException as exc:
                 group.abort(i, f"{type(exc).__name__}: {exc}")
                 raise

@@ -226,6 +226,7 @@ def test_gpu_windowed_bf16_within_2x_of_plain_torch(backend, window, case):
     x = _on_cuda(make_inputs(ALL_CASES[case], torch.bfloat16, seed=5))
     expected = oracle(x, window)
     for name, a, p, e in zip(NAMES, run(backend, x, window), plain(x, window), expected):
+        a, p, e = a.cpu(), p.cpu(), e.cpu()
         assert max_error(a, e) <= 2 * max_error(p, e) + 1e-3, name
 
 
