@@ -251,11 +251,32 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
                 guard(f"overhead {tokens}: {name}", rel_err(a, b), REL_TOL[dtype], checks)
             t_direct = timer.median_s(direct, host=True)
             t_distca = timer.median_s(distca, host=True)
+            if args.trace is not None and tokens == cfg["tokens"][0]:
+                trace_steps(args.trace, direct, distca, args.device)
             rows.append(dict(tokens=tokens, docs=len(lens), max_doc=mx, direct_ms=t_direct * 1e3,
                              distca_ms=t_distca * 1e3, overhead=t_distca / t_direct - 1))
     finally:
         client.close()
     return rows
+
+
+def trace_steps(path: Path, direct, distca, device: torch.device, steps: int = 3) -> None:
+    """Where distca's time over the direct call goes: ``steps`` of each under torch.profiler
+    (host ops of every thread, device kernels), a table of the busiest host ops printed and a
+    Chrome trace written to ``path`` (one step of each, marked ``direct`` / ``distca``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for name, fn in (("direct", direct), ("distca", distca)):
+            for _ in range(steps):
+                with record_function(name):
+                    fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    print(f"wrote {path}")
 
 
 # ---- section 3: measured ProfileTable ---------------------------------------------------------------
@@ -408,6 +429,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: 1 with --quick on the CPU, whose OpenMP threads "
                         "slow down many-fold on a busy machine; else torch's)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="overhead section: profile the smallest batch's steps (torch.profiler), print "
+                        "the busiest host ops and write a Chrome trace here")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     p.add_argument("--no-png", action="store_true")

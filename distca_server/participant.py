@@ -38,6 +38,7 @@ a third row class next to query and KV rows: one row per query row of a split ta
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import defaultdict
 
@@ -362,6 +363,27 @@ class Participant:
         rows = [t for rows, _ in self.kept.values() for t in rows.values()]
         rows += [t for kept in self.kept_merged.values() for t in kept.values()]
         return sum(t.numel() * t.element_size() for t in rows)
+
+    def rebound(self, part: PlanPart) -> "Participant":
+        """A fresh participant for ``part``, the same plan part in another step or batch: it shares
+        this one's layout, index tensors and executor (read-only, built from the plan, and costly
+        to rebuild: host work and small host-to-device copies), with its own traffic, timings and
+        kept activations.
+
+        Raises:
+            ValueError: ``part`` is not this participant's part of the same plan.
+        """
+        a, b = self.part, part
+        same = (a.plan_id, a.participant, a.rank, a.server, a.doc_lens, a.window, a.keep_activations)
+        if same != (b.plan_id, b.participant, b.rank, b.server, b.doc_lens, b.window, b.keep_activations) or not (
+                np.array_equal(a.client_tasks, b.client_tasks) and np.array_equal(a.server_tasks, b.server_tasks)):
+            raise ValueError(f"participant {b.participant} of step {b.step} batch {b.batch} is not "
+                             f"participant {a.participant}'s part of the same plan")
+        fresh = copy.copy(self)
+        fresh.part = part
+        fresh.traffic, fresh.timings = defaultdict(int), defaultdict(float)
+        fresh.kept, fresh.kept_merged, fresh.released = {}, {}, ""
+        return fresh
 
     def release(self, why: str = "released") -> None:
         """Drop every kept activation (the step ended or a round failed); a later backward round

@@ -52,13 +52,16 @@ class LocalBatch(PlannedBatch):
     """One batch of one step bound to every participant of its plan (threads of this process)."""
 
     def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device,
-                 step: int, batch: int):
+                 step: int, batch: int, like: list[Participant] | None = None):
         self.runtime, self._plan, self.fmt, self.step, self.batch = runtime, plan, fmt, step, batch
         self.device = torch.device(device)
         backend = get_backend(runtime.backend, device)
         self.backend_name = backend.name
-        self.participants = [Participant(part, fmt, backend, device)
-                             for part in plan_parts(plan, step, batch)]
+        parts = plan_parts(plan, step, batch)
+        if like is not None:  # the same plan in an earlier step: its layouts, not rebuilt
+            self.participants = [p.rebound(part) for p, part in zip(like, parts)]
+        else:
+            self.participants = [Participant(part, fmt, backend, device) for part in parts]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
         self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
 
@@ -169,6 +172,8 @@ class LocalRuntime(Runtime):
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
         self._group: LocalGroup | None = None
         self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
+        # batch shape -> the participants last bound to its plan (their layouts are reused)
+        self._bound: dict = {}
         self._state = StepState()
         self._lock = threading.RLock()
         self._closed = False
@@ -185,7 +190,8 @@ class LocalRuntime(Runtime):
                               partial_kv=self.partial_kv)
             self._plans[key] = plan
             while len(self._plans) > PLANS_KEPT:
-                self._plans.popitem(last=False)
+                gone, _ = self._plans.popitem(last=False)
+                self._bound.pop(gone, None)
         else:
             self._plans.move_to_end(key)
         return plan
@@ -193,15 +199,18 @@ class LocalRuntime(Runtime):
     def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
                  window: int | None = None) -> LocalBatch:
         """The current step's batch for this batch shape and window; planned on first sight of
-        the shape (cached across steps), bound to fresh participants on first sight in the step."""
+        the shape (cached across steps), bound to fresh participants on first sight in the step (which
+        reuse the layouts of the participants an earlier step bound to the same plan)."""
         if self._closed:
             raise DistCAError("this DistCAClient is closed")
         key = (tuple(doc_lens), fmt, str(device), window)
         with self._lock:
             found = self._state.lookup(key)
             if found is None:
-                found = LocalBatch(self, self._plan(key, doc_lens, fmt, window), fmt, device,
-                                   self._state.step, self._state.next_batch_index())
+                plan = self._plan(key, doc_lens, fmt, window)
+                found = LocalBatch(self, plan, fmt, device, self._state.step, self._state.next_batch_index(),
+                                   like=self._bound.get(key))
+                self._bound[key] = found.participants
                 self._state.add(key, found)
             return found
 
