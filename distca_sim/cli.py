@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from .hardware import load_attention_profile
+from .hardware import load_attention_profile, measured_attention_profile
 from .simulate import (GPUS, MODELS, SYSTEMS, ParallelConfig, Workload, format_table, get_gpu,
                        get_model, simulate)
 
@@ -63,7 +63,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--attn-profile", type=Path, default=None, metavar="DIR",
                    help="measured attention latency: DIR/forward.json and DIR/backward.json "
                         "(ProfileTable JSON, bench/gpu_kernels.py), for this model's per-GPU shape "
-                        "at --tp; default: the GPU preset's assumed rates")
+                        "at --tp; default: the tables measured on that GPU shipped with distca "
+                        "(distca_sim/data/profiles) when there are some for this shape, else the "
+                        "GPU preset's assumed rates")
+    g.add_argument("--assumed-rates", action="store_true",
+                   help="price attention by the GPU preset's assumed FLOP rates even where "
+                        "measured tables exist")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="pretrain", choices=("pretrain", "prolong"))
     g.add_argument("--context", type=tokens, default=131072, help="tokens per rank (e.g. 128K)")
@@ -109,9 +114,15 @@ def main(args) -> int:
         model, gpu = _model(args), get_gpu(args.gpu)
         par = ParallelConfig.from_gpus(args.gpus, tp=args.tp, pp=args.pp,
                                        microbatches=args.microbatches)
-        if args.attn_profile is not None:
-            gpu = gpu.with_tables(*load_attention_profile(args.attn_profile, model.cost_model(par.tp)))
-            print(f"attention latency: measured tables from {args.attn_profile}")
+        profile = args.attn_profile
+        if profile is None and not args.assumed_rates:
+            profile = measured_attention_profile(args.gpu, model.cost_model(par.tp))
+        if profile is not None:
+            gpu = gpu.with_tables(*load_attention_profile(profile, model.cost_model(par.tp)))
+            where = profile if args.attn_profile is not None else f"{Path(profile).parent.name}/{Path(profile).name}"
+            print(f"attention latency: measured tables from {where}")
+        else:
+            print("attention latency: the GPU preset's assumed rates")
         if not args.sweep:
             cmp = _run(args, model, gpu, par, args.context, args.epsilon)
             print(cmp.table())

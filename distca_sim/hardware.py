@@ -25,6 +25,7 @@ Sources of the formulas and constants (each is repeated where it is used):
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 from dataclasses import dataclass, field, replace
@@ -33,11 +34,15 @@ from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
 from .profile import ProfileTable
 
 __all__ = ["ModelConfig", "GPUConfig", "MODELS", "GPUS", "get_model", "get_gpu",
-           "attention_tables", "load_attention_profile", "MEMORY_HEADROOM"]
+           "attention_tables", "load_attention_profile", "measured_attention_profile", "MEMORY_HEADROOM",
+           "PROFILES_DIR"]
 
 DTYPE_BYTES = 2            # bf16 activations, weights and wire tensors
 MEMORY_HEADROOM = 0.9      # usable fraction of HBM: the rest goes to the CUDA context, NCCL
                            # buffers, workspaces and allocator fragmentation (assumption)
+# Measured attention tables shipped with the package: PROFILES_DIR/<gpu preset>/<model>-tp<tp>/
+# {forward,backward}.json, written by bench/gpu_kernels.py on a lent GPU (see its README).
+PROFILES_DIR = Path(__file__).resolve().parent / "data" / "profiles"
 TILE = 128                 # FlashAttention's query/key tile (DistCA §3: shards of >= 128 tokens
                            # keep full kernel efficiency); the profile grid starts here
 
@@ -344,3 +349,21 @@ def load_attention_profile(directory, cost: CostModel) -> tuple[ProfileTable, Pr
                              f"must match: measure the table for this model and tp)")
         tables.append(table)
     return tables[0], tables[1]
+
+
+def measured_attention_profile(gpu_name: str, cost: CostModel) -> Path | None:
+    """The folder of the measured tables shipped for GPU preset ``gpu_name`` and the per-GPU
+    attention shape ``cost`` (a table's ``meta["cost"]`` equal to ``cost.to_dict()``), or None.
+
+    Such a folder goes to :func:`load_attention_profile`; ``distca simulate`` uses it unless told
+    ``--assumed-rates``.
+    """
+    root = PROFILES_DIR / str(gpu_name).lower()
+    for folder in sorted(p for p in root.glob("*") if (p / "forward.json").is_file()):
+        try:
+            meta = json.loads((folder / "forward.json").read_text()).get("meta", {})
+        except (OSError, ValueError):
+            continue  # load_attention_profile reports a broken table when one is asked for by path
+        if meta.get("cost") == cost.to_dict():
+            return folder
+    return None

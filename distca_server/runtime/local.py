@@ -248,6 +248,8 @@ class LocalRuntime(Runtime):
             except BaseException as exc:
                 group.abort(i, f"{type(exc).__name__}: {exc}")
                 raise
+        if len(jobs) == 1:  # nobody to wait for: run it on this (the rounds) thread, no hand-off
+            return [call(0, jobs[0])]
         futures = [self._pool.submit(call, i, job) for i, job in enumerate(jobs)]
         done, pending = wait(futures, timeout=2 * self.timeout_s + 5)
         if pending:

@@ -11,8 +11,9 @@ from distca_sim.hardware import attention_tables, get_gpu, get_model, load_atten
 from distca_sim.profile import ProfileTable
 
 GRID = [128, 1024, 8192, 65536]
+# --assumed-rates: the baseline is the preset's rates, not the tables shipped for the H100.
 ARGS = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "8", "--context", "16K",
-        "--systems", "packing"]
+        "--systems", "packing", "--assumed-rates"]
 
 
 def parse(argv):
@@ -91,3 +92,19 @@ def test_bad_profiles_exit_2_with_the_reason(tmp_path, capsys, case):
     assert cli.main(parse([*ARGS, "--attn-profile", str(folder)])) == 2
     err = capsys.readouterr().err
     assert "distca simulate: error" in err and expect in err, err
+
+
+def test_shipped_measured_tables_are_used_by_default_for_their_gpu_and_shape(tmp_path, capsys):
+    from distca_sim.hardware import measured_attention_profile
+    cost = get_model("llama3-8b").cost_model(8)
+    folder = measured_attention_profile("h200", cost)
+    assert folder is not None and folder.name == "llama3-8b-tp8"
+    fwd, bwd = load_attention_profile(folder, cost)  # a valid pair for exactly this shape
+    assert fwd.meta["source"] == "measured" and fwd.meta["device"] == "NVIDIA H200"
+    assert measured_attention_profile("h200", get_model("llama3-8b").cost_model(4)) is None
+    args = ["--model", "llama3-8b", "--gpu", "h200", "--gpus", "8", "--tp", "8", "--context", "16K",
+            "--systems", "packing"]
+    measured, printed = attention_seconds(args, tmp_path, capsys)
+    assert "measured tables from h200/llama3-8b-tp8" in printed
+    assumed, printed = attention_seconds([*args, "--assumed-rates"], tmp_path, capsys)
+    assert "assumed rates" in printed and measured != assumed
