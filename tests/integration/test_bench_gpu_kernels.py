@@ -135,3 +135,13 @@ def test_quick_gpu_run_with_distcas_gpu_backend(bench, tmp_path):
     check_result(result, "cuda", result["backend"], "bfloat16", out)
     assert result["backend"] in ("torch_varlen", "flash_attn")
     assert result["device"] == torch.cuda.get_device_name() and result["cuda"] == torch.version.cuda
+
+
+def test_trace_profiles_the_smallest_overhead_case(bench, tmp_path, capsys):
+    out, trace = tmp_path / "k.json", tmp_path / "trace.json"
+    assert bench.main(["--quick", "--device", "cpu", "--sections", "overhead", "--trace", str(trace),
+                       "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Self CPU time total" in printed and f"wrote {trace}" in printed
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"direct", "distca"} <= names  # both paths' steps are marked in the trace
