@@ -5,7 +5,8 @@ contiguous, about equal tokens); each participant runs exactly the code a distri
 runs, over the in-process all-to-all of :mod:`distca_server.transport.local`, and writes its
 rank's results straight into its rows of one batch-wide output. Steps end as on Ray (see
 :class:`~distca_server.runtime.base.StepState`); plans are cached across steps per batch shape
-(planning is deterministic), participants are built per step and batch.
+(planning is deterministic), participants are bound per step and batch (reusing the layouts a
+batch shape's participants had in an earlier step).
 """
 
 from __future__ import annotations

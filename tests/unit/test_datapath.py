@@ -142,3 +142,31 @@ def test_one_inplace_server_copies_nothing_and_buffers_last_across_rounds():
     _run_rounds(plan, RowFormat(cost, torch.float64), inputs, 0.3, rounds=2, group=group)
     assert ptrs == [{k: b.data_ptr() for k, b in group.endpoint(i)._buffers._buffers.items()}
                     for i in range(2)]
+
+
+def test_rebound_participants_share_the_layout_and_nothing_else():
+    cost = CostModel(4, 2, 8, 8)
+    plan = plan_batch([[300, 7], [2, 3]], 2, cost=cost, mode="inplace", epsilon=0.0, min_shard=1)
+    backend, fmt = get_backend("reference", "cpu"), RowFormat(cost, torch.float64)
+    first = [Participant(p, fmt, backend, "cpu") for p in plan_parts(plan, 0, 0)]
+    g = torch.Generator().manual_seed(3)
+    inputs = [[torch.randn(sum(lens), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+              for lens in plan.doc_lens_per_rank]
+    # The first participants ran a round and keep its activations.
+    group = LocalGroup(2, timeout_s=20)
+    in_threads = [threading.Thread(target=lambda i=i: first[i].forward(group.endpoint(i), *inputs[i][:3], 0.3,
+                                                                        keep=0)) for i in range(2)]
+    for t in in_threads:
+        t.start()
+    for t in in_threads:
+        t.join(30)
+    assert all(p.kept for p in first) and any(p.traffic for p in first)
+    later = [p.rebound(part) for p, part in zip(first, plan_parts(plan, 5, 1))]
+    for a, b in zip(first, later):
+        assert b.part.step == 5 and b.part.batch == 1
+        assert b.q_send_idx is a.q_send_idx and b.executor is a.executor  # built once
+        assert b.kept == {} and b.traffic == {} and b.released == ""  # state of its own
+        assert a.kept  # the earlier step's activations are untouched
+    other = plan_batch([[300, 8], [2, 3]], 2, cost=cost, mode="inplace", epsilon=0.0, min_shard=1)
+    with pytest.raises(ValueError, match="not participant 0's part of the same plan"):
+        first[0].rebound(plan_parts(other, 1, 0)[0])

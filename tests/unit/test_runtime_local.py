@@ -184,3 +184,26 @@ def test_step_state_counts_and_evicts():
         state.count_round(a, RoundKind.BACKWARD)
     state.advance(9)
     assert (state.step, state.forward_rounds, state.backward_rounds, state.seq) == (9, 0, 0, 0)
+
+
+def test_a_batch_shape_seen_before_reuses_its_participants_layouts_and_stays_exact():
+    lens = [300, 7, 1, 90, 33]
+    with DistCAClient.local(num_servers=3, epsilon=0.0, min_shard=4) as client:
+        steps = []
+        for seed in range(3):  # one layer per step: every step binds the same plan anew
+            q, k, v, dout = _inputs(lens, seed)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            out = client.attend(*leaves, lens)
+            out.backward(dout)
+            ref = [t.detach().requires_grad_() for t in (q, k, v)]
+            want = varlen_attention_ref(*ref, lens, 8 ** -0.5)
+            want.backward(dout)
+            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+            for a, b in zip(leaves, ref):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
+            steps.append(client.last_step)
+        first, last = steps[0].participants, steps[-1].participants
+        assert steps[0] is not steps[-1] and steps[0].step != steps[-1].step
+        assert all(a is not b and a.executor is b.executor for a, b in zip(first, last))
+        assert any(p.traffic for p in first)  # rows moved
+        assert [p.traffic for p in last] == [p.traffic for p in first]  # each step counts its own
