@@ -45,11 +45,12 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from scheduler.cost import KEPT_TENSORS, KV_TENSORS, RoundKind, is_split
+from scheduler.cost import KEPT_TENSORS, RoundKind, is_split
 from scheduler.layout import client_layout_from, concat_ranges, server_layout_from
 from scheduler.parts import PlanPart
 
 from .executor import ServerExecutor
+from .round_shape import round_shape, rows_of
 from .rowsum import PartialMerge, RowScatter
 from .transport.base import aligned
 from .wire import RowFormat
@@ -99,6 +100,7 @@ class Participant:
         # Client role, kept activations: key -> {"out", "lse"}: merged rows of its split shards.
         self.kept_merged: dict[int, dict] = {}
         self.released = ""  # why kept activations were dropped (a later backward names it)
+        self._shapes: dict = {}  # RoundKind -> RoundShape, built at the first round of each kind
         P, S, R = part.num_participants, part.num_servers, part.num_ranks
         # The in-place participant's own server (client side) and own rank (server side).
         self.own_server = self.server if self.rank is not None else None
@@ -183,21 +185,12 @@ class Participant:
                             and not any(self.server_q_rows))
 
     # ---- byte layouts ------------------------------------------------------------------------------
-    @staticmethod
-    def _rows(name: str, merged, q_rows, kv_rows, split_rows):
-        """The row counts of tensor ``name`` in a round that sends ``merged`` for split rows only."""
-        return kv_rows if name in KV_TENSORS else split_rows if name in merged else q_rows
-
-    def _splits(self, names, merged, q_rows, kv_rows, split_rows) -> list[list[int]]:
-        return [[n * self.fmt.row_bytes(name) for n in self._rows(name, merged, q_rows, kv_rows, split_rows)]
-                for name in names]
-
     def _typed(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """A byte range of a buffer as rows of tensor ``name``."""
         rows = buf.numel() // self.fmt.row_bytes(name)
         return buf.view(self.fmt.row_dtype(name)).view(rows, *self.fmt.row_shape(name))
 
-    def _segments(self, key: str, transport, names, heads: list[int], rest: list[int]):
+    def _segments(self, key: str, transport, heads: list[int], rest: list[int]):
         """Carve transport buffer ``key`` into one aligned segment per tensor: ``heads[i]`` bytes the
         participant fills itself, then ``rest[i]`` bytes the transport fills. Returns the whole
         segments and their transport parts."""
@@ -214,64 +207,50 @@ class Participant:
     def _round(self, transport, kind: RoundKind, local, compute):
         """Run one round; returns ``(results from the other servers, own server's results)`` on a
         client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
-        fmt, P = self.fmt, self.part.num_participants
         t0 = time.perf_counter()
-        merged = kind.split_dispatch_with(self.keep_activations)
-        names, back = kind.dispatch_with(self.keep_activations) + merged, kind.returns
-        zeros = [0] * P
+        shape = self._shapes.get(kind)
+        if shape is None:
+            shape = self._shapes[kind] = round_shape(self, kind)
+        names, merged, back = shape.names, shape.merged, shape.back
         # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
         home = self.inputs_home and all(local[n].is_contiguous() for n in names)
-        # Dispatch: what this participant sends (client role) and receives (server role).
-        if self.rank is not None:
-            send_splits = self._splits(names, merged, self.client_q_rows, self.client_kv_rows,
-                                       self.client_split_rows)
-        else:
-            send_splits = [zeros] * len(names)
-        if self.server is not None:
-            recv_splits = self._splits(names, merged, self.server_q_rows, self.server_kv_rows,
-                                       self.server_split_rows)
-            heads = [0 if home else fmt.row_bytes(n) * self._rows(n, merged, self.head_q_rows,
-                                                                  self.head_kv_rows, self.head_split_rows)
-                     for n in names]
-        else:
-            recv_splits, heads = [zeros] * len(names), [0] * len(names)
+        heads = [0] * len(names) if home else shape.heads
         # Two transport buffers per participant, reused by every round: "client" holds the rows a
         # client sends, then the results it receives back (the send is complete by then);
         # "server" holds the rows a server receives, until its kernel has run.
-        _, send = self._segments("client", transport, names, [0] * len(names),
-                                 [sum(x) for x in send_splits])
-        inputs, recv = self._segments("server", transport, names, heads,
-                                      [sum(x) for x in recv_splits])
+        _, send = self._segments("client", transport, [0] * len(names), shape.send_sizes)
+        inputs, recv = self._segments("server", transport, heads, shape.recv_sizes)
         if self.rank is not None:
             for i, name in enumerate(names):
-                send_idx, own_idx = self._rows(name, merged, (self.q_send_idx, self.q_own_idx),
-                                               (self.kv_send_idx, self.kv_own_idx),
-                                               (self.split_send_idx, self.split_own_idx))
+                send_idx, own_idx = rows_of(name, merged, (self.q_send_idx, self.q_own_idx),
+                                            (self.kv_send_idx, self.kv_own_idx),
+                                            (self.split_send_idx, self.split_own_idx))
                 src = local[name]
-                torch.index_select(src, 0, send_idx, out=self._typed(send[i], name))
+                if shape.send_sizes[i]:
+                    torch.index_select(src, 0, send_idx, out=self._typed(send[i], name))
+                    self.traffic[(kind.value, name)] += shape.send_sizes[i]
                 if self.server is not None and not home:
                     torch.index_select(src, 0, own_idx, out=self._typed(inputs[i][:heads[i]], name))
-                sent = sum(send_splits[i])
-                if sent:
-                    self.traffic[(kind.value, name)] += sent
         t1 = time.perf_counter()
-        transport.exchange(send, send_splits, recv, recv_splits)
+        # Alone in the group, a participant has nobody to exchange with: its own rows never pass
+        # through a transport, so every split is 0 and the exchange would only check that.
+        alone = self.part.num_participants == 1
+        if not alone:
+            transport.exchange(send, shape.send_splits, recv, shape.recv_splits)
         t2 = time.perf_counter()
         self.timings["pack"] += t1 - t0
         self.timings["all_to_all"] += t2 - t1
 
         # The server's fused kernel call on the received rows, then the return exchange.
-        own_results, ret_send, ret_send_splits = None, [], [zeros] * len(back)
+        own_results, ret_send = None, []
         if self.server is not None:
             results = compute(local if home else {n: self._typed(buf, n) for n, buf in zip(names, inputs)})
             t3 = time.perf_counter()
             self.timings["kernel"] += t3 - t2
             t2 = t3
-            ret_send_splits = self._splits(back, (), self.server_q_rows, self.server_kv_rows, None)
             own_results = {}
-            for name in back:
+            for name, head in zip(back, shape.head_rows_back):
                 rows = results[name].contiguous()
-                head = self._rows(name, (), self.head_q_rows, self.head_kv_rows, None)
                 own_results[name] = rows[:head]
                 ret_send.append(rows[head:].reshape(-1).view(torch.uint8))
                 sent = rows[head:].numel() * rows.element_size()
@@ -279,13 +258,9 @@ class Participant:
                     self.traffic[(kind.value, name)] += sent
         else:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
-        if self.rank is not None:
-            ret_recv_splits = self._splits(back, (), self.client_q_rows, self.client_kv_rows, None)
-        else:
-            ret_recv_splits = [zeros] * len(back)
-        _, ret_recv = self._segments("client", transport, back, [0] * len(back),
-                                     [sum(x) for x in ret_recv_splits])
-        transport.exchange(ret_send, ret_send_splits, ret_recv, ret_recv_splits)
+        _, ret_recv = self._segments("client", transport, [0] * len(back), shape.ret_recv_sizes)
+        if not alone:
+            transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits)
         self.timings["all_to_all"] += time.perf_counter() - t2
         if self.rank is None:
             return None, None
@@ -375,8 +350,9 @@ class Participant:
         """
         a, b = self.part, part
         same = (a.plan_id, a.participant, a.rank, a.server, a.doc_lens, a.window, a.keep_activations)
-        if same != (b.plan_id, b.participant, b.rank, b.server, b.doc_lens, b.window, b.keep_activations) or not (
-                np.array_equal(a.client_tasks, b.client_tasks) and np.array_equal(a.server_tasks, b.server_tasks)):
+        if same != (b.plan_id, b.participant, b.rank, b.server, b.doc_lens, b.window, b.keep_activations) or not all(
+                x is y or np.array_equal(x, y) for x, y in ((a.client_tasks, b.client_tasks),
+                                                             (a.server_tasks, b.server_tasks))):
             raise ValueError(f"participant {b.participant} of step {b.step} batch {b.batch} is not "
                              f"participant {a.participant}'s part of the same plan")
         fresh = copy.copy(self)

@@ -200,6 +200,18 @@ class PlanPart:
         except (TypeError, OverflowError, IndexError) as exc:
             raise ValueError(f"invalid part descriptor: {exc}") from None
 
+    def at(self, step: int, batch: int) -> "PlanPart":
+        """This part bound to training step ``step`` and batch ``batch`` (the same plan's part in a
+        later step); the task arrays are shared (read-only), nothing else is re-checked.
+
+        Raises:
+            ValueError: a negative or too large ``step`` or ``batch``.
+        """
+        part = object.__new__(type(self))
+        part.__dict__.update(self.__dict__, step=int_in_range("step", step, 0, _MAX),
+                             batch=int_in_range("batch", batch, 0, _MAX))
+        return part
+
     @classmethod
     def _cut(cls, plan: Plan, participant: int, step: int, batch: int, client_tasks: np.ndarray,
              server_tasks: np.ndarray, plan_id: int = 0) -> "PlanPart":

@@ -58,11 +58,10 @@ class LocalBatch(PlannedBatch):
         self.device = torch.device(device)
         backend = get_backend(runtime.backend, device)
         self.backend_name = backend.name
-        parts = plan_parts(plan, step, batch)
-        if like is not None:  # the same plan in an earlier step: its layouts, not rebuilt
-            self.participants = [p.rebound(part) for p, part in zip(like, parts)]
+        if like is not None:  # the same plan in an earlier step: its parts and layouts, not rebuilt
+            self.participants = [p.rebound(p.part.at(step, batch)) for p in like]
         else:
-            self.participants = [Participant(part, fmt, backend, device) for part in parts]
+            self.participants = [Participant(part, fmt, backend, device) for part in plan_parts(plan, step, batch)]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
         self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
 
