@@ -170,3 +170,21 @@ def test_rebound_participants_share_the_layout_and_nothing_else():
     other = plan_batch([[300, 8], [2, 3]], 2, cost=cost, mode="inplace", epsilon=0.0, min_shard=1)
     with pytest.raises(ValueError, match="not participant 0's part of the same plan"):
         first[0].rebound(plan_parts(other, 1, 0)[0])
+
+
+def test_a_participant_alone_in_its_group_never_exchanges():
+    cost = CostModel(4, 2, 8, 8)
+    plan = plan_batch([[5, 1, 130, 17]], 1, cost=cost, mode="inplace", min_shard=1)
+    group = LocalGroup(1, timeout_s=20)
+    calls = []
+    endpoint = group.endpoint(0)
+    endpoint.exchange = lambda *a, **kw: calls.append(a)  # would record any exchange
+    g = torch.Generator().manual_seed(1)
+    inputs = [[torch.randn(153, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]]
+    for keep in (True, False):
+        plan = plan_batch([[5, 1, 130, 17]], 1, cost=cost, mode="inplace", min_shard=1, keep_activations=keep)
+        by_rank, _, _ = _run_rounds(plan, RowFormat(cost, torch.float64), inputs, 0.3, group=group)
+        want = attend_with_grads_ref(*inputs[0][:3], [5, 1, 130, 17], inputs[0][3], 0.3)
+        for got, ref in zip(by_rank[0], want):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert calls == []

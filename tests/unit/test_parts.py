@@ -165,3 +165,18 @@ def test_constructor_converts_numpy_ints_and_rejects_bools():
     assert PlanPart.from_msgpack(again.to_msgpack()).step == 4
     with pytest.raises(ValueError, match="step must be an int"):
         PlanPart(step=True, batch=0, **fields)
+
+
+def test_at_rebinds_a_part_to_another_step_sharing_its_tasks():
+    from scheduler import CostModel, plan_batch
+    plan = plan_batch([[300, 7], [2, 3]], 2, cost=CostModel(4, 2, 8, 2), mode="inplace", min_shard=1)
+    part = plan_parts(plan, step=1, batch=0)[0]
+    later = part.at(7, 2)
+    assert (later.step, later.batch, part.step, part.batch) == (7, 2, 1, 0)
+    assert later.client_tasks is part.client_tasks and later.server_tasks is part.server_tasks
+    cut = plan_parts(plan, step=7, batch=2)[0]
+    for name, value in vars(cut).items():  # the same as cutting the part for that step
+        assert np.array_equal(getattr(later, name), value) if isinstance(value, np.ndarray) \
+            else getattr(later, name) == value, name
+    with pytest.raises(ValueError, match="step"):
+        part.at(-1, 0)
