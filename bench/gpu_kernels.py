@@ -70,6 +70,7 @@ import torch  # noqa: E402
 
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.kernels import BACKENDS, get_backend  # noqa: E402
+from distca_server.refs import relative_error  # noqa: E402
 from distca_sim.hardware import get_model  # noqa: E402
 from distca_sim.profile import ProfileTable  # noqa: E402
 from distca_sim.simulate import format_table  # noqa: E402
@@ -123,11 +124,6 @@ class Timer:
                 self._sync()
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def guard(name: str, err: float, tol: float, checks: list) -> None:
@@ -202,13 +198,13 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
         qs, ks, vs, dos = q[qi], k[ki], v[ki], dout[qi]
         o_s, l_s = backend.forward(qs, ks, vs, cq, ck, s, mk, scale)
         dq_s, dk_s, dv_s = backend.backward(dos, qs, ks, vs, o_s, l_s, cq, ck, s, mk, scale)
-        guard(f"shards {s}: out", rel_err(o_s, out[qi]), REL_TOL[dtype], checks)
+        guard(f"shards {s}: out", relative_error(o_s, out[qi]), REL_TOL[dtype], checks)
         guard(f"shards {s}: lse", float((l_s - lse[qi]).abs().max()), LSE_TOL[dtype], checks)
-        guard(f"shards {s}: dq", rel_err(dq_s, dq[qi]), REL_TOL[dtype], checks)
+        guard(f"shards {s}: dq", relative_error(dq_s, dq[qi]), REL_TOL[dtype], checks)
         if 2 * pairs_all == len(tasks):  # every shard present: dK, dV add up to the documents'
-            guard(f"shards {s}: dk", rel_err(torch.zeros_like(dk, dtype=torch.float32).index_add_(
+            guard(f"shards {s}: dk", relative_error(torch.zeros_like(dk, dtype=torch.float32).index_add_(
                 0, ki, dk_s.float()), dk), REL_TOL[dtype], checks)
-            guard(f"shards {s}: dv", rel_err(torch.zeros_like(dv, dtype=torch.float32).index_add_(
+            guard(f"shards {s}: dv", relative_error(torch.zeros_like(dv, dtype=torch.float32).index_add_(
                 0, ki, dv_s.float()), dv), REL_TOL[dtype], checks)
         flops = sum(cost.task_flops(a, b, 0, b) for _, a, b in tasks)
         t_f = timer.median_s(lambda: backend.forward(qs, ks, vs, cq, ck, s, mk, scale))
@@ -248,7 +244,7 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 
             (o_d, g_d), (o_c, g_c) = direct(), distca()
             for name, a, b in zip(("out", "dq", "dk", "dv"), (o_c, *g_c), (o_d, *g_d)):
-                guard(f"overhead {tokens}: {name}", rel_err(a, b), REL_TOL[dtype], checks)
+                guard(f"overhead {tokens}: {name}", relative_error(a, b), REL_TOL[dtype], checks)
             t_direct = timer.median_s(direct, host=True)
             t_distca = timer.median_s(distca, host=True)
             if args.trace is not None and tokens == cfg["tokens"][0]:
@@ -299,7 +295,7 @@ def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: st
             out, lse = backend.forward(q, k, v, cq, ck, ql, kl, scale)
             if ql * kl <= REFERENCE_PAIRS:  # the first copy against the plain-torch reference math
                 ref, _ = BACKENDS["reference"].forward(q[:ql], k[:kl], v[:kl], cq[:2], ck[:2], ql, kl, scale)
-                guard(f"profile {label} {ql}x{kl}: out", rel_err(out[:ql], ref), REL_TOL[dtype], checks)
+                guard(f"profile {label} {ql}x{kl}: out", relative_error(out[:ql], ref), REL_TOL[dtype], checks)
             lat["forward"][ql, kl] = timer.median_s(
                 lambda: backend.forward(q, k, v, cq, ck, ql, kl, scale)) / n
             lat["backward"][ql, kl] = timer.median_s(

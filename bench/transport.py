@@ -169,8 +169,6 @@ def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: 
     if kind == "shm":
         ctx.set_forkserver_preload(["torch"])
     handle = create_heap(P, heap_bytes=heap_bytes(P, sizes)) if kind == "shm" else None
-    if kind == "nvshmem":  # NVSHMEM's heap must hold the arena (inherited by the PEs)
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes(P, sizes) + 64 * MiB))
     uids, stores, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, P, kind, baseline, sizes, iters, warmup, handle, uids,
                                                stores, results)) for r in range(P)]

@@ -111,6 +111,13 @@ def attend_with_grads_ref(q, k, v, doc_lens, dout, softmax_scale: float,
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``‖actual − expected‖₂ / ‖expected‖₂`` in float64 (any shapes that broadcast, any devices
+    of the same kind): the error measure of the low-precision checks (tests and benchmarks)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
 def all_to_all_ref(messages: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The exchange a transport performs: ``messages[src][dst]`` (1-D tensors) delivered so that
     receiver ``dst`` gets ``cat(messages[0][dst], messages[1][dst], ...)``."""

@@ -80,7 +80,8 @@ class NvshmemHeap:
     Args:
         uid: the unique id's bytes from :func:`unique_id` (the same on every PE).
         rank, world_size: this PE and the number of PEs.
-        heap_bytes: arena bytes per PE (NVSHMEM_SYMMETRIC_SIZE must allow it plus the words).
+        heap_bytes: arena bytes per PE (NVSHMEM_SYMMETRIC_SIZE is set to hold it, the signal
+            words and NVSHMEM's own state, unless already set).
         device: this PE's CUDA device (several PEs may share one).
 
     Raises:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from distca_server.refs import attend_with_grads_ref, cu_seqlens, plain_attention
+from distca_server.refs import attend_with_grads_ref, cu_seqlens, plain_attention, relative_error
 from distca_server.transport.nvshmem import available as nvshmem_available
 
 TIMEOUT_S = 60.0
@@ -134,11 +134,6 @@ def run_plan(P: int, kind: str, keep: bool) -> tuple[dict, list, list]:
                 p.kill()
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _plain_errors(q, k, v, lens, dout, scale) -> list[float]:
     """Relative error of plain torch in q's dtype against the float64 reference on the same
     (rounded) inputs, per tensor (out, dq, dk, dv): the low-precision yardstick."""
@@ -147,7 +142,7 @@ def _plain_errors(q, k, v, lens, dout, scale) -> list[float]:
     cu = cu_seqlens(lens)
     out, _ = plain_attention(*leaves, cu, cu, scale)
     out.backward(dout)
-    return [_rel(a, b) for a, b in zip((out.detach(), *(t.grad for t in leaves)), want)]
+    return [relative_error(a, b) for a, b in zip((out.detach(), *(t.grad for t in leaves)), want)]
 
 
 def check(got, batch, inputs, low_dtype) -> None:
@@ -164,7 +159,7 @@ def check(got, batch, inputs, low_dtype) -> None:
         want = attend_with_grads_ref(q, k, v, lens, dout, scale)
         plain = _plain_errors(q, k, v, lens, dout, scale)
         for name, a, b, e in zip(("out", "dq", "dk", "dv"), got[r][str(low_dtype)], want, plain):
-            err = _rel(a, b)
+            err = relative_error(a, b)
             assert err <= 2 * e + 1e-6, f"rank {r} {name} ({low_dtype}): {err:.2e} vs plain torch {e:.2e}"
 
 
