@@ -307,9 +307,12 @@ class SymmetricTransport:
                 return pe, code
         return None
 
-    def _wait(self, kind: int, seq: int, deadline: float, what: str, arrived=None) -> None:
+    def _wait(self, kind: int, seq: int, deadline: float, what: str, arrived=None, report=None) -> None:
         """Wait until every peer's ``kind`` signal reaches ``seq``; ``arrived(pe)`` runs for each
-        as it comes (and may raise)."""
+        as it comes (and may raise). When a peer aborts, ``report(pe)`` first checks the sizes row
+        of every peer whose row for this exchange has landed (and may raise ValueError): a peer
+        that found a size mismatch puts its row, then aborts, and its partner may still be waiting
+        for another peer's announce."""
         pending = set(self._peers())
         while True:
             sig = self.heap.signals()
@@ -328,6 +331,9 @@ class SymmetricTransport:
                 for pe in sorted(pending):
                     if arrived is not None and int(sig[self._slot(kind, pe)]) >= seq:
                         arrived(pe)
+                for pe in self._peers():
+                    if report is not None and int(sig[self._slot(DATA, pe)]) >= seq:
+                        report(pe)
                 pe, code = hit
                 self._broken = f"participant {pe} {_WHY.get(code, f'aborted ({code})')}"
                 raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}) aborted "
@@ -400,7 +406,18 @@ class SymmetricTransport:
         for pe in self._peers():
             heap.put_signal(pe, self._inbox_at + me * _ROW * 8, rows_t[pe].view(torch.uint8),
                             self._slot(ANNOUNCE, me), seq)
-        self._wait(ANNOUNCE, seq, deadline, "announce")
+
+        # A peer's sizes row tells what it sent (checked in step 4, or when a peer aborts).
+        def check_report(pe: int) -> None:
+            rep = heap.read(self._report_at + pe * _REPORT * 8, _REPORT * 8).view(torch.int64).tolist()
+            sent = rep[2:2 + int(rep[1])]
+            expect = [rs[s][pe] for s in range(nseg)]
+            if rep[0] != seq or sent != expect:
+                self._abort(MISMATCH, f"size mismatch with participant {pe}")
+                raise ValueError(f"participant {me}: participant {pe} sent segment bytes {sent} in "
+                                 f"exchange {rep[0]}, participant {me} expects {expect} in exchange {seq}")
+
+        self._wait(ANNOUNCE, seq, deadline, "announce", report=check_report)
         inbox = heap.read(self._inbox_at, P * _ROW * 8).view(torch.int64).view(P, _ROW).numpy()
 
         # 2. Agree on growth: every PE applies every PE's requests in the same order.
@@ -452,16 +469,7 @@ class SymmetricTransport:
             raise ValueError("; ".join(mismatches))
 
         # 4. Wait for every peer's rows; a peer's sizes row tells what it sent.
-        def arrived(pe: int) -> None:
-            rep = heap.read(self._report_at + pe * _REPORT * 8, _REPORT * 8).view(torch.int64).tolist()
-            sent = rep[2:2 + int(rep[1])]
-            expect = [rs[s][pe] for s in range(nseg)]
-            if rep[0] != seq or sent != expect:
-                self._abort(MISMATCH, f"size mismatch with participant {pe}")
-                raise ValueError(f"participant {me}: participant {pe} sent segment bytes {sent} in "
-                                 f"exchange {rep[0]}, participant {me} expects {expect} in exchange {seq}")
-
-        self._wait(DATA, seq, deadline, "data", arrived)
+        self._wait(DATA, seq, deadline, "data", check_report, check_report)
         for s, (where, base) in enumerate(layout):
             if where != DIRECT:
                 for pe in self._peers():
