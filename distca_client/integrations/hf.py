@@ -15,7 +15,9 @@ kinds of layer gets one plan per window.
 Document boundaries come the way transformers' packed batches carry them: ``cu_seq_lens_q/k``
 keyword arguments, or ``position_ids`` that restart per document (what
 ``DataCollatorWithFlattening`` produces), plus the rows of the batch and, when there is padding,
-the 2-D attention mask's runs of real and padded tokens. The registered mask hook is
+the 2-D attention mask's runs of real and padded tokens (padding at either end of a row; a row
+with padding between real tokens is refused, since transformers attends across such a hole and
+documents cannot). The registered mask hook is
 transformers' own flash-attention one: it hands the attention function the 2-D padding mask (or
 None) instead of a dense 4-D mask, which distca has no use for.
 """
@@ -101,7 +103,8 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
         attend: ``DistCAClient.attend`` or ``varlen_attention`` (q, k, v, doc_lens, softmax_scale,
             window).
         query: [B, H_q, S, D]; key, value: [B, H_kv, S, D] (transformers' layout).
-        attention_mask: None or the 2-D [B, S] bool padding mask (the flash-attention mask hook).
+        attention_mask: None or the 2-D [B, S] padding mask (the flash-attention mask hook); in
+            each row the real tokens must be one run, padding only at the ends.
         position_ids: [B or 1, S] int, restarting (any step other than +1) at each document.
         cu_seq_lens_q, cu_seq_lens_k: equal 1-D int tensors [num_docs + 1] over the flattened
             B·S tokens; they win over ``position_ids``.
@@ -115,8 +118,9 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
     Raises:
         ValueError: features distca does not serve (dropout > 0, softcap, attention sinks,
             non-causal, a KV cache with fewer queries than keys), a ``sliding_window`` that is not
-            a positive int, unequal ``cu_seq_lens_q``/``cu_seq_lens_k``, or a training forward of a
-            single row with no document information.
+            a positive int, unequal ``cu_seq_lens_q``/``cu_seq_lens_k``, an ``attention_mask``
+            :func:`document_lengths` refuses, or a training forward of a single row with no
+            document information.
     """
     batch, heads_q, seq, head_dim = query.shape
     problems = []
@@ -154,9 +158,11 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
     own, whose outputs nobody reads). ``cu_seq_lens_q/k``, when given, are the lengths directly.
 
     Raises:
-        ValueError: unequal or malformed ``cu_seq_lens``, ``position_ids`` of the wrong shape, or
-            ``training`` with a single row and no document information at all (it would attend
-            across the documents packed into it).
+        ValueError: unequal or malformed ``cu_seq_lens``, ``position_ids`` of the wrong shape, an
+            ``attention_mask`` that is not 2-D or whose row has padding between real tokens
+            (transformers lets the tokens after such a hole attend to those before it; naming
+            the row and the positions), or ``training`` with a single row and no document
+            information at all (it would attend across the documents packed into it).
     """
     total = batch * seq
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
@@ -181,9 +187,14 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
         steps = pos.expand(batch, seq).diff(dim=1) != 1
         starts[:, 1:] |= steps
         restarts = bool(steps.any())
-    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"distca attention: a {attention_mask.dim()}-D attention_mask of shape "
+                         f"{tuple(attention_mask.shape)} (distca takes a 2-D padding mask; documents "
+                         f"come from position_ids or cu_seq_lens_q/k)")
+    padded = attention_mask is not None and not bool(attention_mask.all())
     if padded:
         mask = attention_mask[:, -seq:].detach().cpu().bool()
+        _check_padding_at_ends(mask)
         starts[:, 1:] |= mask[:, 1:] != mask[:, :-1]
     if training and batch == 1 and seq > 1 and not restarts and not padded:
         raise ValueError(
@@ -193,3 +204,18 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
             f"document: [0, {seq}])")
     idx = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist() + [total]
     return [b - a for a, b in zip(idx, idx[1:])]
+
+
+def _check_padding_at_ends(mask: torch.Tensor) -> None:
+    """Refuse a [B, S] padding mask (True: real) with padding between a row's real tokens: a
+    padding run becomes a document, and the real tokens after it would lose the ones before it,
+    which transformers' attention still lets them see."""
+    pos = torch.arange(mask.shape[1])
+    first = torch.where(mask, pos, mask.shape[1]).amin(1, keepdim=True)
+    last = torch.where(mask, pos, -1).amax(1, keepdim=True)
+    holes = ~mask & (pos >= first) & (pos <= last)
+    if bool(holes.any()):
+        row = int(holes.any(1).nonzero()[0])
+        raise ValueError(f"distca attention: attention_mask row {row} pads positions "
+                         f"{holes[row].nonzero().reshape(-1).tolist()[:16]} between real tokens "
+                         f"(padding must lie at the ends of a row, its real tokens one run)")

@@ -1,5 +1,6 @@
 """``attn_implementation="distca"`` on real transformers models equals ``"sdpa"`` run document by
-document: logits and every parameter gradient, over 1–4 servers and both modes."""
+document: logits and every parameter gradient, over 1–4 servers and both modes; padded batches
+equal sdpa and eager on their real tokens, and masks it cannot serve are refused."""
 
 import copy
 
@@ -183,3 +184,41 @@ def test_windowed_and_full_layers_get_one_plan_each():
     assert windows == [0, 3]
     full, windowed = sorted(client._step_batches, key=lambda b: b.plan.window or 0)
     assert windowed.plan.comm_bytes()["forward"]["k"] <= full.plan.comm_bytes()["forward"]["k"]
+
+
+def _padded_run(attn, ids, mask, weights):
+    """Logits and parameter gradients of llama with ``attn`` on a padded batch."""
+    model = _model("llama", attn, _reference("llama")[0])
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    (logits * weights).sum().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reference", ["sdpa", "eager"])
+def test_left_and_right_padding_equal_transformers_on_real_tokens(reference):
+    ids = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    real = mask.bool()
+    weights = torch.randn(3, 12, VOCAB, generator=torch.Generator().manual_seed(6)) * real[..., None]
+    hf.register(DistCAClient.local(2, min_shard=2))
+    got, got_grads = _padded_run("distca", ids, mask, weights)
+    want, want_grads = _padded_run(reference, ids, mask, weights)
+    assert _rel(got[real], want[real]) <= 1e-5
+    for name, grad in want_grads.items():
+        assert _rel(got_grads[name], grad) <= 1e-5, name
+
+
+def test_padding_between_real_tokens_is_refused():
+    """transformers lets tokens 6-11 attend across the hole at 5 to tokens 0-4; distca's padding
+    documents would cut them off, so it refuses rather than compute something else."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :2] = 0  # left padding is fine
+    mask[1, [5, 8, 9]] = 0
+    hf.register(DistCAClient.local(1))
+    with pytest.raises(ValueError, match=r"row 1 pads positions \[5, 8, 9\] between real tokens"):
+        _model("llama", "distca")(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="4-D attention_mask"):
+        hf.document_lengths(1, 4, None, None, None, torch.ones(1, 1, 4, 4, dtype=torch.bool), training=False)

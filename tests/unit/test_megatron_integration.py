@@ -1,7 +1,9 @@
 """``DistCACoreAttention`` on Megatron's ``thd`` packed format equals Megatron's own local core
-attention (``DotProductAttention``) run document by document: outputs and q/k/v gradients."""
+attention (``DotProductAttention``) run document by document: outputs and q/k/v gradients; so
+do sliding windows and ``sbhd`` padding masks, and what it cannot serve it refuses."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -10,12 +12,14 @@ pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.fusions import fused_softmax  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.integrations.megatron import DistCACoreAttention, core_attention_spec  # noqa: E402
@@ -37,22 +41,46 @@ class _CPUBuffer:
         return torch.empty(shape, dtype=dtype)
 
 
+class _CUDAFactoriesOnCPU(TorchFunctionMode):
+    """Runs Megatron's own code that creates tensors with ``device="cuda"`` on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def megatron_reference():
-    """Megatron's ``DotProductAttention`` on the CPU: a one-rank gloo group for its tensor-parallel
-    group; its CUDA-only matmul buffer and dropout RNG fork (dropout is 0) replaced for the CPU."""
+def megatron_dpa():
+    """Builds Megatron's ``DotProductAttention`` on the CPU: a one-rank gloo group for its
+    tensor-parallel group; its CUDA-only matmul buffer and dropout RNG fork (dropout is 0)
+    replaced for the CPU, and its sliding-window mask built on the CPU."""
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mp = pytest.MonkeyPatch()
     mp.setattr(parallel_state, "get_global_memory_buffer", lambda: _CPUBuffer())
     mp.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    window_mask = fused_softmax.get_sliding_window_causal_mask
+
+    def window_mask_on_cpu(*args):
+        with _CUDAFactoriesOnCPU():
+            return window_mask(*args)
+
+    mp.setattr(fused_softmax, "get_sliding_window_causal_mask", window_mask_on_cpu)
     tp = dist.new_group([0])
-    yield DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                              attention_type="self", pg_collection=ProcessGroupCollection(tp=tp))
+    yield lambda config, mask_type=AttnMaskType.causal, layer_number=1: DotProductAttention(
+        config, layer_number=layer_number, attn_mask_type=mask_type, attention_type="self",
+        pg_collection=ProcessGroupCollection(tp=tp))
     mp.undo()
     if started:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(megatron_dpa):
+    return megatron_dpa(_config())
 
 
 def _qkvd(total, seed=0):
@@ -62,22 +90,35 @@ def _qkvd(total, seed=0):
     return [torch.randn(*s, generator=g) for s in shapes]
 
 
-def _per_document_reference(dpa, q, k, v, dout):
-    """Megatron's core attention on each document alone ([s, 1, h, d], causal mask)."""
+def _causal(n):
+    return torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]  # True: masked out
+
+
+def _with_grads(fn, q, k, v, dout):
+    """``fn(q, k, v)`` and the q, k, v gradients of ``sum(out * dout)``."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    outs = []
-    for dq, dk, dv in zip(*(t.split(DOC_LENS) for t in leaves)):
-        n = dq.shape[0]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]  # True: masked out
-        outs.append(dpa(dq[:, None], dk[:, None], dv[:, None], mask,
-                        attn_mask_type=AttnMaskType.causal)[:, 0])
-    out = torch.cat(outs)
+    out = fn(*leaves)
     (out * dout).sum().backward()
     return [out.detach()] + [t.grad for t in leaves]
 
 
+def _per_document_reference(dpa, q, k, v, dout):
+    """Megatron's core attention on each document alone ([s, 1, h, d], causal mask)."""
+    def per_document(*leaves):
+        return torch.cat([dpa(dq[:, None], dk[:, None], dv[:, None], _causal(dq.shape[0]),
+                              attn_mask_type=AttnMaskType.causal)[:, 0]
+                          for dq, dk, dv in zip(*(t.split(DOC_LENS) for t in leaves))])
+    return _with_grads(per_document, q, k, v, dout)
+
+
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _close(got, want):
+    """Within 1e-5 of ``want``'s largest entry, or of 1 where that is smaller (a window of one
+    key makes dq exactly 0 in theory, and rounding noise in practice)."""
+    return (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
 
 def _packed_params(cu):
@@ -109,7 +150,7 @@ def test_sbhd_columns_are_documents(megatron_reference):
     s, b = 9, 3
     q, k, v, _ = _qkvd(s * b, seed=1)
     q, k, v = (t.view(s, b, *t.shape[1:]) for t in (q, k, v))
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    mask = _causal(s)
     want = megatron_reference(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
     core = build_module(core_attention_spec(DistCAClient.local(2)), config=_config(), layer_number=1,
                         attn_mask_type=AttnMaskType.causal, attention_type="self",
@@ -137,3 +178,84 @@ def test_unsupported_settings_are_refused():
         core(q, k, v, None, packed_seq_params=_packed_params(torch.tensor([0, 7, 30])))
     with pytest.raises(ValueError, match="qkv_format='sbhd'"):
         core(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+
+
+def _sbhd(total, s, seed):
+    return [t.view(s, total // s, *t.shape[1:]) for t in _qkvd(total, seed)]
+
+
+@pytest.mark.parametrize("window_size,skip_freq,layer", [
+    ((4, 0), None, 1), ((0, 0), None, 1), ((2, 0), 2, 1),
+    ((2, 0), 2, 2),  # window_attn_skip_freq=2 makes layer 2 full attention
+])
+def test_window_size_equals_megatron_sliding_window(megatron_dpa, window_size, skip_freq, layer):
+    """Megatron's (L, 0) lets query i see keys i-L..i: distca's window L + 1, thd and sbhd."""
+    cfg = _config(window_size=window_size, window_attn_skip_freq=skip_freq)
+    dpa = megatron_dpa(cfg, layer_number=layer)
+    core = DistCACoreAttention(cfg, layer, AttnMaskType.causal, "self",
+                               client=DistCAClient.local(2, min_shard=2))
+    q, k, v, dout = _qkvd(sum(DOC_LENS), seed=5)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    got = _with_grads(lambda *t: core(*t, None, packed_seq_params=_packed_params(cu)), q, k, v, dout)
+    for g, w in zip(got, _per_document_reference(dpa, q, k, v, dout)):
+        assert _close(g, w)
+    q, k, v, dout = _sbhd(24, 12, seed=6)
+    got, want = (_with_grads(lambda *t: m(*t, _causal(12)), q, k, v, dout) for m in (core, dpa))
+    for g, w in zip(got, want):
+        assert _close(g, w)
+    assert core.window == (None if skip_freq and layer % skip_freq == 0 else window_size[0] + 1)
+
+
+def _padding_mask(s):
+    """Megatron's [3, 1, s, s] mask, True where masked out: causal, padded keys masked. Column 0
+    is left-padded by 4, column 1 right-padded from 9, column 2 holds 2 padding tokens and then
+    two documents (a block-diagonal ``reset_attention_mask`` mask). Also the real tokens [s, 3]."""
+    real = torch.ones(3, s, dtype=torch.bool)
+    real[0, :4] = real[1, 9:] = real[2, :2] = False
+    doc = torch.zeros(3, s, dtype=torch.long)
+    doc[2, 7:] = 1
+    visible = ~_causal(s)[0] & (doc[:, :, None] == doc[:, None, :]) & real[:, None, :]
+    return ~visible[:, None], real.T
+
+
+@pytest.mark.parametrize("mask_type", [AttnMaskType.padding_causal, AttnMaskType.causal])
+def test_sbhd_padding_masks_equal_megatron_on_real_tokens(megatron_dpa, mask_type):
+    """DotProductAttention applies a given mask under either mask type; padding becomes distca
+    documents of their own, whose outputs nobody reads (no loss on them)."""
+    mask, real = _padding_mask(12)
+    q, k, v, dout = _sbhd(36, 12, seed=7)
+    dout = dout * real[:, :, None]
+    want = _with_grads(lambda *t: megatron_dpa(_config(), mask_type)(*t, mask), q, k, v, dout)
+    core = DistCACoreAttention(_config(), 1, mask_type, "self", client=DistCAClient.local(2, min_shard=2))
+    got = _with_grads(lambda *t: core(*t, mask), q, k, v, dout)
+    assert _rel(got[0][real], want[0][real]) <= 1e-5
+    for g, w in zip(got[1:], want[1:]):
+        assert _close(g, w)
+
+
+def test_settings_and_masks_it_cannot_serve_are_refused():
+    for softmax_type in ("learnable", "off-by-one"):  # attention sinks
+        with pytest.raises(ValueError, match=f"softmax_type='{softmax_type}'"):
+            DistCACoreAttention(_config(softmax_type=softmax_type), 1, AttnMaskType.causal, "self")
+    for window_size in [(2, 1), (-1, 0)]:  # looks ahead; TE's "unbounded"
+        with pytest.raises(ValueError, match=re.escape(f"window_size={window_size}")):
+            DistCACoreAttention(_config(window_size=window_size), 1, AttnMaskType.causal, "self")
+    q, k, v, _ = _sbhd(12, 12, seed=8)
+    core = DistCACoreAttention(_config(), 1, AttnMaskType.padding_causal, "self",
+                               client=DistCAClient.local(1))
+    hole = _causal(12).clone()
+    hole[..., 5] = True  # key 5 is padding, with real tokens on both sides
+    with pytest.raises(ValueError, match="column 0 lets query 6 see keys 0-4, 6, not 6-6"):
+        core(q, k, v, hole)
+    with pytest.raises(ValueError, match="lets query 0 see keys 0-11"):  # not causal
+        core(q, k, v, torch.zeros(1, 1, 12, 12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="padding_causal with attention_mask=None"):
+        core(q, k, v, None)
+    with pytest.raises(ValueError, match="attention_mask of torch.float32"):
+        core(q, k, v, _causal(12).float())
+    windowed = DistCACoreAttention(_config(window_size=(3, 0)), 1, AttnMaskType.padding_causal, "self",
+                                   client=DistCAClient.local(1))
+    left_padded = _causal(12).clone()
+    left_padded[..., :2] = True
+    with pytest.raises(ValueError, match="ignores attention_mask"):
+        windowed(q, k, v, left_padded)
