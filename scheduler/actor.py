@@ -139,8 +139,9 @@ class SchedulerActor:
         of ``world_size``; ``info`` may carry its last ``step`` and ``epoch``.
 
         Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
-        "transport", "scheduler"}``: the job's settings, the step it must start at, and this
-        scheduler's incarnation.
+        "transport", "scheduler", "token"}``: the job's settings, the step it must start at, this
+        scheduler's incarnation, and this registration's secret (``fail_step`` and
+        ``plan_descriptor`` ask for it; each registration replaces the rank's earlier one).
 
         Raises:
             ValueError: rank out of range or a world size other than the job's, or the job's
@@ -148,11 +149,12 @@ class SchedulerActor:
         """
         self._check_ray_job(rank, info.get("job_id"))
         out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
+        token = self.coord.issue_token(rank)
         log.info("job %s: client rank %d of %d registered (node %s, pid %s, step %s)", self.name, rank,
                  world_size, info.get("node", "?"), info.get("pid", "?"), info.get("step", "?"))
         self._wake_resolved()
         self._discovery()  # after a restart, clients register first: find the servers meanwhile
-        return dict(out, scheduler=self.incarnation)
+        return dict(out, scheduler=self.incarnation, token=token)
 
     def _check_ray_job(self, rank: int, ray_job: str | None) -> None:
         """A job serves the clients of one Ray job (one training run's driver) at a time: a client
@@ -266,9 +268,15 @@ class SchedulerActor:
         await done.wait()  # set when the batch resolves: planned, failed, or its deadline passed
         return self.coord.answer(step, batch, rank)
 
-    def fail_step(self, step: int, rank: int, message: str) -> dict:
+    def fail_step(self, step: int, rank: int, message: str, token: str | None = None) -> dict:
         """Client ``rank`` raised ``ValueError(message)`` on its own input in ``step``: every
-        client of the step gets it at once (see :meth:`Coordinator.fail_step`)."""
+        client of the step gets it at once (see :meth:`Coordinator.fail_step`).
+
+        Raises:
+            ValueError: ``token`` is not the secret ``rank``'s registration returned (only the
+                job's own clients fail its steps), or ``step`` not an int >= 0.
+        """
+        self.coord.check_member(rank, token, "fail_step")
         answer = self.coord.fail_step(step, rank, message)
         self._wake_resolved()
         return answer
@@ -429,10 +437,19 @@ class SchedulerActor:
         return {"state": state, "scheduler": self.incarnation}
 
     # ---- inspection ----------------------------------------------------------------------------
-    def plan_descriptor(self, step: int, batch: int) -> bytes | None:
+    def plan_descriptor(self, step: int, batch: int, rank: int | None = None,
+                        token: str | None = None) -> bytes | None:
         """The whole plan of ``(step, batch)`` as msgpack (for ``DistCAClient.last_plan``), or None
-        once the scheduler no longer keeps it."""
-        return self.coord.plan_descriptor(step, batch)
+        once the scheduler no longer keeps it. A plan shows every rank's document lengths: only
+        the job's clients may read it (``rank`` and the ``token`` its registration returned).
+
+        Raises:
+            ValueError: a kept plan asked for without ``rank``'s current token.
+        """
+        data = self.coord.plan_descriptor(step, batch)
+        if data is not None:  # nothing kept, nothing to guard: a caller learns no more than status shows
+            self.coord.check_member(rank, token, "plan_descriptor")
+        return data
 
     def ping(self) -> bool:
         return True

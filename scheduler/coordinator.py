@@ -28,10 +28,16 @@ call is one state transition that returns plain data telling the wrapper what to
   that had not reached the round the others failed in (late). The verdict carries the causes the
   members reported, so every participant raises the same message.
 
-Steps: ``next_step`` is where a (re)joining client starts; ``floor`` is the first step that is
-not over. A step ends for everyone when one of its batches failed (a verdict, a timeout, bad
-input); reports of an unknown batch below the floor are answered ``resync`` (go on at the floor),
-so clients that disagree about the step after a failure or a scheduler restart meet again.
+Steps (the rule both sides follow is ``docs/design.md`` § "The step protocol"): ``next_step`` is
+where a (re)joining client starts; ``floor`` is the first step that is not over. A step ends for
+everyone when one of its batches failed (a verdict, a timeout, bad input). A report of a step that
+is over is answered with the step's error only when the reporting client took part in the step
+(it reported one of its batches) or the error is a client's bad input (a ``ValueError`` every
+client of the step must raise); otherwise (a replacement that registered late, a client that was
+too slow to report before the step timed out, a client left behind by a scheduler restart) it is
+answered ``resync``: go on at the floor. So clients that disagree about the step meet again at
+their next report, in lock-step loops as in free-running ones. Steps are bounded (:data:`MAX_STEP`,
+:data:`STEPS_AHEAD`), so no report can move the job far ahead.
 
 Deadlines are computed from a ``now`` the caller passes (any monotonic clock). The only clock
 read here is ``timer`` (``time.perf_counter`` unless given), which measures how long planning
@@ -40,6 +46,7 @@ and cutting took for the record of the last plan.
 
 from __future__ import annotations
 
+import secrets
 import time
 from functools import partial
 from typing import Callable
@@ -62,6 +69,15 @@ PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazil
 # pins the scheduler (10M one-token documents took minutes and 5.7 GB to plan).
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
+# Steps are ints below this (a job at 1000 steps a second takes 35 years to reach it): a step a
+# member claims at registration above it is refused, so no report, abort or floor ever nears the
+# int64 limits that torch and msgpack put on the step a round header carries.
+MAX_STEP = 1 << 40
+# A report, a client's failure or a check-in may name at most this many steps past the job's step
+# (max(next_step, floor)): a client's own counter is never ahead of it, since every step it enters
+# was resolved, failed or raised by its registration here. One step of slack, no more: a report far
+# ahead would otherwise move the floor, and with it every client's counter, to its step.
+STEPS_AHEAD = 1
 SERVER_STATES = ("alive", "suspect", "dead")
 # The device types each transport of scheduler.checks.TRANSPORTS moves (groups.py forms them):
 # torch.distributed (gloo on CPU, NCCL on GPU), the one-sided exchange over shared memory between
@@ -144,7 +160,8 @@ class Coordinator:
         self.batches: dict[tuple[int, int], _Batch] = {}
         self.bootstraps: dict[int, object] = {}  # epoch -> world rank 0's bootstrap value
         self.failures: dict[int, Arbitration] = {}
-        self.failed_steps: dict[int, dict] = {}  # step -> the error answer every report of it gets
+        self.failed_steps: dict[int, dict] = {}  # step -> the error answer of a failed step (see _over)
+        self.took_part: dict[int, set[int]] = {}  # step -> client ranks that reported any of its batches
         self.next_step = 0
         self.floor = 0
         self.steps_planned = 0
@@ -175,6 +192,7 @@ class Coordinator:
             raise ValueError(f"job {self.name!r} has {self.world_size} clients, not {world_size}")
         if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        self._check_claimed_step(info.get("step"), f"client rank {rank}")
         self.clients[int(rank)] = dict(info, rank=int(rank))
         self._rebuild(info)
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
@@ -191,10 +209,60 @@ class Coordinator:
         if is_int(epoch) and epoch > self.epoch:
             self.epoch, self.members = int(epoch), None
 
+    @staticmethod
+    def _check_claimed_step(step, who: str) -> None:
+        """A registering member's last step: None, or an int in ``[0, MAX_STEP)``.
+
+        Raises:
+            ValueError: naming ``who`` and the step.
+        """
+        if step is not None and not (is_int(step) and 0 <= step < MAX_STEP):
+            raise ValueError(f"{who} registered with step {step!r}; steps are ints in [0, {MAX_STEP})")
+
+    def _check_step(self, step, what: str) -> None:
+        """A step a client names in ``what`` (a report, a failure): an int from 0 to
+        :data:`STEPS_AHEAD` past the job's step.
+
+        Raises:
+            ValueError: naming the step, the job's step and ``what``.
+        """
+        if not is_int(step) or step < 0:
+            raise ValueError(f"{what}: step must be an int >= 0, got {step!r}")
+        job_step = max(self.next_step, self.floor)
+        if step > job_step + STEPS_AHEAD:
+            raise ValueError(f"{what}: step {step} is ahead of job {self.name!r}, which is at step {job_step} "
+                             f"(a client's step is never more than {STEPS_AHEAD} ahead of it)")
+
     def unregister_client(self, rank: int, incarnation: str) -> None:
         """Client ``rank`` leaves, unless a newer incarnation already took its place."""
         if self.clients.get(rank, {}).get("incarnation") == incarnation:
             del self.clients[rank]
+
+    def issue_token(self, rank: int) -> str:
+        """A new secret for registered client ``rank``, replacing its earlier one (the wrapper
+        hands it out with each registration): :meth:`check_member` asks for it. Kept in the
+        client's info, which :meth:`status` never shows.
+
+        Raises:
+            ValueError: ``rank`` is not a registered client.
+        """
+        if not is_int(rank) or rank not in self.clients:
+            raise ValueError(f"rank {rank!r} is not registered with job {self.name!r}")
+        token = self.clients[rank]["token"] = secrets.token_hex(16)
+        return token
+
+    def check_member(self, rank, token, call: str) -> None:
+        """Refuse ``call`` (what changes the job, or reveals its documents) unless ``rank`` is a
+        registered client and ``token`` the secret :meth:`issue_token` gave it last.
+
+        Raises:
+            ValueError: naming the rank and the call.
+        """
+        held = self.clients.get(rank, {}).get("token") if is_int(rank) else None
+        given = token.encode("utf-8", "surrogatepass") if type(token) is str else None
+        if held is None or given is None or not secrets.compare_digest(held.encode(), given):
+            raise ValueError(f"job {self.name!r} refused {call} from rank {rank!r}: the caller is not that "
+                             f"registered client (it needs the token rank {rank!r} got when it registered)")
 
     def register_server(self, index: int, info: dict) -> None:
         """Dedicated server ``index`` (re)starts, or re-registers with a restarted scheduler
@@ -328,9 +396,13 @@ class Coordinator:
         state = self.batches.get(key)
         if state is None:
             if key[0] in self.failed_steps:
-                return ReportOutcome(self.failed_steps[key[0]])
+                return ReportOutcome(self._over(key[0], rank, self.failed_steps[key[0]]))
             if key[0] < self.floor:
                 return ReportOutcome(self._resync(key[0]))
+            try:
+                self._check_step(key[0], f"rank {rank}'s report of batch {batch}")
+            except ValueError as exc:  # this client's alone: nothing is kept, no floor moves
+                return ReportOutcome(error_answer("ValueError", str(exc)))
             state = self.batches[key] = _Batch()
         if rank in state.reports:
             if not same_report(state.reports[rank], (doc_lens, shape)):
@@ -339,12 +411,13 @@ class Coordinator:
                                   f"documents or attention shape"))
             return ReportOutcome(state.answers[rank] if state.answers is not None else None)
         if state.answers is not None:  # given up before this client reported (timeout, abort)
-            return ReportOutcome(state.answers[rank])
+            return ReportOutcome(self._over(key[0], rank, state.answers[rank]))
         too_big = self._oversized(rank, doc_lens)
         if too_big is not None:  # refused before anything plans it: every client gets the error
             self._resolve(key, state, error_answer("ValueError", too_big))
             return ReportOutcome(state.answers[rank], resolved=True)
         state.reports[rank] = (doc_lens, shape)
+        self.took_part.setdefault(key[0], set()).add(rank)
         if len(state.reports) < self.world_size:
             return ReportOutcome()
         try:
@@ -386,6 +459,21 @@ class Coordinator:
                 return (f"rank {rank} reported {tokens} tokens; one report holds at most "
                         f"{self.max_report_tokens} (max_report_tokens)")
         return None
+
+    def _over(self, step: int, rank: int, answer: dict) -> dict:
+        """The answer to client ``rank``'s report of a batch of ``step`` resolved without it.
+
+        ``answer`` (the batch's, or the failed step's) when ``rank`` took part in the step (it
+        reported one of its batches: it was in the step that failed, and raises with its peers)
+        or ``answer`` is not a ``DistCAError`` (bad input, or a resync: every client of the step
+        gets it). Otherwise ``rank`` never took part in the failed step: it registered after the
+        step began, or reached it only after the step timed out without it. Handing it the old
+        error would make it spend its next step number on a step its peers have left, so in a
+        lock-step loop it would stay one step behind them forever; it resyncs at the floor instead.
+        """
+        if answer.get("error") == "DistCAError" and rank not in self.took_part.get(step, ()):
+            return self._resync(step)
+        return answer
 
     def _resync(self, step: int) -> dict:
         return error_answer("resync", f"step {step} is over for job {self.name!r}; the job goes on "
@@ -477,10 +565,9 @@ class Coordinator:
         the job goes on at ``step + 1``. Returns that answer.
 
         Raises:
-            ValueError: ``step`` not an int >= 0.
+            ValueError: ``step`` not an int >= 0, or more than :data:`STEPS_AHEAD` past the job's.
         """
-        if not is_int(step) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self._check_step(step, f"rank {rank}'s failed step")
         answer = self.failed_steps.get(step) or error_answer("ValueError", f"rank {rank}: {message}")
         self._fail_step(int(step), answer)
         return answer
@@ -515,8 +602,9 @@ class Coordinator:
         self.next_step = max(self.next_step, step + 1)
         for old in [k for k in self.batches if k[0] < step - _KEEP_STEPS]:
             del self.batches[old]
-        for old in [s for s in self.failed_steps if s < step - _KEEP_STEPS]:
-            del self.failed_steps[old]
+        for table in (self.failed_steps, self.took_part):
+            for old in [s for s in table if s < step - _KEEP_STEPS]:
+                del table[old]
 
     def _record(self, plan: Plan, step, batch, servers, plan_ms: float, cut_ms: float) -> dict:
         before, after = plan.imbalance()
@@ -554,6 +642,8 @@ class Coordinator:
         (the job goes on at the step after), and leaves lost servers out of plans until they
         answer a ping again.
         """
+        if step != -1:  # a server does not know the step; a client's is bounded like its reports
+            self._check_step(step, f"world rank {world_rank}'s failure of group epoch {epoch}")
         fail = self.failures.get(epoch)
         opened = False
         if fail is None:

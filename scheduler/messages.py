@@ -9,7 +9,9 @@ both directions are one msgpack message each:
 
 - the request, a :mod:`scheduler.descriptor` of format ``distca.report``: ``step``, ``batch``,
   ``rank``, ``doc_lens`` (an int64 ``bin``: the documents' token counts in packing order) and
-  ``shape`` (``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda"}``);
+  ``shape`` (``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda", "window": int | None,
+  "dtype": "float16" | "bfloat16" | "float32" | "float64"}``; ``window`` and ``dtype`` may be
+  absent: see :func:`checked_shape`);
 - the answer, the coordinator's answer map as it is: ``{"part": bytes, "group": {...}}`` or an
   error answer (:func:`error_answer`). The part inside stays the msgpack
   :class:`~scheduler.parts.PlanPart` the coordinator encoded once; nothing is re-encoded.
@@ -29,6 +31,11 @@ from .checks import INT64_MAX
 from .cost import CostModel, window_arg
 
 DEVICE_TYPES = ("cpu", "cuda")
+# The activation dtypes a report may name (torch's names without "torch."), with their element
+# sizes: two dtypes of one size (float16, bfloat16) agree on every byte count, so only the name
+# tells them apart before a round mixes them.
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_SHAPE_KEYS = frozenset({"cost", "device_type", "window", "dtype"})
 
 FORMAT, VERSION = "distca.report", 1
 _KEYS = frozenset({"step", "batch", "rank", "doc_lens", "shape"})
@@ -105,17 +112,22 @@ def same_report(a, b) -> bool:
         return False
 
 
-def checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
-    """Rank ``rank``'s shape as ``(CostModel, device_type, window)``.
+def checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None, str | None]:
+    """Rank ``rank``'s shape as ``(CostModel, device_type, window, dtype)``.
+
+    ``window`` and ``dtype`` may be absent or None (not stated). A report without ``dtype`` is
+    one of a client older than the dtype check: it is accepted, and agrees only with reports
+    that do not state one either (:func:`agreed_shape`).
 
     Raises:
         ValueError: not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}`` with an optional
-            ``"window"`` (a positive int or None), naming the rank.
+            ``"window"`` (a positive int or None) and ``"dtype"`` (a name of
+            :data:`DTYPE_BYTES` whose element size is the cost's ``dtype_bytes``, or None),
+            naming the rank.
     """
-    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= {
-            "cost", "device_type", "window"}:
+    if not isinstance(shape, dict) or not {"cost", "device_type"} <= set(shape) <= _SHAPE_KEYS:
         raise ValueError(f"rank {rank}: the attention shape must be a dict with keys 'cost', "
-                         f"'device_type' and optionally 'window', got {shape!r}")
+                         f"'device_type' and optionally 'window' and 'dtype', got {shape!r}")
     try:
         cost = CostModel.from_wire(shape["cost"])
         window = window_arg(shape.get("window"))
@@ -123,19 +135,26 @@ def checked_shape(rank: int, shape) -> tuple[CostModel, str, int | None]:
         raise ValueError(f"rank {rank}: {exc}") from None
     if shape["device_type"] not in DEVICE_TYPES:
         raise ValueError(f"rank {rank}: device_type must be one of {DEVICE_TYPES}, got {shape['device_type']!r}")
-    return cost, shape["device_type"], window
+    dtype = shape.get("dtype")
+    if dtype is not None and (type(dtype) is not str or dtype not in DTYPE_BYTES):
+        raise ValueError(f"rank {rank}: dtype must be one of {tuple(DTYPE_BYTES)} or None, got {dtype!r}")
+    if dtype is not None and DTYPE_BYTES[dtype] != cost.dtype_bytes:
+        raise ValueError(f"rank {rank}: dtype {dtype} has {DTYPE_BYTES[dtype]}-byte elements but the "
+                         f"attention shape says {cost.dtype_bytes}")
+    return cost, shape["device_type"], window, dtype
 
 
 def agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]:
-    """The one ``(CostModel, device_type, window)`` all reports carry.
+    """The one ``(CostModel, device_type, window)`` all reports carry; they must state one
+    activation dtype too (or all none: see :func:`checked_shape`).
 
     Raises:
-        ValueError: a shape that is not ``{"cost": [4 ints], "device_type": "cpu" | "cuda"}``
-            with an optional ``"window"`` (a positive int or None), naming the rank, or clients
-            that disagree (naming which ranks sent what).
+        ValueError: a shape :func:`checked_shape` refuses (naming the rank), or clients that
+            disagree on any of cost, device type, window or dtype (naming which ranks sent what,
+            each rank's dtype included).
     """
     by_shape: dict[tuple, list[int]] = {}
-    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its (CostModel, device_type, window)
+    seen: dict[str, tuple] = {}  # repr of a shape already checked -> its checked_shape
     for rank in sorted(reports):
         shape = reports[rank][1]
         # Clients send the same shape: check each distinct one once (at 1024 clients, building a
@@ -146,8 +165,8 @@ def agreed_shape(reports: dict[int, tuple]) -> tuple[CostModel, str, int | None]
             seen[repr(shape)] = known
         by_shape.setdefault(known, []).append(rank)
     if len(by_shape) != 1:
-        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}}}"
-                         for (c, d, w), ranks in by_shape.items())
+        sent = "; ".join(f"ranks {ranks} sent {{'cost': {c.to_wire()}, 'device_type': {d!r}, 'window': {w!r}, "
+                         f"'dtype': {t!r}}}" for (c, d, w, t), ranks in by_shape.items())
         raise ValueError(f"clients disagree on the attention shape: {sent}")
     (shape, _), = by_shape.items()
-    return shape
+    return shape[:3]

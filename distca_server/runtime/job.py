@@ -33,6 +33,23 @@ def _actor(name: str):
         return None
 
 
+def _named(make, actor_name: str, job: str):
+    """``make()``, which creates the actor named ``actor_name``. Ray refuses a name that is
+    taken (``ActorAlreadyExistsError``, a ``ValueError``): another ``launch`` of ``job`` got
+    there between this one's check and now.
+
+    Raises:
+        ValueError: the name is taken, naming the job.
+    """
+    try:
+        return make()
+    except ValueError:
+        if _actor(actor_name) is None:  # refused for another reason
+            raise
+        raise ValueError(f"a distca job named {job!r} is already running (another launch started it "
+                         f"meanwhile); `distca down --name {job}` first") from None
+
+
 def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
            epsilon: float = 0.05, min_shard: int = 128, timeout_s: float = 60.0,
            failure_grace_s: float = 1.0, backend: str = "auto", detached: bool = True,
@@ -85,7 +102,9 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
     Raises:
         ValueError: bad arguments (a ``transport`` not in
             :data:`scheduler.checks.TRANSPORTS`, or ``"nvshmem"`` without nvshmem4py or a
-            CUDA device here), or actors of a job of that name already running.
+            CUDA device here), or actors of a job of that name already running, also when
+            another ``launch`` of the name started them at the same moment (this one then
+            leaves nothing running).
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
     boolean("keep_activations", keep_activations)
@@ -107,10 +126,11 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
     lifetime = "detached" if detached else None
     started = []
     try:
-        scheduler = SchedulerActor.options(
+        scheduler = _named(lambda: SchedulerActor.options(
             name=scheduler_actor_name(name), namespace=NAMESPACE, lifetime=lifetime,
             max_restarts=scheduler_restarts).remote(
-            name, mode, epsilon, min_shard, timeout_s, failure_grace_s, backend, coordinator_options)
+            name, mode, epsilon, min_shard, timeout_s, failure_grace_s, backend, coordinator_options),
+            scheduler_actor_name(name), name)
         started.append(scheduler)
         ray.get(scheduler.ping.remote(), timeout=start_timeout_s)
         handles = []
@@ -119,10 +139,10 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
                 gpus = ray.cluster_resources().get("GPU", 0)
                 server_options = {"num_gpus": 1} if gpus > 0 else {"num_cpus": 1}
             for i in range(servers):
-                handles.append(AttentionServerActor.options(
+                handles.append(_named(lambda: AttentionServerActor.options(
                     name=server_actor_name(name, i), namespace=NAMESPACE, lifetime=lifetime,
                     max_concurrency=8, max_restarts=max_restarts, **server_options).remote(
-                        name, i, timeout_s, 3600.0, backend))
+                        name, i, timeout_s, 3600.0, backend), server_actor_name(name, i), name))
                 started.append(handles[-1])
             ray.get([h.ping.remote() for h in handles], timeout=start_timeout_s)
     except BaseException as exc:

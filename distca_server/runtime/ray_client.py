@@ -8,9 +8,11 @@ identical or not) gets its own plan. All rounds of a client run in order on one 
 ``attend_async`` rounds keep the same order on every client.
 
 After a failure every client goes on at the step the scheduler names. When the scheduler dies
-and Ray restarts it, the client registers again with its step and epoch (the step in flight
-fails on every participant) and goes on; a report of a step the job has left behind is answered
-``resync`` and made again at the job's step.
+and Ray restarts it, the client registers again with its step and epoch and goes on: a step in
+flight (batches bound) fails on every participant, and a client with nothing of its step bound
+waits for the restart and loses no step. A report of a step the job has left behind, by a client
+that took no part in it, is answered ``resync`` and made again at the job's step (the step
+protocol: ``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .member import GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
 _REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
+_RESTART_POLL_S = 0.2  # while the scheduler restarts, try to register again this often
 log = logging.getLogger(__name__)
 
 
@@ -157,8 +160,10 @@ class RayClientRuntime(Runtime):
                 "worker": ctx.get_worker_id(), "job_id": ctx.get_job_id(),
                 "driver": ctx.worker.mode == ray.SCRIPT_MODE}
         log.info("rank %d of %d: registering with job %s at step %d", self.rank, self.world_size, self.name, step)
-        return ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
-                   max(self.timeout_s, _REGISTER_TIMEOUT_S))
+        cfg = ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
+                  max(self.timeout_s, _REGISTER_TIMEOUT_S))
+        self._token = cfg.get("token")  # this registration's secret: fail_step and plan_descriptor need it
+        return cfg
 
     def _reregister(self) -> None:
         """Register again if the scheduler died since (lock held). A step with batches bound is
@@ -200,7 +205,7 @@ class RayClientRuntime(Runtime):
             self._state.advance()
         message = str(error)
         try:
-            ask(self.scheduler.fail_step.remote(step, self.rank, message), self.timeout_s)
+            ask(self.scheduler.fail_step.remote(step, self.rank, message, self._token), self.timeout_s)
         except Exception:  # the scheduler is gone or broken: the peers' own timeouts take over
             return
         if mid_step and self.member.joined:  # peers may wait in this step's next round
@@ -218,30 +223,9 @@ class RayClientRuntime(Runtime):
             found = self._state.lookup(key)
             if found is not None:
                 return found
-            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type, "window": window}
-            for _ in range(_REPORT_TRIES):
-                self._reregister()
-                step, batch = self._state.step, self._state.next_batch_index()
-                try:
-                    request = encode_report(step, batch, self.rank, doc_lens, shape)
-                    answer = decode_answer(ask(self.scheduler.report.remote(request), self.timeout_s + 10))
-                except SchedulerLost as exc:
-                    self._needs_register = True
-                    self._state.advance()
-                    raise DistCAError(f"rank {self.rank}: step {step} failed: {exc}") from None
-                if answer.get("register"):  # a restarted scheduler that does not know us yet
-                    self._needs_register = True
-                    continue
-                if answer.get("error") == "resync":  # the job left this step behind
-                    mid_step = bool(self._state.batches)
-                    self._state.advance(max(answer["next_step"], step + 1))
-                    if mid_step:
-                        raise DistCAError(f"rank {self.rank}: {answer['message']}")
-                    continue
-                break
-            else:
-                raise DistCAError(f"rank {self.rank}: the scheduler of job {self.name!r} did not plan "
-                                  f"step {step} batch {batch} after {_REPORT_TRIES} tries")
+            shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type, "window": window,
+                     "dtype": str(fmt.dtype).removeprefix("torch.")}
+            step, batch, answer = self._report(doc_lens, shape)
             if "error" in answer:  # every client of the batch gets it: all move on together
                 self._state.advance()
                 if answer["error"] == "ValueError":
@@ -269,13 +253,66 @@ class RayClientRuntime(Runtime):
             self._state.add(key, found)
             return found
 
+    def _report(self, doc_lens: list[int], shape: dict) -> tuple[int, int, dict]:
+        """Report the next batch of the current step and wait for the scheduler's answer (lock
+        held); returns ``(step, batch, answer)``. Follows the step protocol of ``docs/design.md``:
+
+        - a ``resync`` answer (the job left this step behind, and this client took no part in its
+          failure) moves the client to the job's step and reports there, unless the client already
+          has batches bound in the step (then the step failed for it: :class:`DistCAError`);
+        - a scheduler that died is waited for (it restarts under Ray) and registered with again:
+          while nothing of the step is bound, that costs no step; mid-step the step fails.
+
+        Raises:
+            DistCAError: mid-step, the scheduler died or the job went on; or the scheduler did not
+                come back within ``max(timeout_s, 60 s)``, or kept answering ``resync``.
+        """
+        lost_since = None
+        for _ in range(_REPORT_TRIES):
+            try:
+                self._reregister()
+                step, batch = self._state.step, self._state.next_batch_index()
+                request = encode_report(step, batch, self.rank, doc_lens, shape)
+                answer = decode_answer(ask(self.scheduler.report.remote(request), self.timeout_s + 10))
+            except SchedulerLost as exc:
+                self._needs_register = True
+                step = self._state.step
+                if self._state.batches:  # this step's rounds were planned by the scheduler that died
+                    self._state.advance()
+                    raise DistCAError(f"rank {self.rank}: step {step} failed: {exc}") from None
+                lost_since = lost_since or time.monotonic()
+                waited = time.monotonic() - lost_since
+                if waited > max(self.timeout_s, _REGISTER_TIMEOUT_S):
+                    raise DistCAError(f"rank {self.rank}: step {step}: {exc}, and it did not come back within "
+                                      f"{waited:.0f} s") from None
+                time.sleep(_RESTART_POLL_S)  # Ray is restarting it: not a try of the loop
+                continue
+            if answer.get("register"):  # a restarted scheduler that does not know us yet
+                self._needs_register = True
+                continue
+            if answer.get("error") == "resync":  # the job left this step behind
+                mid_step = bool(self._state.batches)
+                self._state.advance(max(answer["next_step"], step + 1))
+                if mid_step:
+                    raise DistCAError(f"rank {self.rank}: {answer['message']}")
+                continue
+            return step, batch, answer
+        raise DistCAError(f"rank {self.rank}: the scheduler of job {self.name!r} did not plan "
+                          f"step {step} batch {batch} after {_REPORT_TRIES} tries")
+
     def fetch_plan(self, step: int, batch: int) -> Plan:
         """The whole plan of ``(step, batch)`` from the scheduler (``plan_descriptor``).
 
         Raises:
             DistCAError: the scheduler no longer keeps it, or does not answer.
+            ValueError: the scheduler refused this client's token (another client of its rank
+                registered since).
         """
-        data = ask(self.scheduler.plan_descriptor.remote(step, batch), self.timeout_s)
+        try:
+            data = ask(self.scheduler.plan_descriptor.remote(step, batch, self.rank, self._token), self.timeout_s)
+        except SchedulerLost as exc:  # a restarted scheduler keeps no plan of before
+            self._needs_register = True
+            raise DistCAError(f"rank {self.rank}: the plan of step {step} batch {batch}: {exc}") from None
         if data is None:
             raise DistCAError(f"the scheduler of job {self.name!r} no longer keeps the plan of step "
                               f"{step} batch {batch} (it keeps the most recent ones)")

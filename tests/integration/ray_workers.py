@@ -51,13 +51,16 @@ class TrainWorker:
         """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
         return self.client._runtime.member.scheduler_lost
 
-    def step(self, lens, seed, layers=2, head_dim=16, dtype="float32", late_s=0.0, bad_layer=None):
+    def step(self, lens, seed, layers=2, head_dim=16, dtype="float32", late_s=0.0, bad_layer=None,
+             delay_s=0.0):
         """``layers`` attends (each on its own q,k,v) and one backward; returns the max relative
         error of out, dq, dk, dv against the float64 reference, or the error raised, and how long
         the step took (``seconds``, from its first attend; a late start not counted).
 
         ``late_s``: get the plan of the step first, then wait this long before the first round.
-        ``bad_layer``: that layer's q has one row too few (a local ``ValueError``)."""
+        ``bad_layer``: that layer's q has one row too few (a local ``ValueError``).
+        ``delay_s``: wait this long before the step's first report (a slow data loader)."""
+        time.sleep(delay_s)
         start = time.monotonic()
         try:
             dt = getattr(torch, dtype)

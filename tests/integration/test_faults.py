@@ -117,17 +117,19 @@ def test_late_client_costs_one_step_and_is_named(job):
 
 
 def test_mixed_dtypes_fail_together_without_crashing_the_verdict(job):
-    """Defect 3: one bf16 and one fp16 client agree on the attention shape (2-byte elements) but
-    not on the round: every participant reports, the verdict is decided in the last report, and
-    both clients get it."""
+    """Defect 3 (issue 11), defect 9 (issue 23): one bf16 and one fp16 client have the same cost
+    (2-byte elements) but not the same rows. Their reports carry the dtype, so the scheduler
+    refuses the batch before any group forms or row moves: both clients get the same ValueError
+    naming each rank's dtype, within the timeout, and the next step is exact."""
     job["step"][0] += 1
     results = _run(job, [("step", (LENS[r], job["step"][0]), {"dtype": d, "layers": 1})
                          for r, d in enumerate(("bfloat16", "float16"))])
     for r in results:
-        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
-        assert "clients disagree on the next round" in r["message"], r["message"]
-        assert "bfloat16" in r["message"] and "float16" in r["message"]
-        assert "lost: none" in r["message"]
+        assert not r["ok"] and r["type"] == "ValueError" and r["seconds"] <= T + SLACK, r
+        assert r["message"].startswith("clients disagree on the attention shape: "), r["message"]
+        assert "ranks [0] sent {" in r["message"] and "'dtype': 'bfloat16'}" in r["message"], r["message"]
+        assert "ranks [1] sent {" in r["message"] and "'dtype': 'float16'}" in r["message"], r["message"]
+    assert results[0]["message"] == results[1]["message"]
     _exact_next_step(job)
 
 

@@ -4,7 +4,11 @@
   with a well-formed part of other documents (the same token count, so nothing else would
   notice): the client refuses it with a ``ValueError`` before it joins any group, so no row moves.
 - A client of another Ray job (a second driver: another training run) that connects with a
-  running job's name is refused at ``connect``; the running job's next step is unaffected.
+  running job's name is refused at ``connect``; it may read the job's ``status`` but not its
+  plans (``plan_descriptor``), nor fail its steps (``fail_step``): both need the secret a
+  registered client holds. The running job's next step is unaffected.
+- Two ``launch`` calls of one name at the same moment: one job runs, the other call gets a
+  ``ValueError`` naming the job and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -21,7 +26,7 @@ ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
 from distca_server import launch, shutdown  # noqa: E402
-from scheduler.actor import NAMESPACE, scheduler_actor_name  # noqa: E402
+from scheduler.actor import NAMESPACE, job_actor_names, scheduler_actor_name  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from scheduler.messages import decode_report, encode_answer  # noqa: E402
 from scheduler.parts import plan_identity, plan_parts  # noqa: E402
@@ -55,7 +60,7 @@ class SquattingScheduler:
     def joined(self):
         return self.published
 
-    def fail_step(self, step, rank, message):
+    def fail_step(self, step, rank, message, token=None):
         return {}
 
     def unregister_client(self, rank, incarnation):
@@ -111,16 +116,30 @@ def test_hostile_part_is_refused_before_any_group_forms(local_ray, payload, matc
 _OTHER_RUN = """
 import json, sys, ray
 from distca_client import DistCAClient
+from scheduler.actor import scheduler_actor_name
 ray.init(address=sys.argv[1], namespace="distca", log_to_driver=False)
-try:
-    DistCAClient.connect(sys.argv[2], rank=0, world_size=2, timeout_s=10)
-    print(json.dumps({"ok": True}))
-except Exception as exc:
-    print(json.dumps({"ok": False, "type": type(exc).__name__, "message": str(exc).splitlines()[-1]}))
+out = {}
+def call(key, make):
+    try:
+        out[key] = {"ok": True, "value": make()}
+    except Exception as exc:
+        out[key] = {"ok": False, "type": type(exc).__name__, "value_error": isinstance(exc, ValueError),
+                    "message": str(exc).strip().splitlines()[-1]}
+call("connect", lambda: DistCAClient.connect(sys.argv[2], rank=0, world_size=2, timeout_s=10) and None)
+sched = ray.get_actor(scheduler_actor_name(sys.argv[2]), namespace="distca")
+call("status", lambda: ray.get(sched.status.remote(), timeout=30))
+st = out["status"]["value"]
+step, batch = st["last"]["step"], st["last"]["batch"]
+call("plan", lambda: ray.get(sched.plan_descriptor.remote(step, batch), timeout=30) is not None)
+call("plan_guess", lambda: ray.get(sched.plan_descriptor.remote(step, batch, 0, "0" * 32), timeout=30) is not None)
+call("fail", lambda: ray.get(sched.fail_step.remote(st["next_step"], 1, "an outsider's error"), timeout=30))
+call("fail_guess", lambda: ray.get(sched.fail_step.remote(st["next_step"], 1, "an outsider's error", "0" * 32),
+                                   timeout=30))
+print(json.dumps(out, default=str))
 """
 
 
-def test_client_of_another_run_is_refused_and_the_job_goes_on(local_ray):
+def test_another_run_cannot_join_read_plans_or_fail_steps_and_the_job_goes_on(local_ray):
     from ray_workers import TrainWorker
     name = "secjob"
     launch(name=name, mode="inplace", timeout_s=TIMEOUT)  # detached: shutdown() below stops it
@@ -135,12 +154,65 @@ def test_client_of_another_run_is_refused_and_the_job_goes_on(local_ray):
         proc = subprocess.run([sys.executable, "-c", _OTHER_RUN, ray.get_runtime_context().gcs_address, name],
                               capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
         other = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert not other["ok"] and other["type"] == "ValueError", (other, proc.stderr[-2000:])
-        assert f"distca job {name!r} serves the clients of Ray job" in other["message"], other
-        assert "cannot join it as rank 0" in other["message"], other
+        joined = other["connect"]
+        assert not joined["ok"] and joined["type"] == "ValueError", (other, proc.stderr[-2000:])
+        assert f"distca job {name!r} serves the clients of Ray job" in joined["message"], joined
+        assert "cannot join it as rank 0" in joined["message"], joined
 
-        # The job's own clients still hold their ranks: the next step is exact.
-        again = ray.get([w.step.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=120)
+        # status stays readable (distca status runs from other drivers), and shows no secret.
+        st = other["status"]
+        assert st["ok"] and st["value"]["clients"] == [0, 1] and st["value"]["steps_planned"] == 1, st
+        assert not re.search(r"[0-9a-f]{32}", json.dumps(st)), st
+        # A plan (every rank's documents) and failing a step need a member's secret.
+        for key, call, rank in (("plan", "plan_descriptor", None), ("plan_guess", "plan_descriptor", 0),
+                                ("fail", "fail_step", 1), ("fail_guess", "fail_step", 1)):
+            got = other[key]
+            assert not got["ok"] and got["value_error"], (key, got)
+            assert f"job {name!r} refused {call} from rank {rank!r}" in got["message"], (key, got)
+
+        # The job's own clients still hold their ranks: the next step (which the outsider tried
+        # to fail) is exact, and a member reads its plan.
+        again = ray.get([w.plan_and_traffic.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=120)
         assert all(r["ok"] and r["error"] <= 1e-5 for r in again), again
+        assert [r["rank"] for r in again] == [0, 1]
     finally:
         shutdown(name)
+
+
+def test_two_launches_of_one_name_at_once_start_one_job(local_ray):
+    """Both calls pass the "already running" check before either starts an actor (a barrier
+    lines them up): Ray gives the scheduler's name to one of them, and the other gets a plain
+    ValueError naming the job, with nothing of its own left running."""
+    from ray_workers import TrainWorker
+    name = "race"
+    start, results = threading.Barrier(2), [None, None]
+
+    def go(i):
+        start.wait()
+        try:
+            results[i] = launch(name=name, servers=2, timeout_s=TIMEOUT, server_options={"num_cpus": 0},
+                                min_shard=8)
+        except Exception as exc:
+            results[i] = exc
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        won = [r for r in results if isinstance(r, dict)]
+        lost = [r for r in results if not isinstance(r, dict)]
+        assert len(won) == 1 and len(lost) == 1, results
+        assert type(lost[0]) is ValueError, repr(lost[0])
+        assert str(lost[0]).startswith(f"a distca job named {name!r} is already running"), str(lost[0])
+        # Only the winner's actors: one scheduler and its two servers.
+        assert job_actor_names(name) == [scheduler_actor_name(name)] + [f"distca-server-{name}-{i}" for i in range(2)]
+        assert all(ray.get([h.ping.remote() for h in won[0]["servers"]], timeout=60))
+
+        workers = [TrainWorker.remote(name, r, 2, TIMEOUT) for r in range(2)]
+        lens = [[61, 3, 50], [40, 1, 90]]
+        step = ray.get([w.step.remote(lens[r], 1) for r, w in enumerate(workers)], timeout=120)
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in step), step
+    finally:
+        stopped = shutdown(name)
+    assert stopped == 3 and job_actor_names(name) == []

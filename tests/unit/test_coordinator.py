@@ -38,13 +38,14 @@ class Ticks:
         return self.t
 
 
-def make(mode="dedicated", clients=2, servers=2, timer=None, transport="torch_dist", node=None):
-    """A coordinator with registered clients and servers, each on its own node unless ``node``."""
+def make(mode="dedicated", clients=2, servers=2, timer=None, transport="torch_dist", node=None, step=0):
+    """A coordinator with registered clients and servers, each on its own node unless ``node``;
+    the clients registered at ``step`` (reports may name at most one step past the job's)."""
     c = Coordinator("job", mode, epsilon=0.05, min_shard=8, timeout_s=10.0, failure_grace_s=GRACE,
                     timer=timer or Ticks(1.0), transport=transport)
     for r in range(clients):
-        info = {"incarnation": f"c{r}", "node": node or f"node{r}"}
-        assert c.register_client(r, clients, info)["next_step"] == 0
+        info = {"incarnation": f"c{r}", "node": node or f"node{r}", "step": step}
+        assert c.register_client(r, clients, info)["next_step"] == step
     for s in range(servers):
         c.register_server(s, {"incarnation": f"s{s}", "node": node or f"srv{s}"})
     return c
@@ -277,7 +278,7 @@ def test_windowed_shapes_plan_with_the_window():
     ({"cost": COST.to_wire(), "device_type": "cpu", "window": 0}, r"rank 1: window must be a positive int"),
 ])
 def test_bad_or_mismatched_shapes_are_a_value_error_for_all(shape1, match):
-    c = make()
+    c = make(step=3)
     assert c.report(3, 0, 0, LENS[0], SHAPE).answer is None
     out = c.report(3, 0, 1, LENS[1], shape1)
     assert out.resolved and not out.plan and out.answer["error"] == "ValueError"
@@ -307,15 +308,70 @@ def test_bad_step_or_batch_is_refused_for_that_caller():
 
 
 # ---- timeouts and aborts ---------------------------------------------------------------------------
-def test_abort_names_missing_ranks_and_late_reporters_get_the_same_error():
-    c = make(clients=3, servers=1)
+def test_abort_names_missing_ranks_and_late_ranks_resync():
+    """Rank 0 timed out waiting in step 5; ranks 1 and 2 never took part in it (too slow, or
+    replaced): they are sent on to step 6 rather than handed step 5's error, which would cost
+    them step 6 too and leave them a step behind rank 0 for good in a lock-step loop."""
+    c = make(clients=3, servers=1, step=5)
     c.report(5, 1, 0, [10], SHAPE)
     answer = c.abort(5, 1, 0)  # rank 0's wait timed out
     assert answer == {"error": "DistCAError", "message": "step 5 batch 1: ranks [1, 2] did not report within 10 s"}
     late = c.report(5, 1, 2, [10], SHAPE)
-    assert late.answer == answer and not late.plan
+    assert late.answer["error"] == "resync" and late.answer["next_step"] == 6 and not late.plan
+    assert c.report(5, 0, 1, [10], SHAPE).answer["error"] == "resync"  # any batch of the step
+    assert c.report(5, 2, 0, [10], SHAPE).answer == answer  # rank 0 took part: the step's error
     assert c.abort(5, 1, 2) == answer  # a second timeout keeps the first answer
     assert c.next_step == 6
+    assert all(c.report(6, 0, r, [10], SHAPE).answer is None for r in range(3))  # they meet at step 6
+
+
+def test_a_replacement_that_registered_mid_step_meets_its_peer_at_the_next_step():
+    """Rank 1 died; its replacement registers while rank 0 waits in step 4 (so it is told step 4)
+    and reports step 4 only after rank 0 timed out and went on to step 5. It never took part in
+    step 4: it resyncs to step 5 and meets rank 0 there, instead of failing step 4 at once and then
+    reporting step 5 after rank 0 has timed out of it (a lock-step loop would repeat that forever)."""
+    c = make("inplace", servers=0, step=4)
+    assert c.report(4, 0, 0, LENS[0], SHAPE).answer is None
+    assert c.register_client(1, 2, {"incarnation": "c1-new", "node": "node1"})["next_step"] == 4
+    assert "ranks [1] did not report" in c.abort(4, 0, 0)["message"]
+    assert c.report(4, 0, 1, LENS[1], SHAPE).answer == {
+        "error": "resync", "message": "step 4 is over for job 'job'; the job goes on at step 5", "next_step": 5}
+    out = run_step(c, 5)
+    assert out.resolved and decode(c.answer(5, 0, 1)).step == 5
+
+
+def test_a_value_error_fails_every_client_of_the_step_even_those_not_yet_reported():
+    """Bad input is every client's error: a peer that reports the step later raises it too (the
+    step's error is not a resync, so its training loop loses the same step as the bad rank's)."""
+    c = make("inplace", servers=0, step=2)
+    answer = c.fail_step(2, 0, "q has 40 rows")
+    assert c.report(2, 0, 1, LENS[1], SHAPE).answer == answer
+
+
+@pytest.mark.parametrize("step", [2**40, 2**63 - 2, 8])
+def test_steps_far_ahead_are_refused_and_move_nothing(step):
+    """A report, a failed step or a check-in more than one step past the job's is a ValueError for
+    its sender alone: nothing is kept, the floor and every client's next step stay."""
+    c = make("inplace", servers=0, step=5)
+    out = c.report(step, 0, 0, LENS[0], SHAPE)
+    assert out.answer["error"] == "ValueError" and f"step {step} is ahead of job 'job', which is at step 5" \
+        in out.answer["message"]
+    assert c.batches == {} and c.floor == 5 and c.next_step == 0
+    with pytest.raises(ValueError, match=f"step {step} is ahead"):
+        c.fail_step(step, 0, "x")
+    run_step(c, 5, [[30], [40]])
+    with pytest.raises(ValueError, match=f"step {step} is ahead"):
+        c.failure(0, 0, step=step, now=0.0)
+    assert c.report(6, 0, 0, LENS[0], SHAPE).answer is None  # one step ahead is a client's next step
+    assert c.register_client(1, 2, {"incarnation": "c1", "step": 6})["next_step"] == 6
+
+
+@pytest.mark.parametrize("step", [2**40, 2**63 - 2, -1, "7"])
+def test_a_registration_with_an_out_of_range_step_is_refused(step):
+    c = make("inplace", servers=0)
+    with pytest.raises(ValueError, match=r"client rank 1 registered with step .*; steps are ints in \[0, 1099511627776\)"):
+        c.register_client(1, 2, {"incarnation": "c1-new", "step": step})
+    assert c.floor == 0 and c.clients[1]["incarnation"] == "c1"
 
 
 def test_abort_while_planning_wins_over_the_plan():
@@ -415,8 +471,8 @@ def test_a_servers_own_error_is_the_cause_everyone_reads():
 
 
 def test_failure_of_a_client_rank_and_next_step():
-    c = make("inplace", clients=3, servers=0)
-    run_step(c, 0, [[30], [40], [50]])
+    c = make("inplace", clients=3, servers=0, step=7)
+    run_step(c, 7, [[30], [40], [50]])
     c.failure(0, 0, step=7, now=0.0, reached=1)
     c.failure(0, 2, step=7, now=0.1, reached=1)
     assert c.close_failure(0, now=GRACE)["lost"] == ["client rank 1 (node node1): did not answer within 2 s"]
@@ -426,7 +482,7 @@ def test_failure_of_a_client_rank_and_next_step():
 def test_a_failed_step_fails_its_other_batches_and_later_reports():
     """After a verdict in step 3, a client that goes on with step 3's second nano-batch learns at
     once that the step is over; the job goes on at step 4."""
-    c = make()
+    c = make(step=3)
     run_step(c, 3)
     c.report(3, 1, 0, LENS[0], SHAPE)  # rank 0's second nano-batch, waiting for rank 1
     for wr in range(4):
@@ -477,9 +533,11 @@ def test_fail_step_gives_every_client_the_same_value_error():
     assert c.register_client(0, 2, {"incarnation": "c0"})["next_step"] == 3
     out = run_step(c, 3)  # the next step is planned with fresh lengths, not the abandoned ones
     assert decode(c.answer(3, 0, 0)).doc_lens == LENS[0] and out.record["step"] == 3
+    run_step(c, 4)
+    run_step(c, 5)
     c.report(6, 0, 1, LENS[1], SHAPE)
     c.fail_step(6, 0, "bad")  # resolving it forgets steps 0-3 while the open batches are walked
-    assert sorted(c.batches) == [(6, 0)] and c.answer(6, 0, 1)["message"] == "rank 0: bad"
+    assert sorted(c.batches) == [(4, 0), (5, 0), (6, 0)] and c.answer(6, 0, 1)["message"] == "rank 0: bad"
     with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         c.fail_step(-1, 0, "x")
 

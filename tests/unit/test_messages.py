@@ -3,6 +3,7 @@ into the coordinator, refusals naming the values, malformed and fuzzed messages 
 ValueError."""
 
 import random
+import re
 
 import msgpack
 import numpy as np
@@ -83,16 +84,16 @@ def test_reports_through_the_wire_plan_like_in_process_ones():
         for r in range(2):
             coord.register_client(r, 2, {"incarnation": f"i{r}"})
         for r in range(2):
-            args = (4, 0, r, lens[r], SHAPE)
+            args = (0, 0, r, lens[r], SHAPE)
             coord.report(*(decode_report(encode_report(*args)) if wire else args))
-        coord.plan(4, 0)
-        answers[wire] = [coord.answer(4, 0, r) for r in range(2)]
+        coord.plan(0, 0)
+        answers[wire] = [coord.answer(0, 0, r) for r in range(2)]
     assert answers[True] == answers[False]
     for r, answer in enumerate(answers[True]):
         back = decode_answer(encode_answer(answer))
         assert back == answer and type(back["part"]) is bytes
         part = PlanPart.from_msgpack(back["part"])
-        assert (part.step, part.rank, part.doc_lens) == (4, r, lens[r])
+        assert (part.step, part.rank, part.doc_lens) == (0, r, lens[r])
 
 
 def test_error_answers_round_trip_and_bad_answers_are_refused():
@@ -103,3 +104,63 @@ def test_error_answers_round_trip_and_bad_answers_are_refused():
         with pytest.raises(ValueError, match="scheduler answer") as err:
             decode_answer(data)
         assert message in str(err.value)
+
+
+# ---- the activation dtype in the shape (issue 23, defect 9) ---------------------------------------------
+def _shape(dtype, cost=COST):
+    return {"cost": cost.to_wire(), "device_type": "cpu", "window": None, "dtype": dtype}
+
+
+def _report_both(shapes, lens=([5, 7], [9])):
+    """Both clients of a fresh in-place job report step 0 with ``shapes[r]``; rank 1's outcome."""
+    coord = Coordinator("dtypes", "inplace", min_shard=8)
+    for r in range(2):
+        coord.register_client(r, 2, {"incarnation": f"i{r}"})
+    coord.report(*decode_report(encode_report(0, 0, 0, lens[0], shapes[0])))
+    return coord, coord.report(*decode_report(encode_report(0, 0, 1, lens[1], shapes[1])))
+
+
+def test_clients_of_one_element_size_but_other_dtypes_disagree_with_a_value_error_for_both():
+    """bfloat16 and float16 have the same cost (2-byte elements): only the dtype's name tells them
+    apart, before any round mixes them. Every client gets the same ValueError naming each rank's."""
+    coord, out = _report_both([_shape("bfloat16"), _shape("float16")])
+    assert out.resolved and not out.plan and out.answer["error"] == "ValueError"
+    assert coord.answer(0, 0, 0) == coord.answer(0, 0, 1) == out.answer
+    message = out.answer["message"]
+    assert message.startswith("clients disagree on the attention shape: ranks [0] sent ")
+    assert "ranks [0] sent {'cost': [4, 2, 8, 2], 'device_type': 'cpu', 'window': None, 'dtype': 'bfloat16'}" in message
+    assert "ranks [1] sent {'cost': [4, 2, 8, 2], 'device_type': 'cpu', 'window': None, 'dtype': 'float16'}" in message
+
+
+@pytest.mark.parametrize("shapes, plans", [
+    ([_shape("bfloat16"), _shape("bfloat16")], True),
+    ([SHAPE, SHAPE], True),  # reports without a dtype (an older client): accepted as before
+    ([SHAPE, dict(SHAPE, dtype=None)], True),  # None is "not stated" too
+    ([SHAPE, _shape("float16")], False),  # one stated, one not: cannot be checked, refused
+])
+def test_agreeing_dtypes_plan_and_unstated_ones_only_agree_with_each_other(shapes, plans):
+    coord, out = _report_both(shapes)
+    assert out.plan is plans and (out.answer is None) is plans, out
+    if not plans:
+        assert "'dtype': None" in out.answer["message"] and "'dtype': 'float16'" in out.answer["message"]
+
+
+@pytest.mark.parametrize("dtype, match", [
+    ("int8", r"rank 1: dtype must be one of \('float16', 'bfloat16', 'float32', 'float64'\) or None, got 'int8'"),
+    (2, r"rank 1: dtype must be one of .* got 2"),
+    (["float16"], r"rank 1: dtype must be one of .* got \['float16'\]"),
+    ("float32", r"rank 1: dtype float32 has 4-byte elements but the attention shape says 2"),
+])
+def test_a_bad_dtype_is_refused_naming_the_rank(dtype, match):
+    _, out = _report_both([_shape("float16"), _shape(dtype)])
+    assert out.answer["error"] == "ValueError" and re.search(match, out.answer["message"]), out.answer
+
+
+def test_dtype_names_are_torch_names_of_the_client_dtypes():
+    """The client sends ``str(dtype)`` without ``torch.`` (ray_client.step_for): every dtype
+    ``attend`` accepts has a name and element size the scheduler knows."""
+    torch = pytest.importorskip("torch")
+    from distca_client.validate import FLOAT_DTYPES
+    from scheduler.messages import DTYPE_BYTES
+    assert {str(d).removeprefix("torch."): d.itemsize for d in FLOAT_DTYPES} == DTYPE_BYTES
+    assert torch.bfloat16 in FLOAT_DTYPES

@@ -1,0 +1,142 @@
+"""The step protocol in lock-step loops (``docs/design.md`` § "The step protocol"): after each
+fault, the step the fault hit may fail, and every later step of the loop runs, exact.
+
+Lock-step: the driver starts each iteration on both clients together and waits for both, as DDP
+forces a training loop to. Before the protocol was stated, a client that came out of a fault one
+step number apart from its peer stayed apart for good: each iteration one client failed at once
+on a step its peer had left, the other after the timeout. One in-place job (2 clients, timeout
+``T``) serves the tests in file order; each checks that it leaves the job healthy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from distca_server import launch, shutdown, status  # noqa: E402
+from scheduler.messages import decode_answer, encode_report  # noqa: E402
+
+T = 4.0  # the job's timeout: room for a busy 2-core machine, short enough for several faults
+NAME = "resync"
+LENS = [[100, 28], [50, 7, 60]]
+AFTER = 3  # lock-step iterations run after each fault, every one of which must succeed
+
+
+@pytest.fixture(scope="module")
+def job(local_ray):
+    from ray_workers import TrainWorker
+    handles = launch(name=NAME, mode="inplace", timeout_s=T, failure_grace_s=0.5, detached=False,
+                     min_shard=8, scheduler_restarts=-1)
+    handles["make_worker"] = lambda r: TrainWorker.remote(NAME, r, 2, T)
+    handles["workers"] = [handles["make_worker"](r) for r in range(2)]
+    handles["seed"] = [0]
+    _warm_up(handles)
+    yield handles
+    shutdown(NAME)
+
+
+def _iteration(job, extra=({}, {})):
+    """One lock-step iteration: both clients' step, started together, waited for together."""
+    job["seed"][0] += 1
+    refs = [w.step.remote(LENS[r], job["seed"][0], layers=1, **extra[r]) for r, w in enumerate(job["workers"])]
+    return ray.get(refs, timeout=120)
+
+
+def _warm_up(job, tries=5):
+    """The job's first step forms its group; on a loaded machine that can miss the deadline, which
+    costs that step only (the protocol under test): go on once a step ran."""
+    for _ in range(tries):
+        if all(r["ok"] for r in _iteration(job)):
+            return
+    pytest.fail(f"no step ran in {tries} tries")
+
+
+def _every_later_step_runs(job):
+    for i in range(AFTER):
+        results = _iteration(job)
+        assert all(r["ok"] for r in results), (i, results)
+        assert max(r["error"] for r in results) <= 1e-5
+
+
+def test_a_killed_client_replaced_mid_step_meets_its_peer_at_once(job):
+    """Client 1 dies; client 0's next step fails naming it. Its replacement registers while that
+    step still waits (so it is told that step), and joins the loop at the next iteration."""
+    ray.kill(job["workers"][1], no_restart=True)
+    job["seed"][0] += 1
+    alone = job["workers"][0].step.remote(LENS[0], job["seed"][0], layers=1)
+    time.sleep(0.5)
+    job["workers"][1] = job["make_worker"](1)
+    ray.get(job["workers"][1].pid.remote(), timeout=60)  # registered, before client 0 times out
+    result = ray.get(alone, timeout=60)
+    assert not result["ok"] and "ranks [1] did not report" in result["message"], result
+    _every_later_step_runs(job)
+
+
+def test_a_killed_client_replaced_after_the_failed_step_meets_its_peer_at_once(job):
+    ray.kill(job["workers"][1], no_restart=True)
+    job["seed"][0] += 1
+    result = ray.get(job["workers"][0].step.remote(LENS[0], job["seed"][0], layers=1), timeout=60)
+    assert not result["ok"] and "ranks [1] did not report" in result["message"], result
+    job["workers"][1] = job["make_worker"](1)
+    _every_later_step_runs(job)
+
+
+def test_a_client_delayed_past_the_timeout_costs_one_iteration(job):
+    """Client 1 reports its step T + 1 s late (a slow data loader under load): that iteration
+    fails on both clients, and the next one runs."""
+    results = _iteration(job, ({}, {"delay_s": T + 1}))
+    assert not any(r["ok"] for r in results), results
+    _every_later_step_runs(job)
+
+
+def test_a_client_paused_past_the_timeout_costs_one_iteration(job):
+    """Client 1's process is stopped (SIGSTOP) for T + 1 s while its peer starts the step."""
+    pid = ray.get(job["workers"][1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        job["seed"][0] += 1
+        refs = [w.step.remote(LENS[r], job["seed"][0], layers=1) for r, w in enumerate(job["workers"])]
+        time.sleep(T + 1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    results = ray.get(refs, timeout=120)
+    assert not results[0]["ok"], results
+    _every_later_step_runs(job)
+
+
+def test_a_scheduler_killed_while_idle_costs_no_step(job):
+    ray.kill(job["scheduler"], no_restart=False)
+    _every_later_step_runs(job)
+
+
+def test_a_scheduler_killed_mid_step_costs_that_step_only(job):
+    job["seed"][0] += 1
+    s = job["seed"][0]
+    assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])]))
+    ray.kill(job["scheduler"], no_restart=False)
+    deadline = time.monotonic() + 60  # every client notices through its long-poll (Ray: ~1.7 s)
+    while not all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    results = ray.get([w.finish.remote(LENS[r], s) for r, w in enumerate(job["workers"])], timeout=120)
+    assert not any(r["ok"] for r in results), results
+    _every_later_step_runs(job)
+
+
+def test_a_report_far_ahead_is_refused_and_moves_no_client(job):
+    """A report of step 2^63 - 2 from a registered rank (a bug, or a forged call) is refused for
+    that caller alone; the job's step does not move and the loop goes on."""
+    before = status(NAME)["next_step"]
+    shape = {"cost": [4, 2, 16, 4], "device_type": "cpu", "window": None, "dtype": "float32"}
+    for step in (2**63 - 2, 2**40, before + 2):
+        answer = decode_answer(ray.get(job["scheduler"].report.remote(encode_report(step, 0, 0, [5], shape)),
+                                       timeout=30))
+        assert answer["error"] == "ValueError" and f"step {step} is ahead" in answer["message"], answer
+    time.sleep(T + 0.5)  # nothing was kept: no batch times out and raises the floor meanwhile
+    assert status(NAME)["next_step"] == before
+    _every_later_step_runs(job)
