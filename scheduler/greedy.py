@@ -46,6 +46,10 @@ class Greedy:
     document is *touched*: ``touched[gid] = [l, home, {server: [a, b]}, {source: server}]``,
     ``home`` its rank's server in-place (-1 in dedicated mode, where every row moves), the last map
     the server each source last gave part of its band to (it holds the band just inside).
+
+    In-place, a whole document starts on its rank's server unless the batch says otherwise: a
+    start of :mod:`scheduler.planner`'s fallback carries ``homes`` (each document's rank), and
+    its split documents are set up with :meth:`start_bands`.
     """
 
     def __init__(self, batch: PlacedBatch, limit: float):
@@ -63,6 +67,8 @@ class Greedy:
         self.dead_left: dict[int, int] = {}
         self.dead_right: dict[int, int] = {}
         self.recent: dict[int, dict[int, None]] = {}  # source -> documents it split and still holds
+        # In-place with whole documents away from their rank's server: each document's home.
+        self.homes = getattr(batch, "homes", None) if batch.inplace else None
 
     # ---- the index of whole documents ------------------------------------------------------------
     def _left(self, i: int, lo: int) -> int:
@@ -340,10 +346,11 @@ class Greedy:
                 j += 1
         best = None
         home = src if self.inplace else -1
-        sgid = self.sgid
+        sgid, homes = self.sgid, self.homes
         for pos in found:
-            l = slen[pos]
-            best = self._consider(best, sgid[pos], l, 0, (l + 1) // 2, home, src, top, None, need, room, pos)
+            l, gid = slen[pos], sgid[pos]
+            best = self._consider(best, gid, l, 0, (l + 1) // 2, home if homes is None else homes[gid],
+                                  src, top, None, need, room, pos)
         # Bands this source split before: the newest few; all of them if nothing else moves.
         recent = self.recent.get(src)
         if recent:
@@ -358,7 +365,8 @@ class Greedy:
     def _apply(self, src: int, dst: int, gid: int, k: int, l: int, pos: int) -> None:
         record = self.touched.get(gid)
         if record is None:  # first move of a whole document
-            record = self.touched[gid] = [l, src if self.inplace else -1, {src: [0, (l + 1) // 2]}, {}]
+            home = -1 if not self.inplace else src if self.homes is None else self.homes[gid]
+            record = self.touched[gid] = [l, home, {src: [0, (l + 1) // 2]}, {}]
             self.dead_left[pos] = pos - 1
             self.dead_right[pos] = pos + 1
         held = record[2]
@@ -387,6 +395,18 @@ class Greedy:
             there[0] = lo
         else:
             raise AssertionError("non-adjacent bands of one document on one server")
+
+    def start_bands(self, bands: dict[int, list[tuple[int, int, int]]], positions: dict[int, int]) -> None:
+        """Split whole documents into the given bands before :meth:`run`: ``bands[gid]`` lists
+        ``(server, a, b)`` from the outside in, the first on the document's initial server and
+        every server distinct; ``positions[gid]`` is its place in the index. Applied as moves of
+        the inner bands, innermost first, so the state is what those moves would have made."""
+        slen = self.slen
+        for gid, parts in bands.items():
+            pos = positions[gid]
+            src = parts[0][0]
+            for server, a, b in reversed(parts[1:]):
+                self._apply(src, server, gid, b - a, slen[pos], pos)
 
     def run(self) -> None:
         """Surplus-to-deficit moves at ``self.limit`` (steps 2 and 3 of :mod:`scheduler.planner`)."""
@@ -552,7 +572,7 @@ class Greedy:
         rows[:, 5] = window_kv_start(rows[:, 3], bt.window)
         rows[:, 6] = rows[:, 4]
         moved = rows
-        if bt.inplace:
+        if bt.inplace and self.homes is None:
             # Whole documents are in order already (server = rank, documents by index): merge the
             # few moved rows in by their place, found on a packed (server, rank, doc) key.
             if not len(moved):
