@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from distca_server.kernels import check_backend_name
-from distca_server.runtime.base import PlannedBatch, Runtime, Traffic, sum_traffic
+from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
 from scheduler.checks import MODES, is_int, is_number
@@ -21,14 +21,27 @@ class DistCAClient:
     Build one with :meth:`local` (in-process virtual servers) or :meth:`connect` (a job on Ray);
     both run on a :class:`~distca_server.runtime.base.Runtime` and behave the same. Each distinct
     batch (``doc_lens``, attention shape, device) of a step is planned once, so every layer of a
-    step reuses its plan. A step ends once every grad-requiring forward round has had its backward
-    round, or at :meth:`new_step`.
+    step reuses its plan.
+
+    When a step ends: each grad-requiring forward round awaits its backward round until that round
+    runs or autograd frees the round's node without one. The step ends at the first ``attend``
+    made outside a backward pass after a backward round of the step has run and no forward round
+    still awaits its backward, or at :meth:`new_step`. An ``attend`` made during a backward pass
+    (activation checkpointing's recomputation, reentrant or not) belongs to the step being
+    backpropagated. So a checkpointed model makes one plan per batch per training step, and so
+    does a schedule that forwards many micro-batches and then backpropagates each. The rule
+    follows the program's order of calls, so every client of a job ends a step at the same call
+    (details: :class:`~distca_server.runtime.base.StepState`).
 
     Kept activations (``keep_activations=True``, the default): a forward round that will have a
     backward round (grad enabled and q, k or v requiring grad) leaves its Q, K, V rows and its O
     and LSE on the servers that computed them, and the client saves none of them for autograd;
-    that layer's backward round sends dO only and returns dQ, dK, dV. Forward-only rounds
-    (evaluation, ``torch.no_grad``) keep nothing, whatever the setting.
+    that layer's backward round sends dO only, returns dQ, dK, dV and frees them. A second
+    backward through the same output (``retain_graph=True``) therefore raises ``RuntimeError``;
+    a ``keep_activations=False`` client allows it. When autograd frees a round's node without a
+    backward, the round's rows are freed at once on this process's participants (dedicated Ray
+    servers free theirs when the next step begins). Forward-only rounds (evaluation,
+    ``torch.no_grad``) keep nothing, whatever the setting.
     """
 
     def __init__(self, runtime: Runtime):
@@ -40,7 +53,8 @@ class DistCAClient:
     def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
               mode: str = "inplace", *, num_ranks: int | None = None, min_shard: int = 128,
               timeout_s: float = 60.0, keep_activations: bool = True,
-              max_held_bytes_per_server: int | None = None, partial_kv: bool = False) -> "DistCAClient":
+              max_held_bytes_per_server: int | None = None, partial_kv: bool = False,
+              max_batches: int = BATCHES_KEPT) -> "DistCAClient":
         """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
 
         Args:
@@ -59,6 +73,9 @@ class DistCAClient:
                 one layer of one batch leaves held on a server (see :func:`scheduler.plan_batch`).
             partial_kv: the planner may also split a query shard's keys over servers where that
                 balances better (``plan_batch(..., partial_kv=True)``; full causal attention only).
+            max_batches: idle batches (no forward round awaiting its backward) a step keeps
+                bound, most recently used first; an evicted one is planned again when next seen.
+                Batches awaiting a backward are never evicted, however many.
 
         Raises:
             ValueError: any argument out of range, naming it.
@@ -88,16 +105,20 @@ class DistCAClient:
                                                       or keep_activations is not True):
             problems.append(f"max_held_bytes_per_server={max_held_bytes_per_server!r} (must be an int >= 1, "
                             f"with keep_activations=True)")
+        problems += _check_max_batches(max_batches)
         if problems:
             raise ValueError("DistCAClient.local: " + "; ".join(problems))
-        return cls(LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
-                                int(min_shard), float(timeout_s), keep_activations,
-                                None if max_held_bytes_per_server is None else int(max_held_bytes_per_server),
-                                partial_kv))
+        runtime = LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
+                               int(min_shard), float(timeout_s), keep_activations,
+                               None if max_held_bytes_per_server is None else int(max_held_bytes_per_server),
+                               partial_kv)
+        runtime.max_batches = int(max_batches)
+        return cls(runtime)
 
     @classmethod
     def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,
-                *, timeout_s: float | None = None, keep_activations: bool | None = None) -> "DistCAClient":
+                *, timeout_s: float | None = None, keep_activations: bool | None = None,
+                max_batches: int = BATCHES_KEPT) -> "DistCAClient":
         """Join job ``name`` on the current Ray cluster as client ``rank`` of ``world_size``.
 
         Call it from any Ray task or actor (Ray Train workers included: rank and world size then
@@ -108,13 +129,21 @@ class DistCAClient:
         on by default): every client and server of a plan must agree, so it is chosen once per
         job. Passing it here checks that the job runs with that setting.
 
+        ``max_batches``: as in :meth:`local`. Batches are bound in program order, so give every
+        client of a job the same value.
+
         Raises:
-            ValueError: no job of that name, rank/world size missing or inconsistent, or a
-                ``keep_activations`` other than the job's.
+            ValueError: no job of that name, rank/world size missing or inconsistent, a
+                ``keep_activations`` other than the job's, or a bad ``max_batches``.
             DistCAError: Ray is not initialised or the scheduler does not answer.
         """
+        problems = _check_max_batches(max_batches)
+        if problems:  # before registering with the job
+            raise ValueError("DistCAClient.connect: " + "; ".join(problems))
         from distca_server.runtime.ray_client import RayClientRuntime
-        return cls(RayClientRuntime(name, rank, world_size, timeout_s, keep_activations))
+        runtime = RayClientRuntime(name, rank, world_size, timeout_s, keep_activations)
+        runtime.max_batches = int(max_batches)
+        return cls(runtime)
 
     def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                      softmax_scale: float | None = None, window: int | None = None) -> "AttendHandle":
@@ -136,7 +165,8 @@ class DistCAClient:
         self._remember(step)
         counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
-        return AttendHandle(Pending(step, future), q, k, v, scale)
+        ticket = self._runtime.open_ticket(step, future) if counts else None
+        return AttendHandle(Pending(step, future, ticket=ticket), q, k, v, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                softmax_scale: float | None = None, window: int | None = None) -> torch.Tensor:
@@ -169,9 +199,10 @@ class DistCAClient:
         return self.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale, window=window).wait()
 
     def new_step(self) -> None:
-        """Start a new training step at the next ``attend``. Steps also end by themselves once
-        every grad-requiring forward round has had its backward round; call this in loops that run
-        forward only (evaluation)."""
+        """End the current step now; the next ``attend`` starts a new one. A step with a backward
+        ends by itself (see the class doc). Call this in loops that run forward only
+        (evaluation), whose steps never end by themselves. A forward round still awaiting its
+        backward loses its kept activations, and that backward raises ``DistCAError``."""
         self._runtime.new_step()
 
     def _remember(self, batch: PlannedBatch) -> None:
@@ -221,6 +252,12 @@ class DistCAClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_max_batches(value) -> list[str]:
+    if not is_int(value) or value < 1:
+        return [f"max_batches={value!r} (must be an int >= 1)"]
+    return []
 
 
 class AttendHandle:

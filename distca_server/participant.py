@@ -369,6 +369,13 @@ class Participant:
         self.kept.clear()
         self.kept_merged.clear()
 
+    def release_round(self, key: int) -> None:
+        """Drop the activations kept under ``key`` alone, if any. Autograd freed that forward
+        round's node without a backward round: a forward recomputed by activation checkpointing,
+        or one never backpropagated. Nothing will name the key again."""
+        self.kept.pop(key, None)
+        self.kept_merged.pop(key, None)
+
     def _who(self) -> str:
         return f"server {self.server} (step {self.part.step} batch {self.part.batch})"
 

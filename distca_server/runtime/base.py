@@ -10,7 +10,9 @@ client of a job on Ray). ``DistCAClient`` and its autograd function see only thi
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -30,8 +32,10 @@ Traffic = dict[str, dict[str, int]]
 tensors and kinds with nothing sent are absent."""
 
 BATCHES_KEPT = 16
-"""Batches a step keeps bound (an evaluation loop over many batch shapes without ``new_step``
-would otherwise hold every one); an evicted batch is planned again under a new batch index."""
+"""Default ``max_batches``: how many idle batches (no forward round awaiting its backward) a step
+keeps bound. Without a limit, an evaluation loop over many batch shapes and no ``new_step`` would
+hold every one. An evicted batch is planned again under a new batch index; a batch with a forward
+round awaiting its backward is never evicted."""
 
 
 def as_traffic(counter) -> Traffic:
@@ -106,8 +110,8 @@ class PlannedBatch(ABC):
             q: [T, num_heads_q, head_dim]; k, v: [T, num_heads_kv, head_dim]: this process's
                 rows of the batch (detached), T its tokens.
             softmax_scale: multiplier of ``Q Kᵀ``.
-            counts_for_step: whether a backward round will follow (the forward ran with grad);
-                the step ends once every counted forward round has had its backward round.
+            counts_for_step: whether a backward round may follow (the forward ran with grad);
+                the caller opens the round's ticket (:meth:`Runtime.open_ticket`).
 
         Returns:
             A future of ``(out [T, num_heads_q, head_dim] in q's dtype, lse [T, num_heads_q] in
@@ -162,6 +166,12 @@ class PlannedBatch(ABC):
         for p in self.participants:
             p.release(why)
 
+    def release_round(self, kept: int) -> None:
+        """Drop here the activations kept under ``kept`` alone: autograd freed that forward
+        round's node without a backward round."""
+        for p in self.participants:
+            p.release_round(kept)
+
     def traffic(self) -> Traffic:
         """Bytes this process's participants sent to *other* participants in this batch's rounds
         so far (rows a client hands its own in-place server are not counted). Locally: all
@@ -192,12 +202,30 @@ class Runtime(ABC):
         from the scheduler). Layers with different windows in one step get one batch (and plan)
         each.
 
-        Ends the current step first if as many backward rounds as counted forward rounds have run.
+        Ends the current step first if it is over (:class:`StepState`: outside a backward pass,
+        after a backward round, with no forward round awaiting its backward).
 
         Raises:
             ValueError: bad input (the Ray scheduler reports it to every client of the batch).
             DistCAError: the runtime is closed, or a participant or the scheduler failed.
         """
+
+    @property
+    def max_batches(self) -> int:
+        """How many idle batches a step keeps bound (see :class:`StepState`)."""
+        return self._state.max_batches
+
+    @max_batches.setter
+    def max_batches(self, n: int) -> None:
+        with self._lock:
+            self._state.max_batches = n
+
+    def open_ticket(self, batch: PlannedBatch, future: Future) -> "Ticket | None":
+        """The ticket of ``batch``'s counted forward round whose future ``future``
+        :meth:`PlannedBatch.forward_async` returned; its autograd node holds it (see
+        :class:`StepState`)."""
+        with self._lock:
+            return self._state.open_ticket(batch, future)
 
     def new_step(self) -> None:
         """End the current step now (forward-only loops: nothing counts toward the step)."""
@@ -215,11 +243,42 @@ class Runtime(ABC):
         """Stop the runtime's threads and leave any group; later calls raise DistCAError."""
 
 
+def in_backward() -> bool:
+    """Whether the calling thread runs inside an autograd backward pass. Activation
+    checkpointing recomputes a forward there, reentrant or not."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Ticket:
+    """A counted forward round of a step, held by its autograd node (see :class:`StepState`).
+
+    :meth:`resolve` when its backward round has run. A ticket that is freed while still open
+    (the node was dropped without a backward) closes itself and releases its kept activations."""
+
+    __slots__ = ("_close", "id", "__weakref__")
+
+    def __init__(self, close, ticket_id: int):
+        self._close, self.id = close, ticket_id
+
+    def resolve(self) -> None:
+        self._close(self.id, False)
+
+
 class StepState:
     """Which step a runtime is in, the batches bound in it, and when it ends.
 
-    A step ends once as many backward rounds as counted forward rounds have run (checked when the
-    next batch is looked up), or at :meth:`advance`.
+    When a step ends: every counted forward round (grad enabled and q, k or v requiring grad) is
+    a *ticket* of its step (:meth:`open_ticket`). A ticket stays open until its backward round runs
+    or autograd frees its node without one. In the second case its kept activations are released
+    here at once: checkpointing's recomputed forwards, a forward with grad that is never
+    backpropagated. The step ends at the first :meth:`lookup` made *outside* a backward pass once
+    a backward round of the step has run and no ticket is open, or at :meth:`advance`. A lookup
+    made inside a backward pass (checkpoint recomputation) belongs to the step being
+    backpropagated. So reentrant and non-reentrant checkpointing make one step, and so does a
+    pipeline schedule that runs every micro-batch's forward and then each backward. This depends
+    only on the program's order of calls and frees, so every client of a job ends a step at the
+    same call. A graph kept alive without a backward (an output stored across steps) keeps its
+    step open.
 
     Which batch an ``attend`` call belongs to: a batch with the same key (documents, attention
     shape, device, window) whose forward results were all claimed (``wait()``-ed, in program order), the
@@ -228,39 +287,49 @@ class StepState:
     the clients whose nano-batches differ, and each layer goes back to its own nano-batch: the
     choice follows the program's order of calls, the same on every client, never timing.
 
-    Not thread-safe: the runtime holds its lock (claims take a lock of their own).
+    Batches with an open ticket are never evicted. Of the idle ones, the step keeps the
+    ``max_batches`` most recently used bound (:meth:`add`).
+
+    Not thread-safe: the runtime holds its lock. Claims and tickets, which round futures and
+    autograd's frees change from other threads, take a lock of their own.
     """
 
-    def __init__(self, step: int = 0):
-        self.step = step
+    def __init__(self, step: int = 0, max_batches: int = BATCHES_KEPT):
+        self.step, self.max_batches = step, max_batches
         self.batches: OrderedDict = OrderedDict()  # batch index -> PlannedBatch, least recently used first
         self._next_batch = 0
         self.forward_rounds = self.backward_rounds = self.seq = 0
-        self._claims = threading.Lock()
+        self._guard = threading.RLock()  # re-entered when a release frees another ticket
         self._open: dict[int, int] = {}  # id(batch) -> forward rounds whose results are not claimed
+        self._tickets: dict[int, _OpenTicket] = {}  # ticket id -> its batch and kept key
+        self._busy: dict[int, int] = {}  # id(batch) -> its open tickets
+        self._ticket_ids = itertools.count()  # unique across steps: a stale ticket never closes a new one
 
     @property
     def ended(self) -> bool:
-        return self.forward_rounds > 0 and self.backward_rounds >= self.forward_rounds
+        """Whether the step is over for a call made here and now (see the class doc)."""
+        return self.backward_rounds > 0 and not self._tickets and not in_backward()
 
     def advance(self, step: int | None = None) -> None:
         """Start step ``step`` (default: the next one) with no batches; the old batches' kept
-        activations are released."""
+        activations are released and their open tickets forgotten."""
         for batch in self.batches.values():
             batch.release(f"step {self.step} ended")
         self.step = self.step + 1 if step is None else step
         self.batches.clear()
         self._next_batch = 0
         self.forward_rounds = self.backward_rounds = self.seq = 0
-        with self._claims:
+        with self._guard:
             self._open.clear()
+            self._tickets.clear()
+            self._busy.clear()
 
     def lookup(self, key):
-        """The batch of the current step for ``key`` (ending the step first if it is done): the
+        """The batch of the current step for ``key`` (ending the step first if it is over): the
         least recently used one bound to ``key`` with every forward result claimed, or None."""
         if self.ended:
             self.advance()
-        with self._claims:
+        with self._guard:
             for index, batch in self.batches.items():
                 if batch.key == key and not self._open.get(id(batch)):
                     self.batches.move_to_end(index)
@@ -271,26 +340,65 @@ class StepState:
         return self._next_batch
 
     def add(self, key, batch: PlannedBatch) -> None:
-        """Bind ``batch`` (whose index is :meth:`next_batch_index`) to ``key``."""
+        """Bind ``batch`` (whose index is :meth:`next_batch_index`) to ``key``; then evict the
+        least recently used idle batches (no open ticket) beyond ``max_batches`` idle ones."""
         batch.key = key
         self.batches[self._next_batch] = batch
         self._next_batch += 1
-        while len(self.batches) > BATCHES_KEPT:
-            _, old = self.batches.popitem(last=False)
-            old.release(f"batch {old.batch} of step {self.step} was evicted ({BATCHES_KEPT} batches kept)")
-            with self._claims:
+        with self._guard:
+            idle = [i for i, b in self.batches.items() if not self._busy.get(id(b))]
+            for index in idle[:max(0, len(idle) - self.max_batches)]:
+                old = self.batches.pop(index)
                 self._open.pop(id(old), None)
+                old.release(f"batch {old.batch} of step {self.step} was evicted "
+                            f"({self.max_batches} idle batches kept)")
+
+    def open_ticket(self, batch: PlannedBatch, future: Future) -> Ticket | None:
+        """The ticket of ``batch``'s counted forward round, whose future is ``future`` (its
+        ``kept``: the key of the activations kept for it, or None). None if ``batch``'s step has
+        ended already: nothing of it is kept any more."""
+        with self._guard:
+            if batch.step != self.step:
+                return None
+            ticket = Ticket(self._close, next(self._ticket_ids))
+            entry = self._tickets[ticket.id] = _OpenTicket(batch, getattr(future, "kept", None))
+            self._busy[id(batch)] = self._busy.get(id(batch), 0) + 1
+        future.add_done_callback(lambda _: self._round_done(entry))
+        weakref.finalize(ticket, self._close, ticket.id, True).atexit = False
+        return ticket
+
+    def _close(self, ticket_id: int, dropped: bool) -> None:
+        """Close a ticket: its backward round ran, or (``dropped``) its node was freed without
+        one; then its kept activations go as soon as its forward round is done."""
+        with self._guard:
+            entry = self._tickets.pop(ticket_id, None)
+            if entry is None:  # closed already, or its step ended
+                return
+            n = self._busy.pop(id(entry.batch)) - 1
+            if n:
+                self._busy[id(entry.batch)] = n
+            entry.dropped = dropped
+            release = dropped and entry.round_done
+        if release:
+            entry.release()
+
+    def _round_done(self, entry: "_OpenTicket") -> None:
+        with self._guard:
+            entry.round_done = True
+            release = entry.dropped
+        if release:
+            entry.release()
 
     def claimable(self, batch: PlannedBatch, future: Future, kept: int | None = None) -> Future:
         """``future`` (of ``batch``'s forward round, whose activations the servers keep under
         ``kept``) as a future whose first ``result()`` call claims the round: until then,
         ``batch`` is not handed out for its key again."""
-        with self._claims:
+        with self._guard:
             self._open[id(batch)] = self._open.get(id(batch), 0) + 1
         return _ClaimedFuture(future, lambda: self._claim(batch), kept)
 
     def _claim(self, batch: PlannedBatch) -> None:
-        with self._claims:
+        with self._guard:
             n = self._open.get(id(batch), 0)
             if n > 1:
                 self._open[id(batch)] = n - 1
@@ -305,8 +413,8 @@ class StepState:
         """
         if batch.step != self.step:
             raise DistCAError(f"batch {batch.batch} of step {batch.step} used in step {self.step} "
-                              f"(its step ended: every counted forward round had its backward round, "
-                              f"or new_step() was called)")
+                              f"(its step ended: a backward pass had run and no forward round awaited "
+                              f"its backward, or new_step() was called)")
         seq = self.seq
         self.seq += 1
         if kind == RoundKind.FORWARD and counts_for_step:
@@ -314,6 +422,19 @@ class StepState:
         elif kind == RoundKind.BACKWARD:
             self.backward_rounds += 1
         return seq
+
+
+class _OpenTicket:
+    """An open ticket's batch and kept key; ``dropped``: its node was freed without a backward;
+    ``round_done``: its forward round finished (so its kept rows exist and can go)."""
+
+    def __init__(self, batch: PlannedBatch, kept: int | None):
+        self.batch, self.kept = batch, kept
+        self.dropped = self.round_done = False
+
+    def release(self) -> None:
+        if self.kept is not None:
+            self.batch.release_round(self.kept)
 
 
 class _ClaimedFuture(Future):

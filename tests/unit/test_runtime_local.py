@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -165,6 +167,12 @@ class _Batch:
         self.released.append(why)
 
 
+def _finished():
+    done = Future()
+    done.set_result(None)
+    return done
+
+
 def test_step_state_counts_and_evicts():
     state = StepState(step=5)
     assert state.lookup("a") is None and state.next_batch_index() == 0
@@ -174,10 +182,14 @@ def test_step_state_counts_and_evicts():
     assert state.count_round(a, RoundKind.FORWARD, counts_for_step=False) == 0
     assert not state.ended
     assert state.count_round(a, RoundKind.FORWARD) == 1
+    first = state.open_ticket(a, _finished())  # counted rounds: the client opens their tickets
     assert state.count_round(a, RoundKind.FORWARD) == 2
+    second = state.open_ticket(a, _finished())
     state.count_round(a, RoundKind.BACKWARD)
+    second.resolve()  # its backward ran
     assert not state.ended and state.lookup("a") is a
     state.count_round(a, RoundKind.BACKWARD)
+    first.resolve()
     assert state.ended
     assert state.lookup("a") is None and state.step == 6 and state.next_batch_index() == 0
     with pytest.raises(DistCAError, match="batch 0 of step 5 used in step 6"):

@@ -22,6 +22,9 @@ class _Batch:
     def release(self, why):  # a PlannedBatch drops its kept activations when its step ends
         self.released.append(why)
 
+    def release_round(self, kept):  # ... and one round's when autograd dropped its node
+        self.released.append(kept)
+
 
 def _bind(state, key):
     found = state.lookup(key)
@@ -95,3 +98,42 @@ def test_local_ping_pong_with_identical_nano_batches_is_exact():
             for (q, k, v), h in zip(runs, handles):
                 want = varlen_attention_ref(q, k, v, lens, 16 ** -0.5)
                 assert (h.wait() - want).abs().max().item() < 1e-10
+
+
+def test_a_dropped_ticket_releases_its_round_once_the_round_is_done():
+    state = StepState()
+    a = _bind(state, "k")
+    state.count_round(a, RoundKind.FORWARD)
+    inner = Future()
+    future = state.claimable(a, inner, kept=0)
+    ticket = state.open_ticket(a, future)
+    del ticket  # autograd freed the node while the round still runs: its rows do not exist yet
+    assert a.released == []
+    inner.set_result("out")
+    assert a.released == [0]  # released as soon as the round had kept them
+    state.count_round(a, RoundKind.FORWARD)
+    done = Future()
+    done.set_result("out")
+    kept = state.open_ticket(a, state.claimable(a, done, kept=1))
+    kept.resolve()  # its backward ran: the backward round freed the rows itself
+    del kept
+    assert a.released == [0]
+
+
+def test_a_step_does_not_end_inside_a_backward_pass():
+    state = StepState()
+    a = _bind(state, "k")
+    state.count_round(a, RoundKind.BACKWARD)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(state.ended)  # a checkpoint's recomputation looks its batch up here
+            return g
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == [False] and state.ended
