@@ -8,34 +8,42 @@ query heads, 2 KV heads, head_dim 16, float32), runs ``--layers`` attends and on
 compares out, dQ, dK, dV with the float64 reference: an output whose max error is more than 1e-4
 of its max magnitude is *wrong* (a correct float32 run is ~1e-7).
 
-Faults, each at a fixed fraction of ``--steps`` (``--quick``: the first three only):
+Faults, one every ``--every`` steps (25; quick: 10), in this order, over and over (``--quick``: the
+three ``QUICK_FAULTS``). The driver runs the clients in lock-step, as DDP forces a
+training loop to: each step starts on both clients together and waits for both.
 
+- ``client kill``: client 1's actor is killed during a step and the driver starts a new one with
+  the same rank at once (a restarted training worker), which registers while client 0 still waits
+  in that step and joins the loop at the next one;
 - ``server kill``: server 1's process is killed during a step; Ray restarts it, it registers again
   and rejoins a later step (meanwhile the steps run on server 0);
+- ``scheduler kill idle``: the scheduler is killed between two steps; Ray restarts it and the next
+  step must run (a restart with no step in flight costs no step);
+- ``scheduler kill mid-step``: the scheduler is killed while both clients hold the step's plan,
+  before its rounds; the step in flight fails on every participant, Ray restarts the scheduler and
+  every participant registers again;
 - ``client pause``: client 0's process is stopped (SIGSTOP) during a step for the timeout + 1 s,
   then continued: its peers fail the step naming it, it fails too, all go on;
-- ``late client``: client 1 has its plan but starts its round the timeout + 1 s after client 0;
-- ``client kill``: client 1's actor is killed during a step and the driver starts a new one with
-  the same rank (a restarted training worker), which registers again;
+- ``late client``: client 1 has its plan but starts its round the timeout + 1 s after client 0.
 
-Every fault but the late client strikes a step in flight: both clients get the step's plan and
-hold it for a moment (``HOLD_S``) before the rounds while the fault strikes.
-- ``scheduler kill``: the scheduler is killed while both clients hold the step's plan, before its
-  rounds; the step in flight fails on every participant, Ray restarts the scheduler and every
-  participant registers again.
+Faults that strike a step in flight let both clients get the step's plan and hold it for a moment
+(``HOLD_S``) before the rounds while the fault strikes.
 
-A fault is *survived* when, within ``--recover`` steps after it, a step runs on every client with
-every output exact. Failed steps are the steps in which a client raised (``DistCAError`` naming
-the lost participant); a wrong output is never acceptable, failed step or not.
+A fault's *lost steps* are the steps from the one it struck until the next exact step; the target
+is the struck step alone (0 for the idle scheduler kill). A fault is *survived* when, within
+``--recover`` steps after it, a step runs on every client with every output exact. A step whose
+client does not answer within 120 s is a *hang* (target 0). Failed steps are the steps in which a
+client raised (``DistCAError`` naming the lost participant); a wrong output is never acceptable,
+failed step or not.
 
 Usage::
 
-    python bench/soak.py            # 500 steps, 5 faults (about 3-4 minutes on 2 CPU cores)
+    python bench/soak.py            # 500 steps, 20 faults (about 6 minutes on 2 CPU cores)
     python bench/soak.py --quick    # 40 steps, 3 faults (CI smoke)
 
-Prints a table of the faults and a summary (steps, faults injected and survived, wrong outputs,
-each actor's RSS at the start and end; the JSON also has it every 100 steps) and writes JSON to
-``--json`` (default ``bench/results/soak.json``).
+Prints a table of the faults (lost steps per fault kind) and a summary (steps, faults injected and
+survived, wrong outputs, hangs, each actor's RSS at the start and end; the JSON also has it every
+100 steps) and writes JSON to ``--json`` (default ``bench/results/soak.json``).
 """
 
 from __future__ import annotations
@@ -56,13 +64,13 @@ from bench.report import finish  # noqa: E402
 
 NAME = "soak"
 WRONG = 1e-4  # relative max error above which an output is wrong (float32 runs are ~1e-7)
-FAULTS = [  # (kind, at this fraction of the steps)
-    ("server kill", 0.15), ("client pause", 0.35), ("late client", 0.5),
-    ("client kill", 0.65), ("scheduler kill", 0.85)]
-QUICK_FAULTS = 3
+FAULTS = ("client kill", "server kill", "scheduler kill idle", "scheduler kill mid-step", "client pause",
+          "late client")
+QUICK_FAULTS = ("server kill", "client pause", "late client")
 # Seconds both clients hold the step's plan before its rounds while the fault strikes (a third of
 # the way in): a Ray actor's death reaches the calls in flight to it ~1.7 s after the kill.
-HOLD_S = {"server kill": 0.6, "client pause": 0.6, "client kill": 0.6, "scheduler kill": 3.0}
+HOLD_S = {"server kill": 0.6, "client pause": 0.6, "client kill": 0.6, "scheduler kill mid-step": 3.0}
+HANG_S = 120.0  # a client that does not answer a step within this hangs
 
 
 class SoakClient:
@@ -131,7 +139,7 @@ class Soak:
                           detached=False, max_restarts=20, server_options={"num_cpus": 0}, min_shard=8)
         self.actor = ray.remote(num_cpus=0)(SoakClient)
         self.clients = [self._client(r) for r in range(2)]
-        self.ok = self.failed = self.wrong = self.outputs = 0
+        self.ok = self.failed = self.wrong = self.outputs = self.hangs = 0
         self.worst = 0.0
 
     def _client(self, rank: int):
@@ -156,6 +164,8 @@ class Soak:
         hold = HOLD_S.get(fault, 0.0)
         late = [0.0, T + 1.0] if fault == "late client" else [hold, hold]
         pid = ray.get(self.clients[0].pid.remote()) if fault == "client pause" else None
+        if fault == "scheduler kill idle":  # between two steps: the clients find it gone at their report
+            ray.kill(self.job["scheduler"], no_restart=False)
         refs = [c.step.remote(i, self.args.layers, late[r]) for r, c in enumerate(self.clients)]
         if hold:
             time.sleep(hold / 3)
@@ -165,19 +175,22 @@ class Soak:
             os.kill(pid, signal.SIGCONT)
         elif fault == "server kill":
             ray.kill(self.job["servers"][1], no_restart=False)
-        elif fault == "scheduler kill":
+        elif fault == "scheduler kill mid-step":
             ray.kill(self.job["scheduler"], no_restart=False)
         elif fault == "client kill":
             ray.kill(self.clients[1], no_restart=True)
+            # a restarted training worker registers again while client 0 still waits in this step
+            self.clients[1] = self._client(1)
         results = []
         for ref in refs:
             try:
-                results.append(ray.get(ref, timeout=120))
+                results.append(ray.get(ref, timeout=HANG_S))
             except ray.exceptions.RayActorError:  # the killed client
                 results.append({"ok": False, "type": "killed", "message": "killed"})
-        if fault == "client kill":
-            self.clients[1] = self._client(1)  # a restarted training worker registers again
-        if fault == "scheduler kill":
+            except ray.exceptions.GetTimeoutError:
+                self.hangs += 1
+                results.append({"ok": False, "type": "hang", "message": f"no answer within {HANG_S:g} s"})
+        if fault and fault.startswith("scheduler kill"):
             self._wait_scheduler()
         for r in results:
             if r["ok"]:
@@ -207,9 +220,22 @@ class Soak:
         shutdown(NAME)
 
 
-def schedule(steps: int, quick: bool) -> dict[int, str]:
-    faults = FAULTS[:QUICK_FAULTS] if quick else FAULTS
-    return {max(1, int(frac * steps)): kind for kind, frac in faults}
+def schedule(steps: int, every: int, quick: bool) -> dict[int, str]:
+    """``{step index: fault}``: one fault every ``every`` steps, cycling through the kinds."""
+    kinds = QUICK_FAULTS if quick else FAULTS
+    at = range(every, steps - 1, every)  # the last step is left to show the last recovery
+    return {i: kinds[n % len(kinds)] for n, i in enumerate(at) if not quick or n < len(kinds)}
+
+
+def lost_per_kind(rows: list[dict]) -> dict[str, dict]:
+    """Per fault kind: how often it struck, and the steps lost each time (min, max, mean)."""
+    out = {}
+    for kind in dict.fromkeys(r["fault"] for r in rows):
+        lost = [r["failed_steps"] for r in rows if r["fault"] == kind]
+        out[kind] = {"faults": len(lost), "lost_min": min(lost), "lost_max": max(lost),
+                     "lost_mean": sum(lost) / len(lost),
+                     "survived": sum(r["survived"] for r in rows if r["fault"] == kind)}
+    return out
 
 
 def run(args, log) -> dict:
@@ -217,10 +243,10 @@ def run(args, log) -> dict:
     try:
         for i in range(args.warmup):
             soak.step(i)
-        soak.ok = soak.failed = soak.wrong = soak.outputs = 0
+        soak.ok = soak.failed = soak.wrong = soak.outputs = soak.hangs = 0
         pids = soak.pids()
         rss_start = {who: rss_mib(pid) for who, pid in pids.items()}
-        faults = schedule(args.steps, args.quick)
+        faults = schedule(args.steps, args.every, args.quick)
         rows, pending, trace = [], None, []
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
@@ -250,6 +276,7 @@ def run(args, log) -> dict:
     restarted = sorted(who for who in pids if pids_end.get(who) != pids[who])
     return {"benchmark": "soak", "quick": args.quick, "steps": args.steps, "warmup_steps": args.warmup,
             "layers": args.layers, "timeout_s": args.timeout, "recover_steps": args.recover,
+            "every": args.every, "fault_kinds": lost_per_kind(rows), "hangs": soak.hangs,
             "exact_steps": soak.ok, "failed_steps": soak.failed, "wrong_outputs": soak.wrong,
             "outputs_checked": soak.outputs, "worst_relative_error": soak.worst,
             "faults": rows, "faults_injected": len(rows), "faults_survived": sum(r["survived"] for r in rows),
@@ -259,16 +286,17 @@ def run(args, log) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = [f"{'fault':<15}  {'step':>5}  {'failed steps':>12}  {'survived':>8}  {'exact again at':>14}",
-             f"{'-' * 15}  {'-' * 5}  {'-' * 12}  {'-' * 8}  {'-' * 14}"]
-    for r in result["faults"]:
-        lines.append(f"{r['fault']:<15}  {r['step']:>5}  {r['failed_steps']:>12}  {'yes' if r['survived'] else 'NO':>8}  "
-                     f"{'-' if r['recovered_at'] is None else r['recovered_at']:>14}")
+    lines = [f"{'fault':<23}  {'faults':>6}  {'lost steps min':>14}  {'max':>4}  {'mean':>5}  {'survived':>8}",
+             f"{'-' * 23}  {'-' * 6}  {'-' * 14}  {'-' * 4}  {'-' * 5}  {'-' * 8}"]
+    for kind, k in result["fault_kinds"].items():
+        lines.append(f"{kind:<23}  {k['faults']:>6}  {k['lost_min']:>14}  {k['lost_max']:>4}  "
+                     f"{k['lost_mean']:>5.2f}  {k['survived']:>8}")
     lines.append("")
     rss = result["rss_mib"]
-    head = ["steps", "exact", "failed", "faults injected", "faults survived", "wrong outputs", "outputs checked"]
+    head = ["steps", "exact", "failed", "faults injected", "faults survived", "wrong outputs", "hangs",
+            "outputs checked"]
     vals = [result["steps"], result["exact_steps"], result["failed_steps"], result["faults_injected"],
-            result["faults_survived"], result["wrong_outputs"], result["outputs_checked"]]
+            result["faults_survived"], result["wrong_outputs"], result["hangs"], result["outputs_checked"]]
     widths = [max(len(h), len(f"{v:,}")) for h, v in zip(head, vals)]
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     lines.append("  ".join("-" * w for w in widths))
@@ -287,7 +315,8 @@ def render(result: dict) -> str:
 def headline(result: dict) -> list[str]:
     survived = f"{result['faults_survived']} of {result['faults_injected']} faults survived"
     return [f"{result['steps']} steps in {result['loop_s']:.0f} s ({result['steps_per_s']:.1f} steps/s), "
-            f"{survived}, {result['failed_steps']} failed steps, {result['wrong_outputs']} wrong outputs of "
+            f"{survived}, {result['failed_steps']} failed steps, {result['hangs']} hangs, "
+            f"{result['wrong_outputs']} wrong outputs of "
             f"{result['outputs_checked']:,} checked (worst relative error {result['worst_relative_error']:.1e})"]
 
 
@@ -300,6 +329,7 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=1, help="attends per step")
     p.add_argument("--timeout", type=float, help="the job's timeout in seconds (default 3, quick 2)")
     p.add_argument("--recover", type=int, default=5, help="steps a fault may take to be survived")
+    p.add_argument("--every", type=int, help="steps between faults (default 25, quick 10)")
     p.add_argument("--verbose", action="store_true", help="log every failed step's messages")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json",
                    help="where to write the results (default: bench/results/soak.json)")
@@ -307,8 +337,9 @@ def parse_args(argv):
     args.steps = args.steps or (40 if args.quick else 500)
     args.timeout = args.timeout or (2.0 if args.quick else 3.0)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
-    if args.steps < 10 or args.layers < 1 or args.timeout <= 0 or args.recover < 1:
-        p.error("need --steps >= 10, --layers >= 1, --timeout > 0 and --recover >= 1")
+    args.every = args.every or (10 if args.quick else 25)
+    if args.steps < 10 or args.layers < 1 or args.timeout <= 0 or args.recover < 1 or args.every < 2:
+        p.error("need --steps >= 10, --layers >= 1, --timeout > 0, --recover >= 1 and --every >= 2")
     return args
 
 
@@ -340,7 +371,8 @@ def main(argv=None) -> int:
             import ray
             ray.shutdown()
     finish(lambda: print(render(result)), headline(result), time.perf_counter() - start, args.json, result)
-    return 0 if result["wrong_outputs"] == 0 and result["faults_survived"] == result["faults_injected"] else 1
+    ok = result["wrong_outputs"] == 0 and result["hangs"] == 0
+    return 0 if ok and result["faults_survived"] == result["faults_injected"] else 1
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ class SchedulerActor:
         self._check_ray_job(rank, info.get("job_id"))
         out = self.coord.register_client(rank, world_size, dict(info, registered=time.time()))
         token = self.coord.issue_token(rank)
-        log.info("job %s: client rank %d of %d registered (node %s, pid %s, step %s)", self.name, rank,
-                 world_size, info.get("node", "?"), info.get("pid", "?"), info.get("step", "?"))
+        log.info("job %s: client rank %d of %d registered (node %s, pid %s, step %s); it goes on at step %d",
+                 self.name, rank, world_size, info.get("node", "?"), info.get("pid", "?"), info.get("step", "?"),
+                 out["next_step"])
         self._wake_resolved()
         self._discovery()  # after a restart, clients register first: find the servers meanwhile
         return dict(out, scheduler=self.incarnation, token=token)

@@ -42,6 +42,9 @@ from ..participant import Participant
 from .groups import Group, join_epoch
 
 POLL_S = 5.0  # one long-poll of the scheduler lasts at most this long
+# A registration (a client's or a server's) waits this long for a busy, starting or restarting
+# scheduler: on a loaded machine Ray takes minutes to start an actor's process.
+REGISTER_TIMEOUT_S = 180.0
 _WAKE_S = 0.1  # while polling, check this often whether the member moved to another epoch
 
 
@@ -359,6 +362,7 @@ class GroupMember:
             SchedulerLost: the scheduler died, or answers as another incarnation (it restarted):
                 this member's epoch is abandoned and its owner must register again.
         """
+        incarnation = self.scheduler_incarnation
         ref = self.scheduler.watch.remote(epoch, poll_s)
         deadline = time.monotonic() + poll_s + self.timeout_s
         while not ray.wait([ref], timeout=_WAKE_S)[0]:
@@ -367,6 +371,11 @@ class GroupMember:
         try:
             reply = ask(ref, self.timeout_s)
         except SchedulerLost:
+            # A poll of the scheduler that died may fail only after the owner found that out
+            # itself and registered with its successor (a client's next report does): the death
+            # is old news then, and must not fail the epoch the member has joined since.
+            if self.scheduler_incarnation != incarnation:
+                return
             self._scheduler_gone()
             raise
         except DistCAError:

@@ -39,10 +39,9 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
 from .base import PlannedBatch, Runtime, StepState
-from .member import GroupFailure, GroupMember, SchedulerLost, ask
+from .member import REGISTER_TIMEOUT_S, GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
-_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 _RESTART_POLL_S = 0.2  # while the scheduler restarts, try to register again this often
 log = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ class RayClientRuntime(Runtime):
                 "driver": ctx.worker.mode == ray.SCRIPT_MODE}
         log.info("rank %d of %d: registering with job %s at step %d", self.rank, self.world_size, self.name, step)
         cfg = ask(self.scheduler.register_client.remote(self.rank, self.world_size, info),
-                  max(self.timeout_s, _REGISTER_TIMEOUT_S))
+                  max(self.timeout_s, REGISTER_TIMEOUT_S))
         self._token = cfg.get("token")  # this registration's secret: fail_step and plan_descriptor need it
         return cfg
 
@@ -203,6 +202,10 @@ class RayClientRuntime(Runtime):
                 self._state.advance()
             step, mid_step = self._state.step, self._state.seq > 0
             self._state.advance()
+            try:  # a restarted scheduler takes fail_step only from a client that registered with it
+                self._reregister()
+            except Exception:  # the scheduler is gone or broken: the peers' own timeouts take over
+                return
         message = str(error)
         try:
             ask(self.scheduler.fail_step.remote(step, self.rank, message, self._token), self.timeout_s)
@@ -265,10 +268,10 @@ class RayClientRuntime(Runtime):
 
         Raises:
             DistCAError: mid-step, the scheduler died or the job went on; or the scheduler did not
-                come back within ``max(timeout_s, 60 s)``, or kept answering ``resync``.
+                come back within ``max(timeout_s, REGISTER_TIMEOUT_S)``, or kept answering ``resync``.
         """
-        lost_since = None
-        for _ in range(_REPORT_TRIES):
+        lost_since, tries = None, 0
+        while tries < _REPORT_TRIES:
             try:
                 self._reregister()
                 step, batch = self._state.step, self._state.next_batch_index()
@@ -282,17 +285,19 @@ class RayClientRuntime(Runtime):
                     raise DistCAError(f"rank {self.rank}: step {step} failed: {exc}") from None
                 lost_since = lost_since or time.monotonic()
                 waited = time.monotonic() - lost_since
-                if waited > max(self.timeout_s, _REGISTER_TIMEOUT_S):
+                if waited > max(self.timeout_s, REGISTER_TIMEOUT_S):
                     raise DistCAError(f"rank {self.rank}: step {step}: {exc}, and it did not come back within "
                                       f"{waited:.0f} s") from None
                 time.sleep(_RESTART_POLL_S)  # Ray is restarting it: not a try of the loop
                 continue
+            tries += 1
             if answer.get("register"):  # a restarted scheduler that does not know us yet
                 self._needs_register = True
                 continue
             if answer.get("error") == "resync":  # the job left this step behind
                 mid_step = bool(self._state.batches)
                 self._state.advance(max(answer["next_step"], step + 1))
+                log.info("rank %d: %s; going on at step %d", self.rank, answer["message"], self._state.step)
                 if mid_step:
                     raise DistCAError(f"rank {self.rank}: {answer['message']}")
                 continue

@@ -40,11 +40,10 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
 from .base import as_traffic, sum_traffic
-from .member import POLL_S, GroupFailure, GroupMember, SchedulerLost, Superseded
+from .member import POLL_S, REGISTER_TIMEOUT_S, GroupFailure, GroupMember, SchedulerLost, Superseded
 
 _PARTS_KEPT = 8
 _REGISTER_RETRY_S = 0.5  # while the scheduler is restarting, try to register again this often
-_REGISTER_TIMEOUT_S = 60.0  # a registration waits this long for a busy (or restarting) scheduler
 log = logging.getLogger(__name__)
 
 
@@ -94,7 +93,7 @@ class AttentionServer:
 
     def _register(self) -> None:
         self.member.scheduler_incarnation = ray.get(self.scheduler.register_server.remote(
-            self.index, self._handle, self.describe()), timeout=max(self.timeout_s, _REGISTER_TIMEOUT_S))
+            self.index, self._handle, self.describe()), timeout=max(self.timeout_s, REGISTER_TIMEOUT_S))
 
     def describe(self) -> dict:
         """What the scheduler registers about this server: ``index``, ``node``, ``pid``,
