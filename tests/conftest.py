@@ -15,6 +15,12 @@ from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Ray starts its worker processes (every scheduler, server and client actor) at niceness 15: on a
+# machine with other work beside the tests (CI under load), each such process then gets about a
+# tenth of a busy process's CPU, and an actor restart takes minutes. The tests time distca's own
+# deadlines, so its processes run at the tests' priority. Set before any test starts Ray.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 settings.register_profile("default", deadline=None)
 settings.register_profile("quick", deadline=None, max_examples=10)
 settings.register_profile("thorough", deadline=None, max_examples=2000,
