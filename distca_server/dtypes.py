@@ -14,6 +14,11 @@ DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.floa
 DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s name without ``torch.`` (e.g. ``"bfloat16"``): how reports and messages name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the LSE and of summed gradients for activations of ``dtype``: float64 for
     float64, else float32 (FlashAttention-2 keeps its row statistics in float32)."""

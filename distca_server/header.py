@@ -30,7 +30,7 @@ import torch
 from scheduler.cost import KV_TENSORS, RoundKind
 from scheduler.tasks import participant_roles
 
-from .dtypes import DTYPE_CODES, DTYPES_BY_CODE
+from .dtypes import DTYPE_CODES, DTYPES_BY_CODE, dtype_name
 from .transport.base import all_to_all
 
 _ROUND = 8  # step, batch, seq, kind, dtype, scale bits, plan id, kept
@@ -86,7 +86,7 @@ class RoundHeader:
     def describe(self) -> str:
         kept = f", kept {self.kept}" if self.kept >= 0 else ""
         return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}{kept}, "
-                f"{str(self.dtype).removeprefix('torch.')})")
+                f"{dtype_name(self.dtype)})")
 
 
 # ---- claims: what a participant's part says moves between it and each peer ------------------------

@@ -33,6 +33,7 @@ from scheduler.messages import decode_answer, encode_report
 from scheduler.parts import PlanPart
 from scheduler.tasks import Plan
 
+from ..dtypes import dtype_name
 from ..errors import DistCAError
 from ..header import RoundHeader
 from ..kernels import get_backend
@@ -227,7 +228,7 @@ class RayClientRuntime(Runtime):
             if found is not None:
                 return found
             shape = {"cost": fmt.cost.to_wire(), "device_type": torch.device(device).type, "window": window,
-                     "dtype": str(fmt.dtype).removeprefix("torch.")}
+                     "dtype": dtype_name(fmt.dtype)}
             step, batch, answer = self._report(doc_lens, shape)
             if "error" in answer:  # every client of the batch gets it: all move on together
                 self._state.advance()
