@@ -65,8 +65,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# DISTCA_TREE: measure another checkout of distca with this script (bench/exchange_before_after.py
+# runs it on the base commit's tree); its packages come first, here and on the Ray workers.
+TREE = Path(os.environ.get("DISTCA_TREE", ROOT)).resolve()
+for _path in (ROOT, TREE):
+    if str(_path) in sys.path:
+        sys.path.remove(str(_path))
+    sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 
@@ -117,6 +122,20 @@ def _traffic_by_kind(traffic) -> dict[str, int]:
     return out
 
 
+class CountingGroup:
+    """A process group that counts the all-to-all collectives issued through it."""
+
+    def __init__(self, pg):
+        self._pg, self.collectives = pg, 0
+
+    def alltoall_base(self, *args):
+        self.collectives += 1
+        return self._pg.alltoall_base(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
 class BenchClient:
     """One training worker of the Ray runtime (a Ray actor): times its plan and rounds."""
 
@@ -131,7 +150,20 @@ class BenchClient:
 
     def _snapshot(self) -> dict:
         p = self.client.last_step.participants[0]  # this client's one participant
-        return {"timings": dict(p.timings), "traffic": _traffic_by_kind(p.traffic)}
+        return {"timings": dict(p.timings), "traffic": _traffic_by_kind(p.traffic),
+                "collectives": self.collectives()}
+
+    def collectives(self) -> int | None:
+        """Collectives this client's transport issued in its group so far, counted at its process
+        group (any tree's torch_dist transport calls ``pg.alltoall_base``); None before the group
+        forms or on another transport."""
+        member = self.client._runtime.member
+        transport = member.transport if member is not None else None
+        if transport is None or not hasattr(transport, "pg"):
+            return None
+        if not isinstance(transport.pg, CountingGroup):
+            transport.pg = CountingGroup(transport.pg)
+        return transport.pg.collectives
 
     def forward(self, lens: list[int], seed: int, step: int, layers: int) -> dict:
         """Plan the step (timed), then ``layers`` forward rounds, each timed; keeps the graphs."""
@@ -258,6 +290,7 @@ class RayRunner:
         stats = _server_stats(self.servers)
         before = [s.get("phase_seconds", {}) for s in stats]
         served = [s["rounds_served"] for s in stats]
+        pre_counts = ray.get([w.collectives.remote() for w in self.workers], timeout=TIMEOUT_S)
         fwd = ray.get([w.forward.remote(ranks[r], args.seed, index, layers)
                        for r, w in enumerate(self.workers)], timeout=TIMEOUT_S * 4)
         mid = [s.get("phase_seconds", {}) for s in _wait_rounds(self.servers, [n + layers for n in served])]
@@ -276,6 +309,11 @@ class RayRunner:
             sent = sum(r["traffic"][kind] - (fwd[i]["traffic"][kind] if kind == "backward" else 0)
                        for i, r in enumerate(res))
             out[kind]["client_bytes_per_round"] = sent / layers
+            counts = [(r["collectives"], (fwd[i]["collectives"] if kind == "backward" else pre_counts[i]))
+                      for i, r in enumerate(res)]
+            out[kind]["collectives_per_round"] = (
+                max(a - b for a, b in counts) / layers if all(a is not None and b is not None for a, b in counts)
+                else None)
         return out
 
     def close(self) -> None:
@@ -402,6 +440,7 @@ COLUMNS = [  # (header, key, format); keys without a prefix are shared, the rest
     ("unpack", "unpack_ms", "{:.1f}"),
     ("other", "other_ms", "{:.1f}"),
     ("total", "total_ms", "{:.1f}"),
+    ("coll", "collectives_per_round", "{:.0f}"),
 ]
 
 
@@ -539,7 +578,7 @@ def _start_ray(threads: int) -> bool:
     if __name__ != "__main__" and module is not None:
         # imported (e.g. by a test): ship BenchClient to the workers by value
         ray.cloudpickle.register_pickle_by_value(module)
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(TREE), str(ROOT)])), "OMP_NUM_THREADS": str(threads)}
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False,
              object_store_memory=200 * 2**20, runtime_env={"env_vars": env},
              namespace="distca", log_to_driver=False)

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.report import finish  # noqa: E402
+from distca_server.transport.base import DONE  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -97,7 +98,7 @@ def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, c
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        transport.exchange([send], [ss], [recv], [rs])
+        transport.exchange([send], [ss], [recv], [rs]).wait()
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
@@ -113,6 +114,7 @@ class _CopyOnly:
     def exchange(self, send, send_splits, recv, recv_splits):
         n = recv[0].numel()
         recv[0].copy_(send[0][:n] if send[0].numel() >= n else recv[0])
+        return DONE
 
     def close(self):
         pass
@@ -150,8 +152,8 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
         # The two delivered the same bytes.
         a = sym.buffer("bench", sum(rs))
-        sym.exchange([send], [ss], [a], [rs])
-        base.exchange([send], [ss], [recv_base], [rs])
+        sym.exchange([send], [ss], [a], [rs]).wait()
+        base.exchange([send], [ss], [recv_base], [rs]).wait()
         rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "base_s": t_base,
                      "equal": baseline == "copy" or bool(torch.equal(a, recv_base))})
     results.put((rank, rows))

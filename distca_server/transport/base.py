@@ -54,9 +54,13 @@ class Transport(Protocol):
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> None:
-        """Segment-wise ragged all-to-all; collective: every participant calls it once per exchange
-        with the same number of segments.
+                 timeout_s: float | None = None) -> "ExchangeHandle":
+        """Segment-wise ragged all-to-all, started; collective: every participant calls it once
+        per exchange with the same number of segments. All segments move in one operation; the
+        ``recv`` segments hold the data once the returned handle's ``wait()`` has returned (a
+        one-sided transport may finish before it returns and hand back :data:`DONE`). The
+        ``send`` segments must stay unchanged until then. Starting the next exchange first
+        completes this one.
 
         Args:
             send: per segment, uint8 [sum(send_splits[s])]: the bytes for participants 0..P-1.
@@ -66,14 +70,40 @@ class Transport(Protocol):
             timeout_s: overrides the transport's deadline (servers wait longer for a header).
 
         Raises:
-            ValueError: bad splits or buffers, or a peer sent a different size than expected.
-            DistCAError: a peer did not join within the deadline or failed.
+            ValueError: bad splits or buffers, or a peer sent a different size than expected
+                (from ``exchange`` or from ``wait``).
+            DistCAError: a peer did not join within the deadline or failed (from ``exchange``
+                or from ``wait``).
         """
         ...
 
     def close(self) -> None:
         """Leave the group; peers still in an exchange with it fail with ``DistCAError``."""
         ...
+
+
+class ExchangeHandle(Protocol):
+    """An exchange in flight (:meth:`Transport.exchange`)."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the exchange's ``recv`` segments hold their data (at most ``timeout_s``
+        seconds, default the transport's deadline). Waiting again returns at once.
+
+        Raises:
+            DistCAError: a peer failed or did not join within the deadline.
+        """
+        ...
+
+
+class _Done:
+    """The handle of an exchange that finished before ``exchange`` returned."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        return None
+
+
+DONE: ExchangeHandle = _Done()
+"""The handle one-sided transports (local, shm, NVSHMEM) return: their exchange is complete."""
 
 
 def check_exchange(send, send_splits, recv, recv_splits, world_size: int, rank: int) -> None:
@@ -118,5 +148,5 @@ def all_to_all(transport: Transport, send: torch.Tensor, send_splits: Sequence[i
                recv_splits: Sequence[int], timeout_s: float | None = None) -> torch.Tensor:
     """A one-segment exchange into a fresh tensor: uint8 [sum(recv_splits)] from 0..P-1 in order."""
     out = torch.empty(max(0, sum(map(int, recv_splits))), dtype=torch.uint8, device=transport.device)
-    transport.exchange([send], [send_splits], [out], [recv_splits], timeout_s=timeout_s)
+    transport.exchange([send], [send_splits], [out], [recv_splits], timeout_s=timeout_s).wait(timeout_s)
     return out

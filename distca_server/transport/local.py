@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..errors import DistCAError
-from .base import GrowingBuffers, check_exchange
+from .base import DONE, ExchangeHandle, GrowingBuffers, check_exchange
 
 
 class LocalGroup:
@@ -95,7 +95,7 @@ class LocalTransport:
         return self._buffers.buffer(key, nbytes)
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits, recv: Sequence[torch.Tensor],
-                 recv_splits, timeout_s: float | None = None) -> None:
+                 recv_splits, timeout_s: float | None = None) -> ExchangeHandle:
         g, me, P = self.group, self.rank, self.world_size
         check_exchange(send, send_splits, recv, recv_splits, P, me)
         offsets = []
@@ -129,3 +129,4 @@ class LocalTransport:
         # Nobody may reuse a send buffer for the next exchange before everyone has read this one.
         g._wait(me, "collect")
         g._slots[me] = None
+        return DONE

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..errors import DistCAError
-from .base import ALIGN, aligned, check_exchange
+from .base import ALIGN, DONE, ExchangeHandle, aligned, check_exchange
 
 MAX_SEGMENTS = 16  # segments of one exchange (a round's tensors)
 MAX_WISHES = 8  # growth requests one announce carries (more wait for the next exchange)
@@ -350,8 +350,9 @@ class SymmetricTransport:
     # ---- the exchange -----------------------------------------------------------------------------
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> None:
-        """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`).
+                 timeout_s: float | None = None) -> ExchangeHandle:
+        """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`), complete when it
+        returns :data:`~.base.DONE`: the host drives every step of the one-sided protocol.
 
         Raises:
             ValueError: bad splits or buffers, more than ``MAX_SEGMENTS`` segments, or a peer sends
@@ -360,6 +361,10 @@ class SymmetricTransport:
             DistCAError: the group was aborted or closed, a peer did not answer within the deadline,
                 or the symmetric heap is full.
         """
+        self._exchange(send, send_splits, recv, recv_splits, timeout_s)
+        return DONE
+
+    def _exchange(self, send, send_splits, recv, recv_splits, timeout_s) -> None:
         P, me, heap = self.world_size, self.rank, self.heap
         check_exchange(send, send_splits, recv, recv_splits, P, me)
         if len(send) > MAX_SEGMENTS:

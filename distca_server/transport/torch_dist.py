@@ -41,33 +41,58 @@ class TorchDistTransport:
         self.timeout_s, self.device, self.store, self.epoch = timeout_s, torch.device(device), store, epoch
         self.bytes_sent = 0
         self._buffers = GrowingBuffers(self.device)
+        self._in_flight: _Pending | None = None
 
     def buffer(self, key: str, nbytes: int) -> torch.Tensor:
         return self._buffers.buffer(key, nbytes)
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> None:
-        """One ragged ``alltoall_base`` per segment, straight between the given buffers;
-        ``timeout_s`` overrides the transport's deadline (servers wait for the next round's header
-        longer than for data inside a round).
+                 timeout_s: float | None = None) -> "_Pending":
+        """All segments in one ragged ``alltoall_base`` (one collective per exchange), started;
+        the handle's ``wait`` completes it. ``timeout_s`` overrides the transport's deadline
+        (servers wait for the next round's header longer than for data inside a round).
+
+        A collective moves one contiguous block per peer, while a segment (one tensor) must
+        arrive contiguous across senders for the kernel: with several segments the send side
+        copies them peer by peer into a staging buffer and ``wait`` copies the received blocks
+        out into the segments. One copy of each byte on each side buys one collective instead of
+        one per tensor (gloo's per-collective cost dominates below ~1 MB per segment; measured
+        in bench/README.md, roundtrip.py). A single segment moves with no copy.
 
         Raises:
             ValueError: bad splits or buffers.
-            DistCAError: a collective failed or timed out (a peer died or never came).
+            DistCAError: the collective failed or timed out (a peer died or never came), from
+                here or from ``wait``.
         """
         check_exchange(send, send_splits, recv, recv_splits, self.world_size, self.rank)
+        if self._in_flight is not None:  # the staging buffers are reused: finish the last one
+            self._in_flight.wait()
+        ss = [[int(x) for x in sp] for sp in send_splits]
+        rs = [[int(x) for x in sp] for sp in recv_splits]
+        timeout = _td(self.timeout_s if timeout_s is None else timeout_s)
+        per_peer_send = [sum(sp[p] for sp in ss) for p in range(self.world_size)]
+        per_peer_recv = [sum(sp[p] for sp in rs) for p in range(self.world_size)]
+        if len(send) == 1 and recv[0].is_contiguous():
+            send_buf, recv_buf, unpack = send[0].to(self.device), recv[0], None
+        else:
+            send_buf = self._buffers.buffer("a2a-send", sum(per_peer_send))
+            recv_buf = self._buffers.buffer("a2a-recv", sum(per_peer_recv))
+            _copy_blocks(send, ss, send_buf, into_staging=True)
+            unpack = (recv, rs)
         opts = dist.AllToAllOptions()
-        opts.timeout = _td(self.timeout_s if timeout_s is None else timeout_s)
+        opts.timeout = timeout
         try:
-            for buf_out, buf_in, rs, ss in zip(recv, send, recv_splits, send_splits):
-                work = self.pg.alltoall_base(buf_out, buf_in.to(self.device), list(map(int, rs)),
-                                             list(map(int, ss)), opts)
-                work.wait(opts.timeout)
-        except RuntimeError as exc:  # gloo and NCCL report lost peers and timeouts this way
-            raise DistCAError(f"all-to-all failed on participant {self.rank} of group epoch "
-                              f"{self.epoch}: {str(exc).splitlines()[0][:300]}") from None
-        self.bytes_sent += sum(sum(map(int, ss)) - int(ss[self.rank]) for ss in send_splits)
+            work = self.pg.alltoall_base(recv_buf, send_buf, per_peer_recv, per_peer_send, opts)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
+        self.bytes_sent += sum(per_peer_send) - per_peer_send[self.rank]
+        self._in_flight = _Pending(self, work, timeout, recv_buf, unpack)
+        return self._in_flight
+
+    def _error(self, exc: Exception) -> DistCAError:
+        return DistCAError(f"all-to-all failed on participant {self.rank} of group epoch "
+                           f"{self.epoch}: {str(exc).splitlines()[0][:300]}")
 
     def close(self) -> None:
         """Drop the group; peers still in a collective with it see their connection close."""
@@ -77,6 +102,53 @@ class TorchDistTransport:
                 pg.shutdown()
             except RuntimeError:
                 pass
+
+
+def _copy_blocks(segments, splits, staging: torch.Tensor, into_staging: bool) -> None:
+    """Copy between segment-major ``segments`` (segment ``s`` holds peers 0..P-1 in order,
+    ``splits[s][p]`` bytes each) and peer-major ``staging`` (peer ``p``'s block holds its bytes
+    of segments 0..S-1 in order): into ``staging`` or, with ``into_staging=False``, out of it."""
+    seg_off = [0] * len(segments)
+    at = 0
+    for p in range(len(splits[0]) if splits else 0):
+        for s, seg in enumerate(segments):
+            n = splits[s][p]
+            if n:
+                a, b = staging[at:at + n], seg[seg_off[s]:seg_off[s] + n]
+                (a.copy_(b) if into_staging else b.copy_(a))
+                at += n
+                seg_off[s] += n
+
+
+class _Pending:
+    """A :class:`TorchDistTransport` exchange in flight (see :class:`.base.ExchangeHandle`)."""
+
+    def __init__(self, transport: TorchDistTransport, work, timeout: datetime.timedelta,
+                 recv_buf: torch.Tensor, unpack):
+        self.transport, self.work, self.timeout = transport, work, timeout
+        self.recv_buf, self.unpack = recv_buf, unpack
+        self.error: DistCAError | None = None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Complete the collective (within ``timeout_s``, default the exchange's deadline) and
+        copy the received blocks into their segments.
+
+        Raises:
+            DistCAError: the collective failed or timed out (again on every later call).
+        """
+        t = self.transport
+        if self.work is not None:
+            work, self.work = self.work, None
+            if t._in_flight is self:
+                t._in_flight = None
+            try:
+                work.wait(self.timeout if timeout_s is None else _td(timeout_s))
+            except RuntimeError as exc:  # gloo and NCCL report lost peers and timeouts this way
+                self.error = t._error(exc)
+            if self.error is None and self.unpack is not None:
+                _copy_blocks(self.unpack[0], self.unpack[1], self.recv_buf, into_staging=False)
+        if self.error is not None:
+            raise self.error
 
 
 def listen_on(host: str) -> tuple[int, int]:

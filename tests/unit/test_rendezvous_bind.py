@@ -67,7 +67,7 @@ def test_store_listens_on_the_node_address_and_the_group_works():
 
     def exchange(rank):
         send = torch.tensor([10 * rank, 10 * rank + 1], dtype=torch.uint8)  # byte segments
-        members[rank].exchange([send], [[1, 1]], [outs[rank]], [[1, 1]])
+        members[rank].exchange([send], [[1, 1]], [outs[rank]], [[1, 1]]).wait()
 
     threads = [threading.Thread(target=exchange, args=(r,)) for r in (0, 1)]
     for t in threads:
