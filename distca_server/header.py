@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from scheduler.cost import KV_TENSORS, RoundKind
+from scheduler.cost import RoundKind
 from scheduler.tasks import participant_roles
 
 from .dtypes import DTYPE_CODES, DTYPES_BY_CODE, dtype_name
@@ -124,34 +124,18 @@ def claims(participant, kind: RoundKind) -> np.ndarray:
     """int64 [P, :data:`_CLAIMS`]: what ``participant`` (a
     :class:`~distca_server.participant.Participant`) will move with each peer in a round of
     ``kind``: its own index, 1, bytes it sends and expects in the dispatch and in the return
-    exchange, and the task digests (:func:`_digests`). Cached per participant and kind."""
+    exchange (its :class:`~scheduler.comm_layout.CommLayout`), and the task digests
+    (:func:`_digests`). Cached per participant and kind."""
     per = _claims_cache.setdefault(participant, {})
     found = per.get(kind)
     if found is not None:
         return found
-    part, fmt = participant.part, participant.fmt
+    part = participant.part
     P = part.num_participants
-    zeros = [0] * P
-
-    def nbytes(names, q_rows, kv_rows, merged=(), split_rows=zeros):
-        q_bytes = sum(fmt.row_bytes(n) for n in names if n not in KV_TENSORS)
-        kv_bytes = sum(fmt.row_bytes(n) for n in names if n in KV_TENSORS)
-        split_bytes = sum(fmt.row_bytes(n) for n in merged)
-        return (np.asarray(q_rows, dtype=np.int64) * q_bytes + np.asarray(kv_rows, dtype=np.int64) * kv_bytes
-                + np.asarray(split_rows, dtype=np.int64) * split_bytes)
-
-    client = participant.rank is not None
-    server = participant.server is not None
-    cq, ckv, csp = ((participant.client_q_rows, participant.client_kv_rows, participant.client_split_rows)
-                    if client else (zeros, zeros, zeros))
-    sq, skv, ssp = ((participant.server_q_rows, participant.server_kv_rows, participant.server_split_rows)
-                    if server else (zeros, zeros, zeros))
+    sent, expected, ret_sent, ret_expected = participant.layout(kind).peer_bytes()
     out, into = _digests(part)
-    dispatch = kind.dispatch_with(part.keep_activations)
-    merged = kind.split_dispatch_with(part.keep_activations)  # for the query rows of split tasks
     table = np.stack([np.full(P, part.participant), np.ones(P, dtype=np.int64),
-                      nbytes(dispatch, cq, ckv, merged, csp), nbytes(dispatch, sq, skv, merged, ssp),
-                      nbytes(kind.returns, sq, skv), nbytes(kind.returns, cq, ckv), out, into], axis=1)
+                      sent, expected, ret_sent, ret_expected, out, into], axis=1)
     per[kind] = table.astype(np.int64)
     return per[kind]
 

@@ -45,12 +45,11 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from scheduler.cost import KEPT_TENSORS, RoundKind, is_split
-from scheduler.layout import client_layout_from, concat_ranges, server_layout_from
+from scheduler.comm_layout import CommLayout, comm_layout, part_rows, row_class
+from scheduler.cost import KEPT_TENSORS, RoundKind
 from scheduler.parts import PlanPart
 
 from .executor import ServerExecutor
-from .round_shape import round_shape, rows_of
 from .rowsum import PartialMerge, RowScatter
 from .transport.base import aligned
 from .wire import RowFormat
@@ -59,19 +58,6 @@ from .wire import RowFormat
 MAX_KEPT_ROUNDS = 1024
 """Forward rounds (layers) whose activations one participant keeps at once; one more is refused
 with a ValueError (a loop that never runs its backward rounds would otherwise grow without end)."""
-
-
-def _is_identity(index: np.ndarray, n: int) -> bool:
-    return len(index) == n and bool((index == np.arange(n)).all())
-
-
-def _split_rows(tasks: np.ndarray, window, row_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(split, rows)``: bool [n] which of ``tasks`` (int64 [n, 7] plan rows) are split, and
-    int64 the query rows of the split ones, task by task: ``row_start[i] + arange(q_len)``."""
-    if len(tasks) == 0:
-        return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
-    split = is_split(tasks[:, 3], tasks[:, 4], tasks[:, 5], tasks[:, 6], window)
-    return split, concat_ranges(row_start[split], (tasks[:, 4] - tasks[:, 3])[split])
 
 
 class Participant:
@@ -100,89 +86,34 @@ class Participant:
         # Client role, kept activations: key -> {"out", "lse"}: merged rows of its split shards.
         self.kept_merged: dict[int, dict] = {}
         self.released = ""  # why kept activations were dropped (a later backward names it)
-        self._shapes: dict = {}  # RoundKind -> RoundShape, built at the first round of each kind
-        P, S, R = part.num_participants, part.num_servers, part.num_ranks
-        # The in-place participant's own server (client side) and own rank (server side).
+        # Everything the part moves, worked out once (scheduler.comm_layout); here only what the
+        # copies need on the device: index tensors, the row scatters and the executor.
+        self.rows = rows = part_rows(part)
+        self._layouts: dict = {}  # RoundKind -> CommLayout, built at the first round of each kind
         self.own_server = self.server if self.rank is not None else None
-        self.own_rank = self.rank if self.server is not None else None
+        self.results_home, self.inputs_home = rows.results_home, rows.inputs_home
 
         def idx(a):
             return torch.as_tensor(np.asarray(a, dtype=np.int64), device=self.device)
 
         if self.rank is not None:
-            lay = client_layout_from(part.doc_lens, part.client_tasks, S, self.rank)
-            others = [s for s in range(S) if s != self.own_server]
             own = self.own_server
-            self.num_tokens = part.num_tokens
-            q_send = [lay.q_index[s] for s in others]
-            kv_send = [lay.kv_index[s] for s in others]
-            self.q_send_idx = idx(np.concatenate(q_send) if q_send else np.zeros(0))
-            self.kv_send_idx = idx(np.concatenate(kv_send) if kv_send else np.zeros(0))
-            self.q_own_idx = idx(lay.q_index[own] if own is not None else np.zeros(0))
-            self.kv_own_idx = idx(lay.kv_index[own] if own is not None else np.zeros(0))
-            # Rows per participant that this client sends (and later receives back).
-            self.client_q_rows = [0] * P
-            self.client_kv_rows = [0] * P
-            for s in others:
-                p = part.server_participant(s)
-                self.client_q_rows[p], self.client_kv_rows[p] = len(lay.q_index[s]), len(lay.kv_index[s])
+            self.num_tokens = rows.num_tokens
+            self.q_send_idx, self.kv_send_idx = idx(rows.q_send), idx(rows.kv_send)
+            self.q_own_idx, self.kv_own_idx = idx(rows.q_own), idx(rows.kv_own)
             # A document's KV prefix goes to every server holding one of its shards: dK/dV sum.
-            kv_pieces = ([lay.kv_index[own]] if own is not None else []) + [np.concatenate(
-                kv_send) if kv_send else np.zeros(0, np.int64)]
+            kv_pieces = ([rows.kv_own] if own is not None else []) + [rows.kv_send]
             self.kv_scatter = RowScatter(kv_pieces, self.num_tokens, self.device)
             # A query shard split on the key axis comes back once per task: partials to merge.
-            q_pieces = ([lay.q_index[own]] if own is not None else []) + [np.concatenate(
-                q_send) if q_send else np.zeros(0, np.int64)]
+            q_pieces = ([rows.q_own] if own is not None else []) + [rows.q_send]
             self.q_merge = (PartialMerge(q_pieces, self.num_tokens, self.device)
                             if sum(map(len, q_pieces)) != self.num_tokens else None)
-            # Kept backward: the merged O and LSE of split tasks' query rows. The client keeps its
-            # split shards' rows once (``merged_rows``, sorted local rows) and sends each server
-            # the rows of its split tasks there, in task order (indices into the kept rows).
-            ct = part.client_tasks
-            doc_start = np.concatenate([[0], np.cumsum(part.doc_lens)]).astype(np.int64)
-            split, rows = _split_rows(ct, part.window, doc_start[ct[:, 2]] + ct[:, 3] if len(ct) else None)
-            merged_rows = np.unique(rows)
-            self.merged_rows = idx(merged_rows)
-            by_server = np.repeat(ct[split, 0], (ct[split, 4] - ct[split, 3]))
-            at = np.searchsorted(merged_rows, rows)
-            self.client_split_rows = [0] * P
-            for s in others:
-                self.client_split_rows[part.server_participant(s)] = int((by_server == s).sum())
-            self.split_send_idx = idx(at[(by_server != own) if own is not None else slice(None)])
-            self.split_own_idx = idx(at[by_server == own] if own is not None else np.zeros(0))
-            # All rows go to the own server, in order: its results are the outputs as they are.
-            self.results_home = (own is not None and not any(self.client_q_rows)
-                                 and _is_identity(lay.q_index[own], self.num_tokens)
-                                 and _is_identity(lay.kv_index[own], self.num_tokens))
+            self.merged_rows = idx(rows.merged_rows)
+            self.split_send_idx, self.split_own_idx = idx(rows.split_send), idx(rows.split_own)
         if self.server is not None:
-            tasks = part.server_tasks
-            if self.own_rank is not None:  # own rank's rows first: they are gathered, not received
-                tasks = tasks[np.argsort(tasks[:, 1] != self.own_rank, kind="stable")]
-            self.server_lay = lay_s = server_layout_from(tasks, R, self.server)
-            self.executor = ServerExecutor(lay_s, backend, self.device, window=part.window)
-            own = self.own_rank
-            self.head_q_rows = lay_s.q_rows[own] if own is not None else 0
-            self.head_kv_rows = lay_s.kv_rows[own] if own is not None else 0
-            self.server_q_rows = [0] * P
-            self.server_kv_rows = [0] * P
-            for r in range(R):
-                if r != own:
-                    self.server_q_rows[r], self.server_kv_rows[r] = lay_s.q_rows[r], lay_s.kv_rows[r]
-            # Split tasks: where their query rows sit in the fused call (the kept backward puts
-            # the received merged O and LSE there), and the rows whose own O and LSE are kept.
-            cu = lay_s.cu_seqlens_q
-            split, split_pos = _split_rows(tasks, part.window, cu[:-1])
-            self.split_pos = idx(split_pos) if len(split_pos) else None
-            self.unsplit_pos = idx(concat_ranges(cu[:-1][~split], np.diff(cu)[~split]))
-            per_rank = np.bincount(tasks[split, 1], weights=np.diff(cu)[split], minlength=R).astype(np.int64)
-            self.head_split_rows = int(per_rank[own]) if own is not None else 0
-            self.server_split_rows = [0] * P
-            for r in range(R):
-                if r != own:
-                    self.server_split_rows[r] = int(per_rank[r])
-        # ... and the own server receives nothing else: the kernel reads the client's tensors.
-        self.inputs_home = (self.server is not None and self.rank is not None and self.results_home
-                            and not any(self.server_q_rows))
+            self.executor = ServerExecutor(rows.server_layout, backend, self.device, window=part.window)
+            self.split_pos = idx(rows.split_pos) if rows.split_pos is not None else None
+            self.unsplit_pos = idx(rows.unsplit_pos)
 
     # ---- byte layouts ------------------------------------------------------------------------------
     def _typed(self, buf: torch.Tensor, name: str) -> torch.Tensor:
@@ -204,17 +135,23 @@ class Participant:
         return whole, tail
 
     # ---- a round -----------------------------------------------------------------------------------
+    def layout(self, kind: RoundKind) -> CommLayout:
+        """This participant's :class:`~scheduler.comm_layout.CommLayout` for rounds of ``kind``
+        (built once per kind; rebound participants share it)."""
+        found = self._layouts.get(kind)
+        if found is None:
+            found = self._layouts[kind] = comm_layout(self.rows, kind, self.fmt.row_bytes, self.keep_activations)
+        return found
+
     def _round(self, transport, kind: RoundKind, local, compute):
         """Run one round; returns ``(results from the other servers, own server's results)`` on a
         client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
         t0 = time.perf_counter()
-        shape = self._shapes.get(kind)
-        if shape is None:
-            shape = self._shapes[kind] = round_shape(self, kind)
+        shape = self.layout(kind)
         names, merged, back = shape.names, shape.merged, shape.back
         # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
         home = self.inputs_home and all(local[n].is_contiguous() for n in names)
-        heads = [0] * len(names) if home else shape.heads
+        heads = [0] * len(names) if home else shape.heads.tolist()
         # Two transport buffers per participant, reused by every round: "client" holds the rows a
         # client sends, then the results it receives back (the send is complete by then);
         # "server" holds the rows a server receives, until its kernel has run.
@@ -222,9 +159,8 @@ class Participant:
         inputs, recv = self._segments("server", transport, heads, shape.recv_sizes)
         if self.rank is not None:
             for i, name in enumerate(names):
-                send_idx, own_idx = rows_of(name, merged, (self.q_send_idx, self.q_own_idx),
-                                            (self.kv_send_idx, self.kv_own_idx),
-                                            (self.split_send_idx, self.split_own_idx))
+                send_idx, own_idx = ((self.q_send_idx, self.q_own_idx), (self.kv_send_idx, self.kv_own_idx),
+                                     (self.split_send_idx, self.split_own_idx))[row_class(name, merged)]
                 src = local[name]
                 if shape.send_sizes[i]:
                     torch.index_select(src, 0, send_idx, out=self._typed(send[i], name))
@@ -236,7 +172,7 @@ class Participant:
         # through a transport, so every split is 0 and the exchange would only check that.
         alone = self.part.num_participants == 1
         if not alone:
-            transport.exchange(send, shape.send_splits, recv, shape.recv_splits).wait()
+            transport.exchange(send, shape.send_splits.tolist(), recv, shape.recv_splits.tolist()).wait()
         t2 = time.perf_counter()
         self.timings["pack"] += t1 - t0
         self.timings["all_to_all"] += t2 - t1
@@ -249,7 +185,7 @@ class Participant:
             self.timings["kernel"] += t3 - t2
             t2 = t3
             own_results = {}
-            for name, head in zip(back, shape.head_rows_back):
+            for name, head in zip(back, shape.head_rows_back.tolist()):
                 rows = results[name].contiguous()
                 own_results[name] = rows[:head]
                 ret_send.append(rows[head:].reshape(-1).view(torch.uint8))
@@ -260,7 +196,8 @@ class Participant:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         _, ret_recv = self._segments("client", transport, [0] * len(back), shape.ret_recv_sizes)
         if not alone:
-            transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits).wait()
+            transport.exchange(ret_send, shape.ret_send_splits.tolist(), ret_recv,
+                               shape.ret_recv_splits.tolist()).wait()
         self.timings["all_to_all"] += time.perf_counter() - t2
         if self.rank is None:
             return None, None
