@@ -1,8 +1,8 @@
-"""Byte layout of one message: named tensors' rows back to back, no header.
+"""Row shapes, dtypes and bytes of one attention layer's tensors (:class:`RowFormat`).
 
-Both ends know every message's row counts from the plan (see :mod:`scheduler.layout`), so a
-message is just the concatenated bytes of its tensors in a fixed order: the round's
-:attr:`~scheduler.cost.RoundKind.dispatch` or :attr:`~scheduler.cost.RoundKind.returns` names.
+How rows travel is elsewhere: :mod:`scheduler.comm_layout` says how many bytes of each tensor
+move between which participants, :mod:`distca_server.participant` gathers the rows into transport
+buffers laid out that way, and :mod:`distca_server.header` describes and checks a round.
 """
 
 from __future__ import annotations
@@ -69,34 +69,3 @@ class RowFormat:
 
     def row_bytes(self, name: str) -> int:
         return self.cost.bytes_per_token(name)
-
-    def message_bytes(self, names, q_rows: int, kv_rows: int) -> int:
-        return sum(self.row_bytes(n) * (kv_rows if n in KV_TENSORS else q_rows) for n in names)
-
-
-def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Byte views (uint8, 1-D) of ``tensors``, ready to concatenate into a send buffer."""
-    return [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-
-
-def unpack(buf: torch.Tensor, fmt: RowFormat, names, q_rows: int, kv_rows: int) -> dict[str, torch.Tensor]:
-    """Split one message (uint8 [message_bytes]) back into ``{name: [rows, *row_shape]}`` tensors.
-
-    Raises:
-        ValueError: the buffer's size does not match the expected rows.
-    """
-    expected = fmt.message_bytes(names, q_rows, kv_rows)
-    if buf.numel() != expected:
-        raise ValueError(f"message of {buf.numel()} bytes, expected {expected} for {names} "
-                         f"with {q_rows} query rows and {kv_rows} KV rows")
-    out, offset = {}, 0
-    for name in names:
-        rows = kv_rows if name in KV_TENSORS else q_rows
-        size = rows * fmt.row_bytes(name)
-        piece = buf[offset:offset + size]
-        dtype = fmt.row_dtype(name)
-        if piece.storage_offset() % dtype.itemsize:
-            piece = piece.clone()  # a view needs the element size's alignment
-        out[name] = piece.view(dtype).reshape(rows, *fmt.row_shape(name))
-        offset += size
-    return out

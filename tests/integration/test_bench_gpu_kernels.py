@@ -127,7 +127,6 @@ def test_the_bench_imports_no_ray():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quick_gpu_run_with_distcas_gpu_backend(bench, tmp_path):
     out = tmp_path / "k.json"
     assert bench.main(["--quick", "--device", "cuda", "--json", str(out)]) == 0

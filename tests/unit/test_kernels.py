@@ -338,10 +338,9 @@ def test_check_backend_name():
             assert check_backend_name(name) == name
 
 
-# ---------------------------------------------------------------- GPU (skipped without CUDA)
+# ---------------------------------------------------------------- GPU (marked `gpu`: tests/conftest.py skips them without CUDA)
 
 GPU_BACKENDS = ["torch_varlen", "flash_attn"]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _gpu_backend_or_skip(name):
@@ -351,7 +350,6 @@ def _gpu_backend_or_skip(name):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("case", [*CASES, "rows_without_keys"])
 def test_gpu_bfloat16_within_2x_of_plain_torch(backend, case):
@@ -362,7 +360,6 @@ def test_gpu_bfloat16_within_2x_of_plain_torch(backend, case):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_float32_falls_back_exactly(backend):
     b = _gpu_backend_or_skip(backend)
@@ -373,7 +370,6 @@ def test_gpu_float32_falls_back_exactly(backend):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_auto_picks_a_fast_backend():
     if not any(BACKENDS[n].is_available() for n in GPU_BACKENDS):
         pytest.skip("no GPU attention backend installed")
@@ -381,7 +377,6 @@ def test_gpu_auto_picks_a_fast_backend():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("scale", [0.0, -0.5], ids=str)
 @pytest.mark.parametrize("layout", [None, "head_dim_step2", "head_dim_major"])
@@ -396,7 +391,6 @@ def test_gpu_any_scale_and_strides(backend, scale, layout):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_odd_head_dim_falls_back_within_2x_of_plain_torch(backend):
     # head_dim 100 is not a multiple of 8: the FlashAttention kernels refuse it, `reference` runs.
@@ -420,7 +414,6 @@ def test_torch_varlen_calls_match_the_installed_aten_schemas():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -207,8 +207,7 @@ def test_windowed_cpu_memory_is_per_chunk():
     assert list(itertools.chain.from_iterable(range(r0, r1) for r0, r1, *_ in pieces)) == list(range(20000))
 
 
-# ---------------------------------------------------------------- GPU (skipped without CUDA)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# ---------------------------------------------------------------- GPU (marked `gpu`: tests/conftest.py skips them without CUDA)
 
 
 def _on_cuda(x):
@@ -216,7 +215,6 @@ def _on_cuda(x):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
 @pytest.mark.parametrize("window", [1, 7, 64, 10**6])
 @pytest.mark.parametrize("case", ["odd_gqa4_d128", "bottom_right_gqa8", "rows_without_keys"])
@@ -231,7 +229,6 @@ def test_gpu_windowed_bf16_within_2x_of_plain_torch(backend, window, case):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
 @pytest.mark.parametrize("window", [None, 3, 16, 100])
 def test_gpu_partial_kv_diagonals_match_the_definition(backend, window):

@@ -15,12 +15,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from distca_server.transport.nvshmem import available
-
 from test_transport_symmetric import TIMEOUT_S, expected_digests, play
 
-pytestmark = [pytest.mark.nvshmem,
-              pytest.mark.skipif(not available(), reason="needs nvshmem4py and a CUDA device")]
+pytestmark = pytest.mark.nvshmem  # skipped without nvshmem4py and a CUDA device (tests/conftest.py)
 
 
 def _worker(rank: int, P: int, scenario: str, seed: int, rounds: int, uids, results) -> None:
