@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.coordinator import Coordinator  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart  # noqa: E402
@@ -69,6 +70,7 @@ CLIENTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 RAY_CLIENTS = (8, 16, 32, 64)
 QUICK_CLIENTS, QUICK_RAY_CLIENTS = (8, 64), (8,)
 TOKENS, EPSILON = 131072, 0.05
+PLAN = PlanConfig(mode="inplace", epsilon=EPSILON, min_shard=MIN_SHARD)
 TARGET_CLIENTS, TARGET_MS = 1024, 60.0  # in-process step at 1024 clients
 RAY_TARGET_RATIO = 1.5  # Ray step / N plain pings, N <= 64
 SHAPE = {"cost": COST.to_wire(), "device_type": "cuda"}
@@ -106,7 +108,7 @@ def _summary(row: dict, key: str, runs: list[float]) -> None:
 def bench_in_process(trace: str, num_clients: int, steps: int) -> dict:
     """Median (and best, CPU) ms of one step of ``num_clients`` in-place clients through the pure
     coordinator, with its parts; every answer checked after the step's timing."""
-    coord = Coordinator(JOB, "inplace", epsilon=EPSILON, min_shard=MIN_SHARD)
+    coord = Coordinator(JOB, config=JobConfig(plan=PLAN))
     for rank in range(num_clients):
         coord.register_client(rank, num_clients, {"incarnation": f"bench-{rank}"})
     batches = [sample_batch(trace, num_clients, TOKENS, seed=0, step=s) for s in range(steps + 1)]
@@ -197,7 +199,7 @@ def bench_ray(trace: str, num_clients: int, steps: int) -> dict:
     import ray
 
     from distca_server import launch, shutdown
-    job = launch(JOB, mode="inplace", epsilon=EPSILON, min_shard=MIN_SHARD, detached=False)
+    job = launch(JOB, config=JobConfig(plan=PLAN), detached=False)
     scheduler = job["scheduler"]
     try:
         ray.get([scheduler.register_client.remote(r, num_clients, {"incarnation": f"bench-{r}"})

@@ -62,6 +62,7 @@ sys.path.insert(0, os.environ.get("DISTCA_TREE", str(ROOT)))
 
 from distca_client import DistCAClient, varlen_attention  # noqa: E402
 from distca_server import kernels  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
 HQ, D, DTYPE = 8, 64, torch.bfloat16
 aten = torch.ops.aten
@@ -251,7 +252,8 @@ def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int
     else:
         gc.collect()
         before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
-        with DistCAClient.local(num_servers=servers, backend="stub", mode=mode) as client:
+        config = JobConfig(servers=servers, backend="stub", plan=PlanConfig(mode=mode))
+        with DistCAClient.local(config=config) as client:
             row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, repeats,
                           base=before_client)
             comm = client.last_plan.comm_bytes()

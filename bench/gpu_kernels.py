@@ -21,12 +21,13 @@ no Ray. Three sections (``--sections``, default all):
     the same rows, and (all pairs present) its dK, dV summed back per document equal the whole
     call's; a mismatch raises, so no number of a wrong kernel is written.
 
-``overhead`` — ``DistCAClient.local(num_servers=1, backend=...)`` ``attend`` forward + backward
-    against the direct backend call (forward + backward) on the same packed batch (Pretrain-trace
-    document lengths, ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K
-    tokens. Both timed by the host clock around a synchronised step (distca's rounds run on
-    threads), median of ``--repeats``; overhead = distca / direct − 1 (target <= 3%). Guard:
-    distca's out and dQ, dK, dV equal the direct call's.
+``overhead`` — ``DistCAClient.local(config=JobConfig(servers=1, backend=..., plan=PlanConfig()))``
+    ``attend`` forward + backward against the direct backend call (forward + backward) on the same
+    packed batch (Pretrain-trace document lengths,
+    ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K tokens. Both timed by
+    the host clock around a synchronised step (distca's rounds run on threads), median of
+    ``--repeats``; overhead = distca / direct − 1 (target <= 3%). Guard: distca's out and dQ, dK,
+    dV equal the direct call's.
 
 ``profile`` — a measured :class:`distca_sim.profile.ProfileTable` pair (forward, backward) for
     the per-GPU attention shape of ``--profile-models`` (``model:tp``, e.g. ``llama3-8b:8`` ->
@@ -75,6 +76,7 @@ from distca_sim.hardware import get_model  # noqa: E402
 from distca_sim.profile import ProfileTable  # noqa: E402
 from distca_sim.simulate import format_table  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from bench.report import finish  # noqa: E402
 
@@ -221,7 +223,7 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
 def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
-    client = DistCAClient.local(num_servers=1, backend=backend.name)
+    client = DistCAClient.local(config=JobConfig(servers=1, backend=backend.name, plan=PlanConfig()))
     try:
         for tokens in cfg["tokens"]:
             lens = sample_batch("pretrain", 1, tokens, seed=0, step=0)[0]

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
+from scheduler.config import PlanConfig  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -63,7 +64,8 @@ def _batch(tokens: int, seed: int):
 
 def one_step(args, mode: str, keep: bool) -> dict:
     from distca_client.integrations import hf
-    client = DistCAClient.local(args.servers, mode=mode, num_ranks=args.servers, keep_activations=keep)
+    client = DistCAClient.local(args.servers, num_ranks=args.servers,
+                                config=PlanConfig(mode=mode, keep_activations=keep))
     hf.register(client)
     model = _model(args)
     ids, pos, lens = _batch(args.tokens, 1)

@@ -3,8 +3,8 @@
 For every configuration a local Ray instance runs a distca job (scheduler actor, and in dedicated
 mode ``S`` :class:`~distca_server.runtime.server_actor.AttentionServer` actors) and ``W`` client actors that
 ``DistCAClient.connect`` to it; rounds move over gloo. The same batches then go through
-``DistCAClient.local(num_servers=S, mode=..., num_ranks=W)`` in this process (participants as
-threads, in-process all-to-all): the baseline.
+``DistCAClient.local(num_ranks=W, config=JobConfig(servers=S, plan=PlanConfig(mode=...)))`` in this
+process (participants as threads, in-process all-to-all): the baseline.
 
 Configurations (participants = clients + dedicated servers): in-place with 2, 3 and 4 clients;
 dedicated with 2 clients + 1 server and 2 clients + 2 servers (``--quick``: in-place 2 and
@@ -78,6 +78,7 @@ import torch  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.runtime.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
@@ -263,9 +264,9 @@ class RayRunner:
 
         self.mode, self.clients, self.args = mode, clients, args
         self.name = f"roundtrip-{mode}-{clients}-{servers}-{os.getpid()}"
-        self.job = launch(name=self.name, servers=max(servers, 1), mode=mode, epsilon=EPSILON,
-                          min_shard=MIN_SHARD, timeout_s=TIMEOUT_S, detached=False,
-                          server_options={"num_cpus": 0})
+        config = JobConfig(servers=max(servers, 1), timeout_s=TIMEOUT_S,
+                           plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD))
+        self.job = launch(name=self.name, config=config, detached=False, server_options={"num_cpus": 0})
         self.servers = self.job["servers"]
         self.workers = []
         try:
@@ -336,8 +337,8 @@ class LocalRunner:
     def __init__(self, mode: str, clients: int, servers: int, args):
         self.clients, self.args = clients, args
         num_servers = clients if mode == "inplace" else servers
-        self.client = DistCAClient.local(num_servers=num_servers, epsilon=EPSILON, mode=mode,
-                                         num_ranks=clients, min_shard=MIN_SHARD, timeout_s=TIMEOUT_S)
+        self.client = DistCAClient.local(num_ranks=clients, config=JobConfig(
+            servers=num_servers, timeout_s=TIMEOUT_S, plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD)))
         self.backend = None
 
     def step(self, index: int, ranks: list[list[int]]) -> dict:

@@ -137,8 +137,10 @@ class Soak:
 
         from distca_server import launch
         self.ray, self.args, self.log = ray, args, log
-        self.job = launch(name=NAME, servers=2, mode="dedicated", timeout_s=args.timeout, failure_grace_s=0.5,
-                          detached=False, max_restarts=20, server_options={"num_cpus": 0}, min_shard=8)
+        from scheduler.config import JobConfig, PlanConfig
+        config = JobConfig(servers=2, timeout_s=args.timeout, failure_grace_s=0.5, server_restarts=20,
+                           plan=PlanConfig(mode="dedicated", min_shard=8))
+        self.job = launch(name=NAME, config=config, detached=False, server_options={"num_cpus": 0})
         self.actor = ray.remote(num_cpus=0)(SoakClient)
         self.clients = [self._client(r) for r in range(2)]
         self.ok = self.failed = self.wrong = self.outputs = self.hangs = 0

@@ -1,7 +1,8 @@
 """The ``distca`` command: ``up``, ``status``, ``down`` (the Ray runtime) and ``simulate``.
 
 ``up | status | down`` drive a job through :mod:`distca_server`'s top-level API (``launch``,
-``status``, ``shutdown``); ``simulate`` is :mod:`distca_sim.cli`. Importing this module imports
+``status``, ``shutdown``); ``simulate`` is :mod:`distca_sim.cli`. ``up``'s flags are the fields of
+:class:`~scheduler.config.JobConfig` and :class:`~scheduler.config.PlanConfig` (:mod:`.flags`). Importing this module imports
 neither torch nor ray: the job API loads them when a runtime command runs. Every failure a user
 can cause (no cluster, a refused token, no such job, bad flags) is one line on stderr and exit
 status 1, not a traceback.
@@ -9,7 +10,7 @@ status 1, not a traceback.
 Examples::
 
     distca up --servers 4 --mode dedicated       # inside a Ray cluster (``ray start`` / ``ray up``)
-    distca up --mode inplace --min-shard 256 --timeout 120 --scheduler-restarts -1
+    distca up --mode inplace --min-shard 256 --timeout-s 120 --scheduler-restarts -1
     distca status                                # the table once
     distca status --watch                        # a live table (needs the ``monitoring`` extra)
     distca status --json                         # for scripts
@@ -25,8 +26,10 @@ import sys
 
 from distca_server import DistCAError, launch, shutdown, status
 from distca_sim import cli as simulate_cli
+from scheduler.config import ConfigError
 
 from .connect import CLIError, connect
+from .flags import add_config_flags, config_from_args
 
 __all__ = ["build_parser", "format_status", "main"]
 
@@ -36,31 +39,19 @@ def _up(args) -> int:
         raise CLIError(f"--servers {args.servers} is for dedicated mode: in in-place mode every client "
                        f"rank serves its share of attention (the job has as many servers as clients); "
                        f"drop --servers, or use --mode dedicated")
-    servers = 1 if args.servers is None else args.servers
-    from scheduler.checks import finite_nonnegative
-    from scheduler.coordinator import Coordinator
-    try:  # the scheduler's own checks, here before any Ray call (in its actor they would kill it)
-        Coordinator(args.name, args.mode, epsilon=args.epsilon, min_shard=args.min_shard,
-                    timeout_s=args.timeout, failure_grace_s=args.failure_grace, transport=args.transport,
-                    keep_activations=args.keep_activations, partial_kv=args.partial_kv)
-        for flag in ("timeout", "failure_grace", "start_timeout"):
-            if finite_nonnegative(f"--{flag.replace('_', '-')}", getattr(args, flag)) == 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got 0")
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    try:  # every setting checked here, before any Ray call
+        config = config_from_args(args)
+    except ConfigError as exc:
+        raise CLIError("; ".join(exc.problems)) from None
     connect(args.address)
     try:
-        launch(name=args.name, servers=servers, mode=args.mode, epsilon=args.epsilon,
-               min_shard=args.min_shard, timeout_s=args.timeout, failure_grace_s=args.failure_grace,
-               backend=args.backend, detached=True, max_restarts=args.server_restarts,
-               scheduler_restarts=args.scheduler_restarts, start_timeout_s=args.start_timeout,
-               transport=args.transport, keep_activations=args.keep_activations, partial_kv=args.partial_kv)
+        launch(name=args.name, config=config, detached=True)
     except (ValueError, DistCAError) as exc:  # a job of that name is running, bad settings, no room
         raise CLIError(str(exc)) from None
     except Exception as exc:  # an actor that failed in its constructor: Ray's error, first line
         raise CLIError(f"job {args.name!r} did not start: {_first_line(exc)}") from None
-    print(f"distca job {args.name!r} up: {args.mode} mode"
-          + (f", {servers} attention servers" if args.mode == "dedicated" else ""))
+    print(f"distca job {args.name!r} up: {config.plan.mode} mode"
+          + (f", {config.servers} attention servers" if config.plan.mode == "dedicated" else ""))
     return 0
 
 
@@ -154,30 +145,7 @@ def _register_runtime(subparsers) -> None:
                                          "cluster started on this machine); Ray's token is sent if one is found")
     up = subparsers.add_parser("up", help="start a job's scheduler and attention servers on Ray")
     up.add_argument("--name", default="default")
-    up.add_argument("--mode", choices=["dedicated", "inplace"], default="dedicated")
-    up.add_argument("--servers", type=int, default=None,
-                    help="dedicated attention servers (dedicated mode only; default 1)")
-    up.add_argument("--epsilon", type=float, default=0.05, help="planner imbalance tolerance")
-    up.add_argument("--min-shard", type=int, default=128, help="smallest CA-task in tokens")
-    up.add_argument("--timeout", type=float, default=60.0,
-                    help="seconds any wait of the job lasts before participants get DistCAError")
-    up.add_argument("--failure-grace", type=float, default=1.0,
-                    help="seconds the scheduler waits after a failure before naming silent members lost")
-    up.add_argument("--start-timeout", type=float, default=300.0,
-                    help="seconds the actors may take to start (e.g. waiting for GPUs)")
-    up.add_argument("--server-restarts", type=int, default=0,
-                    help="how often Ray restarts a dead attention server (-1: always)")
-    up.add_argument("--scheduler-restarts", type=int, default=-1,
-                    help="how often Ray restarts a dead scheduler (-1: always)")
-    up.add_argument("--backend", default="auto", help="attention kernel backend on the servers")
-    up.add_argument("--transport", default="torch_dist",
-                    help="how group epochs move tensors: torch_dist (gloo/NCCL), shm (one node, CPU) "
-                         "or nvshmem (GPU)")
-    up.add_argument("--keep-activations", action=argparse.BooleanOptionalAction, default=True,
-                    help="servers keep each layer's activations until its backward round, which then "
-                         "sends dO only (--no-keep-activations: stateless servers)")
-    up.add_argument("--partial-kv", action="store_true",
-                    help="the planner may also split a query shard's keys over servers")
+    add_config_flags(up)  # one flag per JobConfig / PlanConfig field: --min-shard sets min_shard
     up.add_argument("--address", **address)
     up.set_defaults(func=_up)
     st = subparsers.add_parser("status", help="print a job's servers, load, bytes and errors")

@@ -127,7 +127,7 @@ def plot_balance(path: Path, stream: PackedStream, cfg: TrainConfig, cost, sampl
     from scheduler import plan_batch
     lens = [c[1] for c in stream.batch(sample["step"], cfg.workers)]
     num_servers = cfg.num_servers
-    plan = plan_batch(lens, num_servers, cost=cost, epsilon=cfg.epsilon, mode=cfg.mode, min_shard=cfg.min_shard)
+    plan = plan_batch(lens, num_servers, cost=cost, config=cfg.job_config().plan)
     gf = 1e-9
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(9, 4.2), sharey=True,
                                  gridspec_kw={"width_ratios": [cfg.workers, num_servers]})

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scheduler.config import JobConfig, PlanConfig
+
 from llama_data import VOCAB_SIZE, PackedStream, collate, load_corpus
 from llama_report import imbalance, rank_flops
 
@@ -56,8 +58,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     data: str | None = None            # None: the standard library's source files
-    epsilon: float = 0.05
-    min_shard: int = 128
+    epsilon: float = PlanConfig.epsilon
+    min_shard: int = PlanConfig.min_shard
     threads: int = 1                   # torch threads per worker (workers share the machine)
     runs_dir: str = "runs"
     resume: bool = False
@@ -67,6 +69,11 @@ class TrainConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def job_config(self) -> JobConfig:
+        """The distca job's settings (``distca_server.launch(config=...)``)."""
+        return JobConfig(servers=self.servers,
+                         plan=PlanConfig(mode=self.mode, epsilon=self.epsilon, min_shard=self.min_shard))
 
     @property
     def num_servers(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from distca_client import DistCAClient
 from distca_server.kernels import get_backend
 from distca_sim.workloads import sample_batch
+from scheduler.config import PlanConfig
 
 
 def local_attention(q, k, v, dout, doc_lens, scale):
@@ -32,7 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=4096, help="tokens per client rank")
     ap.add_argument("--trace", choices=["pretrain", "prolong"], default="pretrain")
     ap.add_argument("--mode", choices=["inplace", "dedicated"], default="inplace")
-    ap.add_argument("--epsilon", type=float, default=0.05)
+    ap.add_argument("--epsilon", type=float, default=PlanConfig.epsilon)
     ap.add_argument("--step", type=int, default=3, help="which batch of the trace to take")
     args = ap.parse_args(argv)
 
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
           f"({args.servers} ranks x {args.context}), longest {max(doc_lens)}")
 
     dout = torch.randn(total, heads_q, head_dim)
-    with DistCAClient.local(num_servers=args.servers, epsilon=args.epsilon, mode=args.mode) as client:
+    with DistCAClient.local(args.servers, config=PlanConfig(epsilon=args.epsilon, mode=args.mode)) as client:
         start = time.perf_counter()
         out = client.attend(q, k, v, doc_lens)
         out.backward(dout)

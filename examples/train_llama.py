@@ -167,8 +167,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         if job is not None:
             # Handles must stay referenced: with detached=False the actors live as long as they do.
             # num_cpus=0: servers and Train workers share a small machine.
-            launched = launch(name=job, servers=cfg.servers, mode=cfg.mode, epsilon=cfg.epsilon,
-                              min_shard=cfg.min_shard, detached=False, server_options={"num_cpus": 0})
+            launched = launch(name=job, config=cfg.job_config(), detached=False, server_options={"num_cpus": 0})
         steps = Queue(actor_options={"num_cpus": 0})
         # Ray Train gives its workers 60 s to start (import torch and transformers, join the gloo
         # group); a busy 2-core machine can take longer. The controller reads it from here.

@@ -11,7 +11,7 @@ answering members' long-polls about their epoch (``watch``), exporting per-step 
 Prometheus and the Ray dashboard), and logging membership, epochs and failures
 (:mod:`scheduler.logs`).
 
-The actor may be restarted by Ray (``launch(..., scheduler_restarts=n)``): it then starts empty,
+The actor may be restarted by Ray (``JobConfig(scheduler_restarts=n)``): it then starts empty,
 and every participant re-registers with its last step and epoch (they notice its death through
 their long-polls or their next call), which is all the coordinator needs to go on.
 
@@ -32,6 +32,7 @@ import time
 import ray
 from ray.util import metrics
 
+from .config import JobConfig, legacy_fields, legacy_job_config
 from .coordinator import KEEP_EPOCHS, Coordinator
 from .messages import error_answer
 from .outcomes import PlanOutcome
@@ -94,6 +95,10 @@ def _live_workers() -> tuple[set[str], set[str]] | None:
         return None
 
 
+# SchedulerActor's old settings, by position or keyword (deprecated: pass config=JobConfig(...)).
+LEGACY_ARGS = ("mode", "epsilon", "min_shard", "timeout_s", "failure_grace_s", "backend", "coordinator_options")
+
+
 @ray.remote(num_cpus=0)
 class SchedulerActor:
     """The scheduler of job ``name`` (one per job; see :func:`distca_server.launch`).
@@ -101,23 +106,22 @@ class SchedulerActor:
     Args:
         name: job name; the actor is registered as ``distca-scheduler-<name>`` in namespace
             ``distca``.
-        mode: ``"dedicated"`` (attention servers are separate actors) or ``"inplace"``.
-        epsilon, min_shard: planner settings (see :func:`scheduler.plan_batch`).
-        timeout_s: how long any wait lasts before participants get ``DistCAError``.
-        failure_grace_s: after a participant reports a failed round, how long the actor waits
-            for the other members to check in before naming the silent ones lost.
-        backend: attention kernel backend name for servers ("auto" picks the fastest).
-        coordinator_options: more :class:`~scheduler.coordinator.Coordinator` keyword arguments
-            (``max_report_docs``, ``max_report_tokens``, ``transport``, ...).
+        config: the job's settings (:class:`~scheduler.config.JobConfig`; default
+            ``JobConfig()``), handed to its :class:`~scheduler.coordinator.Coordinator`.
+        *legacy_args, **legacy: deprecated: the old settings (``mode``, ``epsilon``,
+            ``min_shard``, ``timeout_s``, ``failure_grace_s``, ``backend``, ``coordinator_options``
+            by position or keyword). They warn and build the config.
+
+    Raises:
+        ConfigError: bad settings (a ``ValueError`` naming every one); TypeError: ``config``
+            together with deprecated settings.
     """
 
-    def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05,
-                 min_shard: int = 128, timeout_s: float = 60.0, failure_grace_s: float = 1.0,
-                 backend: str = "auto", coordinator_options: dict | None = None):
-        self.coord = Coordinator(name, mode, epsilon=epsilon, min_shard=min_shard, timeout_s=timeout_s,
-                                 failure_grace_s=failure_grace_s, backend=backend,
-                                 **(coordinator_options or {}))
-        self.name, self.mode, self.timeout_s = name, mode, timeout_s
+    def __init__(self, name: str, *legacy_args, config: JobConfig | None = None, **legacy):
+        given = legacy_fields("SchedulerActor", legacy_args, legacy, positional=LEGACY_ARGS, accepted=LEGACY_ARGS)
+        config = legacy_job_config("SchedulerActor", config, given)
+        self.coord = Coordinator(name, config=config)
+        self.name, self.mode, self.timeout_s = name, config.plan.mode, config.timeout_s
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restarted scheduler is another one
         self.handles: dict[int, object] = {}  # dedicated server id -> its actor handle
         self._batch_done: dict[tuple[int, int], asyncio.Event] = {}  # set when the batch resolves
@@ -131,7 +135,7 @@ class SchedulerActor:
         self._lost_counted: set[int] = set()  # epochs whose lost participants are counted
         configure_logging(scheduler_actor_name(name))
         log.info("job %s: scheduler %s up (%s mode, epsilon %g, min_shard %d, timeout %g s)",
-                 name, self.incarnation, mode, epsilon, min_shard, timeout_s)
+                 name, self.incarnation, self.mode, config.plan.epsilon, config.plan.min_shard, self.timeout_s)
 
     # ---- membership --------------------------------------------------------------------------
     async def register_client(self, rank: int, world_size: int, info: dict) -> dict:
@@ -139,7 +143,7 @@ class SchedulerActor:
         of ``world_size``; ``info`` may carry its last ``step`` and ``epoch``.
 
         Returns ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
-        "transport", "scheduler", "token"}``: the job's settings, the step it must start at, this
+        "transport", "config", "scheduler", "token"}``: the job's settings, the step it must start at, this
         scheduler's incarnation, and this registration's secret (``fail_step`` and
         ``plan_descriptor`` ask for it; each registration replaces the rank's earlier one).
 

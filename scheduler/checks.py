@@ -77,6 +77,17 @@ def finite_nonnegative(name: str, value) -> float:
     return float(value)
 
 
+def finite_positive(name: str, value) -> float:
+    """``value`` as a float if it is a finite number > 0 (a timeout).
+
+    Raises:
+        ValueError: ``"<name> must be a finite number > 0, got <value>"``.
+    """
+    if not is_number(value) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def boolean(name: str, value) -> bool:
     """``value`` if it is a bool (not 0 or 1, not None); else a ``ValueError`` naming ``name``."""
     if type(value) is not bool:
@@ -93,11 +104,23 @@ def bad_lengths(lengths) -> list:
     return [x for x in lengths if not is_int(x) or not 0 < x <= INT64_MAX]
 
 
-__all__ = ["INT64_MAX", "bad_lengths", "finite_nonnegative", "int_in_range", "is_int", "is_number",
+__all__ = ["INT64_MAX", "MODES", "TRANSPORTS", "at_least", "bad_lengths", "boolean", "check_mode",
+           "check_transport", "finite_nonnegative", "finite_positive", "int_in_range", "is_int", "is_number",
            "positive_int"]
 
 
 MODES = ("inplace", "dedicated")  # where attention servers run: in the client ranks, or apart
+
+
+def check_mode(mode) -> str:
+    """``mode`` if it is one of :data:`MODES`.
+
+    Raises:
+        ValueError: ``"mode must be one of ('inplace', 'dedicated'), got <value>"``.
+    """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
 
 
 def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np.ndarray, np.ndarray]:
@@ -115,8 +138,7 @@ def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np
             message names the rank and its first bad lengths), or a rank whose lengths sum past
             int64; in-place mode with ``num_servers != len(doc_lens_per_rank)``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
     positive_int("num_servers", num_servers)

@@ -54,7 +54,8 @@ from typing import Callable
 from .arbitration import Arbitration, Member
 import msgpack
 
-from .checks import MODES, bad_lengths, boolean, check_transport, finite_nonnegative, is_int, positive_int
+from .checks import bad_lengths, is_int, positive_int
+from .config import MAX_REPORT_DOCS, MAX_REPORT_TOKENS, JobConfig, legacy_fields, legacy_job_config
 from .cost import CostModel
 from .messages import agreed_shape, error_answer, same_report
 from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanOutcome, ReportOutcome,
@@ -64,11 +65,8 @@ from .tasks import Plan
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
 KEEP_EPOCHS = 2  # bootstrap values and failure verdicts of older epochs are forgotten
 PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
-# A report is bounded before anything else looks at it: one client's documents and tokens per
-# batch. Far above real batches (~10^2-10^4 documents, <= 1M tokens per rank), far below what
-# pins the scheduler (10M one-token documents took minutes and 5.7 GB to plan).
-MAX_REPORT_DOCS = 1 << 16
-MAX_REPORT_TOKENS = 1 << 24
+# A report is bounded (JobConfig.max_report_docs, max_report_tokens: defaults MAX_REPORT_DOCS,
+# MAX_REPORT_TOKENS, in scheduler.config) before anything else looks at it.
 # Steps are ints below this (a job at 1000 steps a second takes 35 years to reach it): a step a
 # member claims at registration above it is refused, so no report, abort or floor ever nears the
 # int64 limits that torch and msgpack put on the step a round header carries.
@@ -103,50 +101,45 @@ class Coordinator:
 
     Args:
         name: job name (in messages).
-        mode: ``"dedicated"`` (attention servers are separate processes) or ``"inplace"``.
-        epsilon, min_shard: planner settings (see :func:`scheduler.plan_batch`).
-        timeout_s: how long clients wait for each other (the wrapper's timeouts; in messages).
-        failure_grace_s: after the first failure report of an epoch, how long the other members
-            have to check in before the silent ones are named lost (live members check in within
-            a scheduler round trip).
-        backend: attention kernel backend name handed to clients.
-        max_report_docs, max_report_tokens: the most documents and tokens one client may report
-            for one batch; a larger report is a ``ValueError`` for every client of the batch.
+        config: the job's settings (default ``JobConfig()``: dedicated mode): the plan's
+            (:class:`~scheduler.config.PlanConfig`, see :func:`scheduler.plan_batch`);
+            ``timeout_s`` (how long clients wait for each other: the wrapper's timeouts, in
+            messages); ``failure_grace_s`` (after the first failure report of an epoch, how long
+            the other members have to check in before the silent ones are named lost);
+            ``backend`` (handed to clients); ``max_report_docs`` / ``max_report_tokens`` (a larger
+            report is a ``ValueError`` for every client of the batch); ``transport`` (how every
+            group epoch moves its tensors, handed to every member with its group: ``"shm"`` needs
+            every member of an epoch on one node and CPU tensors, ``"nvshmem"`` CUDA tensors; a
+            batch that breaks this fails for every client, ``DistCAError`` naming the nodes,
+            ``ValueError`` naming the device type).
         timer: clock for measuring planning and cutting (seconds; default ``time.perf_counter``).
-        keep_activations, max_held_bytes_per_server, partial_kv: planner settings (see
-            :func:`scheduler.plan_batch`): servers keep each layer's activations until its
-            backward round (default), under an optional per-server cap; shards' keys may be
-            split over servers (``partial_kv``).
-        transport: how every group epoch moves its tensors, one of :data:`~scheduler.checks.TRANSPORTS`; handed
-            to every member with its group. ``"shm"`` needs every member of an epoch on one node
-            and CPU tensors, ``"nvshmem"`` CUDA tensors: a batch that breaks this fails for every
-            client (``DistCAError`` naming the nodes, ``ValueError`` naming the device type).
+        *legacy_args, **legacy: deprecated: the old settings (``mode``, ``epsilon``,
+            ``min_shard``, ``timeout_s``, ``failure_grace_s``, ``backend``, ``max_report_docs``,
+            ``max_report_tokens`` by position or keyword; ``keep_activations``,
+            ``max_held_bytes_per_server``, ``transport``, ``partial_kv`` by keyword). They warn
+            and build the config; pass ``config=JobConfig(...)`` instead.
 
     Raises:
-        ValueError: a mode other than ``"dedicated"`` or ``"inplace"``, a bad ε, ``min_shard``,
-            report bound or transport.
+        ConfigError: bad settings (a ``ValueError`` naming every one).
+        TypeError: ``config`` together with deprecated settings, or an unknown one.
     """
 
-    def __init__(self, name: str, mode: str = "dedicated", epsilon: float = 0.05, min_shard: int = 128,
-                 timeout_s: float = 60.0, failure_grace_s: float = 1.0, backend: str = "auto",
-                 max_report_docs: int = MAX_REPORT_DOCS, max_report_tokens: int = MAX_REPORT_TOKENS,
-                 timer: Callable[[], float] = time.perf_counter, keep_activations: bool = True,
-                 max_held_bytes_per_server: int | None = None, transport: str = "torch_dist",
-                 partial_kv: bool = False):
-        self.transport = check_transport(transport)
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
-        finite_nonnegative("epsilon", epsilon)
-        positive_int("min_shard", min_shard)
-        self.max_report_docs = positive_int("max_report_docs", max_report_docs)
-        self.max_report_tokens = positive_int("max_report_tokens", max_report_tokens)
-        self.name, self.mode, self.epsilon, self.min_shard = name, mode, epsilon, min_shard
-        boolean("keep_activations", keep_activations)
-        self.partial_kv = boolean("partial_kv", partial_kv)
-        if max_held_bytes_per_server is not None:
-            positive_int("max_held_bytes_per_server", max_held_bytes_per_server)
-        self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
-        self.timeout_s, self.failure_grace_s, self.backend = timeout_s, failure_grace_s, backend
+    _LEGACY_POSITIONAL = ("mode", "epsilon", "min_shard", "timeout_s", "failure_grace_s", "backend",
+                          "max_report_docs", "max_report_tokens")
+    _LEGACY = _LEGACY_POSITIONAL + ("keep_activations", "max_held_bytes_per_server", "transport", "partial_kv")
+
+    def __init__(self, name: str, *legacy_args, config: JobConfig | None = None,
+                 timer: Callable[[], float] = time.perf_counter, **legacy):
+        given = legacy_fields("Coordinator", legacy_args, legacy, positional=self._LEGACY_POSITIONAL,
+                              accepted=self._LEGACY)
+        self.config = config = legacy_job_config("Coordinator", config, given)
+        plan = config.plan
+        self.name, self.mode, self.epsilon, self.min_shard = name, plan.mode, plan.epsilon, plan.min_shard
+        self.keep_activations, self.partial_kv = plan.keep_activations, plan.partial_kv
+        self.max_held_bytes_per_server = plan.max_held_bytes_per_server
+        self.transport, self.backend = config.transport, config.backend
+        self.timeout_s, self.failure_grace_s = config.timeout_s, config.failure_grace_s
+        self.max_report_docs, self.max_report_tokens = config.max_report_docs, config.max_report_tokens
         self.timer = timer
         self.world_size: int | None = None
         self.clients: dict[int, dict] = {}
@@ -180,7 +173,9 @@ class Coordinator:
 
         Returns:
             ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
-            "transport"}``: the job's settings and the step the client must start at.
+            "transport", "config"}``: the job's settings (``config``: all of them,
+            :meth:`JobConfig.to_dict <scheduler.config.JobConfig.to_dict>`) and the step the
+            client must start at.
 
         Raises:
             ValueError: rank out of range or a world size other than the job's.
@@ -197,7 +192,8 @@ class Coordinator:
         self._rebuild(info)
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
                 "backend": self.backend, "next_step": max(self.next_step, self.floor),
-                "keep_activations": self.keep_activations, "transport": self.transport}
+                "keep_activations": self.keep_activations, "transport": self.transport,
+                "config": self.config.to_dict()}
 
     def _rebuild(self, info: dict) -> None:
         """Take a registering member's last step and epoch into account (after a scheduler
@@ -438,10 +434,9 @@ class Coordinator:
         if self.mode == "dedicated" and not servers:
             return None
         W = self.world_size
-        return partial(plan_and_cut, [state.reports[r][0] for r in range(W)],
-                       len(servers) if servers else W, state.shape[0], self.epsilon, self.mode,
-                       self.min_shard, step, batch, self.timer, self.keep_activations,
-                       self.max_held_bytes_per_server, state.shape[2], self.partial_kv)
+        return partial(plan_and_cut, [state.reports[r][0] for r in range(W)], len(servers) if servers else W,
+                       cost=state.shape[0], config=self.config.plan, step=step, batch=batch, timer=self.timer,
+                       window=state.shape[2])
 
     def _oversized(self, rank: int, doc_lens) -> str | None:
         """The message refusing a report above the bounds, or None (bad lengths are the

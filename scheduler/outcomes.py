@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .config import PlanConfig
 from .parts import plan_identity, plan_parts
 from .planner import plan_batch
 from .tasks import Plan
@@ -81,14 +82,14 @@ class PlanCut:
     descriptor: bytes = b""
 
 
-def plan_and_cut(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard, step, batch,
-                  timer, keep_activations=True, max_held_bytes_per_server=None, window=None,
-                  partial_kv=False) -> PlanCut:
+def plan_and_cut(doc_lens_per_rank, num_servers: int, *, cost, config: PlanConfig, step: int, batch: int,
+                 timer, window: int | None = None) -> PlanCut:
+    """Plan batch ``(step, batch)`` with ``config`` (:func:`~scheduler.plan_batch`), encode the
+    plan and cut every participant's part; ``timer`` (seconds) times the two. Bad documents or
+    settings come back as :attr:`PlanCut.error` (the ``ValueError``'s message), not raised."""
     try:
         start = timer()
-        plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, epsilon=epsilon, mode=mode,
-                          min_shard=min_shard, window=window, keep_activations=keep_activations,
-                          max_held_bytes_per_server=max_held_bytes_per_server, partial_kv=partial_kv)
+        plan = plan_batch(doc_lens_per_rank, num_servers, cost=cost, config=config, window=window)
         planned = timer()
         whole = plan.to_msgpack()
         parts = [p.to_msgpack() for p in plan_parts(plan, step, batch, plan_identity(whole, step, batch))]

@@ -106,8 +106,9 @@ from typing import Sequence
 import numpy as np
 
 from .bound import _pieces as most_pieces, load_bound
-from .checks import boolean, check_batch, positive_int
+from .checks import check_batch, positive_int
 from .bands import folded_pairs
+from .config import PlanConfig
 from .cost import CostModel, window_arg
 from .greedy import Greedy
 from .partial import split_past_blocks
@@ -285,17 +286,24 @@ def _fallback(batch: PlacedBatch, best: Greedy, target: float, cost: CostModel, 
 
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
-               epsilon: float = 0.05, mode: str = "inplace", min_shard: int = 128,
-               window: int | None = None, partial_kv: bool = False,
-               max_kv_rows_per_server: int | None = None, keep_activations: bool = True,
-               max_held_bytes_per_server: int | None = None) -> Plan:
+               config: PlanConfig | None = None, window: int | None = None,
+               epsilon: float = PlanConfig.epsilon, mode: str = PlanConfig.mode,
+               min_shard: int = PlanConfig.min_shard, partial_kv: bool = PlanConfig.partial_kv,
+               max_kv_rows_per_server: int | None = PlanConfig.max_kv_rows_per_server,
+               keep_activations: bool = PlanConfig.keep_activations,
+               max_held_bytes_per_server: int | None = PlanConfig.max_held_bytes_per_server) -> Plan:
     """Plan one step: split the batch's documents into CA-tasks balanced over the servers.
+
+    The planner's settings come as one :class:`~scheduler.config.PlanConfig` (``config=``) or as
+    its fields by keyword (``epsilon=0.1, mode="dedicated"``), defaults
+    :class:`~scheduler.config.PlanConfig`'s; not both.
 
     Args:
         doc_lens_per_rank: ``doc_lens_per_rank[r]`` lists the document lengths (tokens, ints > 0)
             packed on client rank ``r``; a rank may have none.
         num_servers: attention servers; in ``inplace`` mode it must equal the number of ranks.
         cost: attention shape and element size (FLOPs per pair, bytes per row).
+        config: the planner's settings (None: the keywords below).
         epsilon: imbalance tolerance ε: the planner aims for every server within
             ``(1 + ε) · max(mean, bound)`` attention FLOPs, ``bound`` the lower bound of
             :func:`scheduler.bound.load_bound` (what is guaranteed: see the module doc).
@@ -329,27 +337,31 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         A :class:`Plan` (built by construction from valid parts, not re-validated).
 
     Raises:
-        ValueError: bad lengths, sizes, mode, ε, ``min_shard`` or ``window`` (the message names
-            the values); a ``max_held_bytes_per_server``
+        ValueError: ``config`` together with a keyword setting; bad settings (a
+            :class:`~scheduler.config.ConfigError` naming every bad one); bad lengths, sizes or
+            ``window`` (the message names the values); a ``max_held_bytes_per_server``
             without ``keep_activations``, below what any plan needs (the mean over servers, or one
             document's KV rows plus its first shard), or one the planner could not keep (it names
             the server, e.g. an in-place rank whose own rows exceed it: the planner moves work for
             balance, not for memory).
     """
+    settings = dict(epsilon=epsilon, mode=mode, min_shard=min_shard, partial_kv=partial_kv,
+                    max_kv_rows_per_server=max_kv_rows_per_server, keep_activations=keep_activations,
+                    max_held_bytes_per_server=max_held_bytes_per_server)
+    if config is None:
+        config = PlanConfig(**settings)
+    else:
+        if not isinstance(config, PlanConfig):
+            raise ValueError(f"config must be a PlanConfig, got {type(config).__name__}")
+        both = [k for k, v in settings.items() if v is not getattr(PlanConfig, k) and v != getattr(PlanConfig, k)]
+        if both:
+            raise ValueError(f"plan_batch: pass config= or the settings {both} by keyword, not both")
+    epsilon, mode, min_shard = config.epsilon, config.mode, config.min_shard
+    partial_kv, keep_activations = config.partial_kv, config.keep_activations
+    max_kv_rows_per_server, cap = config.max_kv_rows_per_server, config.max_held_bytes_per_server
     counts, lens = validate_plan_args(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
     window = window_arg(window)
-    if not isinstance(partial_kv, bool):
-        raise ValueError(f"partial_kv must be True or False, got {partial_kv!r}")
-    if max_kv_rows_per_server is not None:
-        positive_int("max_kv_rows_per_server", max_kv_rows_per_server)
-    boolean("keep_activations", keep_activations)
-    boolean("partial_kv", partial_kv)
-    cap = max_held_bytes_per_server
     if cap is not None:
-        positive_int("max_held_bytes_per_server", cap)
-        if not keep_activations:
-            raise ValueError(f"max_held_bytes_per_server={cap} needs keep_activations=True (stateless "
-                             f"servers hold nothing between rounds)")
         need = held_cap_bound(lens, int(num_servers), cost, int(min_shard), window)
         if cap < need:
             raise ValueError(f"max_held_bytes_per_server={cap} is infeasible: every plan of this batch "

@@ -231,6 +231,7 @@ def draw(series: dict, start: float, end: float, kill_time: float | None, png: P
 
 def run(args) -> dict:
     from distca_server import launch, shutdown, status
+    from scheduler import JobConfig, PlanConfig
     from distca_sim.workloads import sample_batch
 
     out = Path(args.out)
@@ -245,8 +246,9 @@ def run(args) -> dict:
     try:
         if args.prometheus:
             prom, prom_port = start_prometheus(port, workdir)
-        job = launch(name=NAME, servers=2, mode="dedicated", timeout_s=args.timeout, failure_grace_s=1.0,
-               detached=False, min_shard=16, max_restarts=1, server_options={"num_cpus": 0})
+        config = JobConfig(servers=2, timeout_s=args.timeout, failure_grace_s=1.0, server_restarts=1,
+                           plan=PlanConfig(mode="dedicated", min_shard=16))
+        job = launch(name=NAME, config=config, detached=False, server_options={"num_cpus": 0})
         trainers = [Trainer.remote(NAME, r, 2, args.timeout) for r in range(2)]
         ray.get([t.ping.remote() for t in trainers], timeout=120)  # connected
         start = time.time()

@@ -17,9 +17,11 @@ import torch
 
 from scheduler.actor import (NAMESPACE, SchedulerActor, job_actor_names, scheduler_actor_name, server_actor_name,
                              total_bytes)
-from scheduler.checks import boolean, check_transport
+from scheduler.checks import check_transport
+from scheduler.config import ConfigError, JobConfig, legacy_fields, legacy_job_config
 
 from ..errors import DistCAError
+from ..kernels import BACKENDS, _known
 from .groups import remove_heaps
 from .server_actor import AttentionServerActor
 
@@ -50,99 +52,86 @@ def _named(make, actor_name: str, job: str):
                          f"meanwhile); `distca down --name {job}` first") from None
 
 
-def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
-           epsilon: float = 0.05, min_shard: int = 128, timeout_s: float = 60.0,
-           failure_grace_s: float = 1.0, backend: str = "auto", detached: bool = True,
-           max_restarts: int = 0, scheduler_restarts: int = -1, server_options: dict | None = None,
-           start_timeout_s: float = 300.0, coordinator_options: dict | None = None,
-           keep_activations: bool = True, max_held_bytes_per_server: int | None = None,
-           transport: str = "torch_dist", partial_kv: bool = False) -> dict:
-    """Start job ``name``: its scheduler and ``servers`` dedicated attention servers, all or
-    nothing (if any actor fails to start, the ones started are stopped and the error raised).
+_LAUNCH_LEGACY = ("servers", "mode", "epsilon", "min_shard", "timeout_s", "failure_grace_s", "backend",
+                  "max_restarts", "scheduler_restarts", "start_timeout_s", "coordinator_options",
+                  "keep_activations", "max_held_bytes_per_server", "transport", "partial_kv")
+
+
+def launch(name: str = "default", *, config: JobConfig | None = None, detached: bool = True,
+           server_options: dict | None = None, **legacy) -> dict:
+    """Start job ``name``: its scheduler and, in dedicated mode, ``config.servers`` attention
+    servers, all or nothing (if any actor fails to start, the ones started are stopped and the
+    error raised). The config is checked before any Ray call.
 
     Args:
         name: job name clients connect to.
-        servers: dedicated attention servers (ignored in ``"inplace"`` mode, where every client
-            serves its share).
-        mode: ``"dedicated"`` or ``"inplace"``.
-        epsilon, min_shard: planner settings.
-        timeout_s: how long any wait lasts before ``DistCAError``.
-        failure_grace_s: after a failure, how long the scheduler waits for the other members to
-            check in before naming the silent ones lost.
-        backend: kernel backend on the servers.
+        config: the job's settings (:class:`~scheduler.config.JobConfig`; default ``JobConfig()``:
+            one dedicated server, the planner's defaults; ``docs/config.md`` lists every field).
+            Among them: ``plan.mode`` (``"dedicated"``, or ``"inplace"``: every client serves its
+            share and ``servers`` is ignored); ``plan.keep_activations`` (servers keep each layer's
+            Q, K, V, O and LSE rows from its forward round until its backward round, which then
+            sends only dO; forward-only rounds keep nothing on any setting);
+            ``plan.max_held_bytes_per_server`` (bytes); ``timeout_s`` (seconds any wait lasts
+            before ``DistCAError``); ``failure_grace_s`` (seconds); ``start_timeout_s`` (seconds the
+            actors may take to start); ``server_restarts`` / ``scheduler_restarts`` (how often Ray
+            restarts a dead server / scheduler, -1: always; a restarted scheduler rebuilds its state
+            from the participants re-registering, the step in flight fails on every participant and
+            the next one runs); ``transport`` (``"torch_dist"``: gloo on CPU, NCCL on GPU, any
+            placement; ``"shm"``: CPU tensors, every client and server on one node, else the
+            epoch's batch fails on every client with a ``DistCAError`` naming the nodes;
+            ``"nvshmem"``: CUDA tensors, needs nvshmem4py and a GPU where ``launch`` runs);
+            ``backend`` (kernel backend on the servers).
         detached: keep the actors alive after this driver exits (``distca down`` stops them).
             With ``detached=False`` the actors live as long as the returned handles do: keep them.
-        max_restarts: how often Ray restarts a dead server (a restarted server rejoins).
-        scheduler_restarts: how often Ray restarts a dead scheduler (-1: always); a restarted
-            scheduler rebuilds its state from the participants re-registering, the step in flight
-            fails on every participant and the next one runs.
         server_options: Ray actor options for the servers; default one GPU each on a cluster
             with GPUs, else one CPU.
-        start_timeout_s: how long the actors may take to start.
-        coordinator_options: more scheduler settings (``max_report_docs``, ``max_report_tokens``).
-        keep_activations: servers keep each layer's Q, K, V, O and LSE rows from its forward round
-            until its backward round, which then sends only dO (see :func:`scheduler.plan_batch`).
-            Only forward rounds that will have a backward round keep anything (run with grad and
-            inputs that require it); forward-only rounds (evaluation, ``torch.no_grad``) keep
-            nothing on any setting. False: every backward round resends everything.
-        max_held_bytes_per_server: with ``keep_activations``, the most bytes of kept activations
-            one layer of one batch may leave on any server (the planner's cap; None: no cap).
-        transport: how every group epoch moves its tensors: ``"torch_dist"`` (gloo on CPU,
-            NCCL on GPU; any placement), ``"shm"`` (the one-sided exchange over shared memory:
-            CPU tensors, every client and server of the job on one node: an epoch whose members
-            span nodes fails its batch on every client with a ``DistCAError`` naming the nodes,
-            since where clients run is only known then) or ``"nvshmem"`` (CUDA tensors; needs
-            nvshmem4py and a GPU where ``launch`` runs).
-        partial_kv: the planner may also split a query shard's keys over servers where that
-            balances better (``plan_batch(..., partial_kv=True)``; full causal attention only).
+        **legacy: deprecated: the old settings (``servers``, ``mode``, ``epsilon``, ``min_shard``,
+            ``timeout_s``, ``failure_grace_s``, ``backend``, ``max_restarts`` (now
+            ``server_restarts``), ``scheduler_restarts``, ``start_timeout_s``,
+            ``coordinator_options``, ``keep_activations``, ``max_held_bytes_per_server``,
+            ``transport``, ``partial_kv``). They warn (``DeprecationWarning``) and build the config.
 
     Returns:
-        ``{"scheduler": handle, "servers": [handles]}``.
+        ``{"scheduler": handle, "servers": [handles], "config": the JobConfig}``.
 
     Raises:
-        ValueError: bad arguments (a ``transport`` not in
-            :data:`scheduler.checks.TRANSPORTS`, or ``"nvshmem"`` without nvshmem4py or a
-            CUDA device here), or actors of a job of that name already running, also when
-            another ``launch`` of the name started them at the same moment (this one then
+        ValueError: a bad config (:class:`~scheduler.config.ConfigError`, naming every bad
+            field), a backend no install knows, ``"nvshmem"`` without nvshmem4py or a CUDA device
+            here (all before any Ray call), or actors of a job of that name already running, also
+            when another ``launch`` of the name started them at the same moment (this one then
             leaves nothing running).
+        TypeError: ``config`` together with deprecated settings, or an unknown keyword.
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
-    boolean("keep_activations", keep_activations)
-    _check_transport_here(transport)
-    boolean("partial_kv", partial_kv)
-    coordinator_options = dict(coordinator_options or {}, keep_activations=keep_activations,
-                               max_held_bytes_per_server=max_held_bytes_per_server, transport=transport,
-                               partial_kv=partial_kv)
+    given = legacy_fields("launch", (), legacy, accepted=_LAUNCH_LEGACY)
+    config = legacy_job_config("launch", config, given)
+    _check_here(config)
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
-    if mode not in ("dedicated", "inplace"):
-        raise ValueError(f"mode must be 'dedicated' or 'inplace', got {mode!r}")
-    if mode == "dedicated" and (not isinstance(servers, int) or servers < 1):
-        raise ValueError(f"dedicated mode needs servers >= 1, got {servers!r}")
     running = job_actor_names(name)
     if running:
         raise ValueError(f"a distca job named {name!r} is already running (actors {running}); "
                          f"`distca down --name {name}` first")
     lifetime = "detached" if detached else None
     started = []
+    start_timeout_s = config.start_timeout_s
     try:
         scheduler = _named(lambda: SchedulerActor.options(
             name=scheduler_actor_name(name), namespace=NAMESPACE, lifetime=lifetime,
-            max_restarts=scheduler_restarts).remote(
-            name, mode, epsilon, min_shard, timeout_s, failure_grace_s, backend, coordinator_options),
+            max_restarts=config.scheduler_restarts).remote(name, config=config),
             scheduler_actor_name(name), name)
         started.append(scheduler)
         ray.get(scheduler.ping.remote(), timeout=start_timeout_s)
         handles = []
-        if mode == "dedicated":
+        if config.plan.mode == "dedicated":
             if server_options is None:
                 gpus = ray.cluster_resources().get("GPU", 0)
                 server_options = {"num_gpus": 1} if gpus > 0 else {"num_cpus": 1}
-            for i in range(servers):
+            for i in range(config.servers):
                 handles.append(_named(lambda: AttentionServerActor.options(
                     name=server_actor_name(name, i), namespace=NAMESPACE, lifetime=lifetime,
-                    max_concurrency=8, max_restarts=max_restarts, **server_options).remote(
-                        name, i, timeout_s, 3600.0, backend), server_actor_name(name, i), name))
+                    max_concurrency=8, max_restarts=config.server_restarts, **server_options).remote(
+                        name, i, config.timeout_s, 3600.0, config.backend), server_actor_name(name, i), name))
                 started.append(handles[-1])
             ray.get([h.ping.remote() for h in handles], timeout=start_timeout_s)
     except BaseException as exc:
@@ -152,7 +141,25 @@ def launch(name: str = "default", servers: int = 1, mode: str = "dedicated", *,
             raise DistCAError(f"job {name!r} did not start within {start_timeout_s:g} s (not enough "
                               f"resources for its servers?); nothing is left running") from None
         raise
-    return {"scheduler": scheduler, "servers": handles}
+    return {"scheduler": scheduler, "servers": handles, "config": config}
+
+
+def _check_here(config: JobConfig) -> None:
+    """What ``config`` needs of this process, checked before any Ray call: a backend name some
+    install knows (whether the servers can run it is theirs to say), a transport that can run.
+
+    Raises:
+        ConfigError: naming every problem.
+    """
+    problems = []
+    if not _known(config.backend):
+        problems.append(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {config.backend!r}")
+    try:
+        _check_transport_here(config.transport)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError("launch", problems)
 
 
 def _check_transport_here(transport) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from scheduler import Plan, plan_batch
+from scheduler.config import PlanConfig
 from scheduler.cost import RoundKind
 from scheduler.parts import plan_parts
 
@@ -153,22 +154,20 @@ class LocalRuntime(Runtime):
     Args:
         num_servers: attention servers (threads).
         num_ranks: virtual client ranks the batch is cut into.
-        mode: "inplace" or "dedicated".
-        epsilon, min_shard, keep_activations, max_held_bytes_per_server, partial_kv: planner settings (see
+        plan: the planner's settings (:class:`~scheduler.config.PlanConfig`, checked; see
             :func:`scheduler.plan_batch`).
         backend: kernel backend name or "auto".
-        timeout_s: how long an in-process all-to-all waits for a participant.
+        timeout_s: how long an in-process all-to-all waits for a participant (seconds).
     """
 
-    def __init__(self, num_servers: int, num_ranks: int, mode: str, epsilon: float,
-                 backend: str, min_shard: int, timeout_s: float, keep_activations: bool = True,
-                 max_held_bytes_per_server: int | None = None, partial_kv: bool = False):
-        self.num_servers, self.num_ranks, self.mode = num_servers, num_ranks, mode
-        self.partial_kv = partial_kv
-        self.epsilon, self.backend, self.min_shard = epsilon, backend, min_shard
-        self.keep_activations, self.max_held_bytes_per_server = keep_activations, max_held_bytes_per_server
-        self.timeout_s = timeout_s
-        self.world_size = num_ranks if mode == "inplace" else num_ranks + num_servers
+    def __init__(self, num_servers: int, num_ranks: int, plan: PlanConfig, *, backend: str, timeout_s: float):
+        if not isinstance(plan, PlanConfig):
+            raise ValueError(f"plan must be a PlanConfig, got {type(plan).__name__}")
+        self.plan = plan
+        self.num_servers, self.num_ranks, self.mode = num_servers, num_ranks, plan.mode
+        self.keep_activations = plan.keep_activations
+        self.backend, self.timeout_s = backend, timeout_s
+        self.world_size = num_ranks if plan.mode == "inplace" else num_ranks + num_servers
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
         self._group: LocalGroup | None = None
         self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
@@ -184,10 +183,7 @@ class LocalRuntime(Runtime):
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_batch(split_documents(doc_lens, self.num_ranks), self.num_servers,
-                              cost=fmt.cost, epsilon=self.epsilon, mode=self.mode, min_shard=self.min_shard,
-                              window=window, keep_activations=self.keep_activations,
-                              max_held_bytes_per_server=self.max_held_bytes_per_server,
-                              partial_kv=self.partial_kv)
+                              cost=fmt.cost, config=self.plan, window=window)
             self._plans[key] = plan
             while len(self._plans) > PLANS_KEPT:
                 gone, _ = self._plans.popitem(last=False)

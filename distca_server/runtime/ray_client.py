@@ -27,6 +27,7 @@ import ray
 import torch
 
 from scheduler.actor import NAMESPACE, scheduler_actor_name
+from scheduler.config import JobConfig, PlanConfig, differences
 from scheduler.cost import RoundKind
 from scheduler.logs import configure_logging
 from scheduler.messages import decode_answer, encode_report
@@ -107,17 +108,19 @@ class RayClientRuntime(Runtime):
         name: the job.
         rank, world_size: this client's rank and the number of clients (None: from Ray Train or
             ``RANK``/``WORLD_SIZE``).
-        timeout_s: deadline of every wait (None: the job's).
+        timeout_s: deadline of every wait, seconds (None: the job's).
         keep_activations: None, or the job's setting this client expects (checked).
+        config: None, or the job's :class:`~scheduler.config.JobConfig` (or its
+            :class:`~scheduler.config.PlanConfig`) this client expects (checked field by field).
 
     Raises:
         ValueError: no job of that name, rank/world size missing or inconsistent, or a
-            ``keep_activations`` other than the job's.
+            ``keep_activations`` or ``config`` other than the job's (naming every field that differs).
         DistCAError: Ray is not initialised or the scheduler does not answer.
     """
 
     def __init__(self, name: str, rank: int | None, world_size: int | None, timeout_s: float | None,
-                 keep_activations: bool | None = None):
+                 keep_activations: bool | None = None, config: JobConfig | PlanConfig | None = None):
         if keep_activations is not None and type(keep_activations) is not bool:
             raise ValueError(f"keep_activations must be a bool or None, got {keep_activations!r}")
         if not ray.is_initialized():
@@ -133,13 +136,20 @@ class RayClientRuntime(Runtime):
         configure_logging(f"distca-client-{name}-{self.rank}")
         self.node = ray.util.get_node_ip_address()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.timeout_s = float(timeout_s) if timeout_s is not None else 60.0
+        self.timeout_s = float(timeout_s) if timeout_s is not None else JobConfig.timeout_s
         self.member: GroupMember | None = None
         cfg = self._register()
         self.mode, self.backend = cfg["mode"], cfg["backend"]
+        self.keep_activations = bool(cfg["keep_activations"])  # the job's, set once at launch
         if keep_activations is not None and keep_activations != cfg["keep_activations"]:
             raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
                              f"{keep_activations} (it is set once per job, at launch)")
+        if config is not None:
+            job = JobConfig.from_dict(cfg["config"])
+            differ = differences(config, job if isinstance(config, JobConfig) else job.plan)
+            if differ:
+                raise ValueError(f"job {name!r} runs with another config than the one given to connect "
+                                 f"(given != the job's, set once at launch): {'; '.join(differ)}")
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
         self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}", job=name)

@@ -26,7 +26,7 @@ def test_subcommands_registered():
     up = parser.parse_args(["up", "--min-shard", "64", "--timeout", "30", "--failure-grace", "2",
                             "--start-timeout", "90", "--server-restarts", "3", "--scheduler-restarts", "0",
                             "--backend", "torch_cpu", "--address", "10.0.0.1:6379"])
-    assert (up.min_shard, up.timeout, up.failure_grace, up.start_timeout, up.server_restarts,
+    assert (up.min_shard, up.timeout_s, up.failure_grace_s, up.start_timeout_s, up.server_restarts,
             up.scheduler_restarts, up.backend, up.address) == (64, 30.0, 2.0, 90.0, 3, 0, "torch_cpu", "10.0.0.1:6379")
     st = parser.parse_args(["status", "--watch", "--interval", "0.5"])
     assert st.watch and not st.json and st.interval == 0.5
@@ -57,8 +57,8 @@ def test_servers_in_inplace_mode_refused_in_one_line():
 def test_bad_settings_refused_before_ray():
     for argv, words in ((["--min-shard", "0"], "min_shard must be a positive int, got 0"),
                         (["--epsilon", "-1"], "epsilon must be a finite number >= 0, got -1.0"),
-                        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
-                        (["--start-timeout", "nan"], "--start-timeout must be a finite number >= 0, got nan"),
+                        (["--timeout", "0"], "timeout_s must be a finite number > 0, got 0.0"),
+                        (["--start-timeout", "nan"], "start_timeout_s must be a finite number > 0, got nan"),
                         (["--transport", "tcp"], "transport must be one of ('torch_dist', 'shm', 'nvshmem'), got 'tcp'")):
         out = _run_cli("up", *argv, "--address", "127.0.0.1:1")  # never reached
         assert out.returncode == 1
@@ -139,6 +139,30 @@ def test_watch_redraws_until_count_and_keeps_the_last_table_on_errors():
         watch(fetch, interval_s=0)
 
 
+_JSON_STATUS = """
+import contextlib, sys
+import ray
+from distca_cli import main
+ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, namespace="distca",
+         log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": sys.argv[1]}})
+with contextlib.redirect_stdout(sys.stderr):  # stdout carries what `status --json` prints, nothing else
+    assert main(["up", "--name", "j", "--servers", "2", "--backend", "reference"]) == 0
+try:
+    code = main(["status", "--name", "j", "--json"])
+finally:
+    with contextlib.redirect_stdout(sys.stderr):
+        main(["down", "--name", "j"])
+    ray.shutdown()
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # a local Ray instance and a job's actors (the unit tier starts no Ray)
 def test_json_status_is_json():
-    st = _status()
-    assert json.loads(json.dumps(st, default=str))["servers"][1]["state"] == "unreachable"
+    out = subprocess.run([sys.executable, "-c", _JSON_STATUS, str(ROOT)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    st = json.loads(out.stdout)  # the whole output is one JSON object
+    assert (st["name"], st["mode"], st["scheduler"]) == ("j", "dedicated", "running")
+    assert [s["server"] for s in st["servers"]] == [0, 1]
+    assert all(s["node"] and s["state"] not in ("dead", "unreachable") for s in st["servers"])

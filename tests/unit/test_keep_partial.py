@@ -271,5 +271,5 @@ def test_local_client_plans_partial_kv(keep):
             balance[partial_kv] = plan.imbalance()[1]
             _check(got, _want(lens, layers, dout), torch.float64)
     assert balance[False] >= 1.9 and balance[True] <= 1.05 + 1e-9
-    with pytest.raises(ValueError, match="partial_kv=1"):
+    with pytest.raises(ValueError, match="partial_kv must be a bool, got 1"):
         DistCAClient.local(2, partial_kv=1)

@@ -14,6 +14,7 @@ from distca_server.errors import DistCAError
 from distca_server.refs import all_to_all_ref
 from distca_server.transport.base import ALIGN, all_to_all
 from distca_server.transport.local import LocalGroup
+from scheduler.config import PlanConfig
 
 
 def _in_threads(world, fn):
@@ -114,8 +115,7 @@ def test_bad_splits_raise_value_error(send, send_splits, recv_splits, fragment):
 
 
 def test_runtime_reraises_root_cause_and_recovers():
-    runtime = LocalRuntime(num_servers=3, num_ranks=3, mode="inplace", epsilon=0.05, backend="auto",
-                           min_shard=128, timeout_s=20)
+    runtime = LocalRuntime(num_servers=3, num_ranks=3, plan=PlanConfig(), backend="auto", timeout_s=20)
     empty = torch.zeros(0, dtype=torch.uint8)
 
     def good(t):
