@@ -11,7 +11,8 @@ from distca_server.wire import RowFormat
 from scheduler.checks import MODES, is_int, is_number
 from scheduler.tasks import Plan
 
-from .autograd import DistCAAttention, Pending
+from . import op
+from .autograd import Pending
 from .validate import check_attend_inputs
 
 
@@ -50,111 +51,165 @@ class DistCAClient:
         self._step_batches: list[PlannedBatch] = []  # the batches of the last step, in first use order
 
     @classmethod
-    def local(cls, num_servers: int, epsilon: float = 0.05, backend: str = "auto",
-              mode: str = "inplace", *, num_ranks: int | None = None, min_shard: int = 128,
-              timeout_s: float = 60.0, keep_activations: bool = True,
-              max_held_bytes_per_server: int | None = None, partial_kv: bool = False,
-              max_batches: int = BATCHES_KEPT) -> "DistCAClient":
+    def local(cls, num_servers: int | None = None, *, config: PlanConfig | JobConfig | None = None,
+              num_ranks: int | None = None, max_batches: int = BATCHES_KEPT, **legacy) -> "DistCAClient":
         """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
 
         Args:
-            num_servers: attention servers (threads here).
-            epsilon: planner imbalance tolerance ε.
-            backend: "auto" or a name from :data:`distca_server.kernels.BACKENDS`.
-            mode: "inplace" (server i inside virtual rank i) or "dedicated".
+            num_servers: attention servers (threads here). With a :class:`JobConfig` it defaults
+                to ``config.servers`` and must equal it.
+            config: a :class:`~scheduler.config.PlanConfig` (the planner's settings; default
+                ``PlanConfig()``: in-place, ε 0.05, ``min_shard`` 128, kept activations; see
+                :func:`scheduler.plan_batch`), or a :class:`~scheduler.config.JobConfig` (its
+                ``plan``, ``servers``, ``backend`` and ``timeout_s``: how long an all-to-all waits
+                for a participant, seconds; its other fields do nothing here). With a PlanConfig,
+                ``backend`` and ``timeout_s`` are :class:`JobConfig`'s defaults (``"auto"``, 60 s).
+                ``keep_activations``: servers keep each layer's activations from its forward round
+                until its backward round (see the class doc); False: every backward round resends
+                Q, K, V, O and LSE.
             num_ranks: virtual client ranks the batch's documents are spread over (default:
                 ``num_servers``; must equal it in in-place mode).
-            min_shard: smallest shard (tokens) of a split document.
-            timeout_s: how long an all-to-all waits for a participant.
-            keep_activations: servers keep each layer's activations from its forward round until
-                its backward round (see the class doc); False: every backward round resends Q, K,
-                V, O and LSE.
-            max_held_bytes_per_server: with ``keep_activations``, the planner's cap on the bytes
-                one layer of one batch leaves held on a server (see :func:`scheduler.plan_batch`).
-            partial_kv: the planner may also split a query shard's keys over servers where that
-                balances better (``plan_batch(..., partial_kv=True)``; full causal attention only).
             max_batches: idle batches (no forward round awaiting its backward) a step keeps
                 bound, most recently used first; an evicted one is planned again when next seen.
                 Batches awaiting a backward are never evicted, however many.
+            **legacy: deprecated: ``epsilon``, ``mode``, ``min_shard``, ``keep_activations``,
+                ``max_held_bytes_per_server``, ``partial_kv`` (now ``config=PlanConfig(...)``),
+                ``backend``, ``timeout_s`` (now ``config=JobConfig(...)``). They warn
+                (``DeprecationWarning``) and build the config; in-place stays their default mode.
 
         Raises:
-            ValueError: any argument out of range, naming it.
+            ValueError: every bad argument at once, each named (``"DistCAClient.local: ..."``),
+                including a backend this install cannot run.
+            TypeError: ``config`` together with deprecated arguments, or an unknown keyword.
         """
-        num_ranks = num_servers if num_ranks is None else num_ranks
-        problems = []
-        for name, value in (("num_servers", num_servers), ("num_ranks", num_ranks), ("min_shard", min_shard)):
-            if not is_int(value) or value < 1:
-                problems.append(f"{name}={value!r} (must be an int >= 1)")
-        if mode not in MODES:
-            problems.append(f"mode={mode!r} (must be one of {MODES})")
-        elif mode == "inplace" and num_ranks != num_servers:
-            problems.append(f"num_ranks={num_ranks} != num_servers={num_servers} (inplace mode)")
-        try:
-            check_backend_name(backend)
-        except ValueError as exc:
-            problems.append(f"backend={backend!r} ({exc})")
-        if not is_number(epsilon) or not 0 <= epsilon < float("inf"):
-            problems.append(f"epsilon={epsilon!r} (must be finite and >= 0)")
-        if not is_number(timeout_s) or not 0 < timeout_s < float("inf"):
-            problems.append(f"timeout_s={timeout_s!r} (must be finite and > 0)")
-        for name, value in (("keep_activations", keep_activations), ("partial_kv", partial_kv)):
-            if type(value) is not bool:
-                problems.append(f"{name}={value!r} (must be a bool)")
-        if max_held_bytes_per_server is not None and (not is_int(max_held_bytes_per_server)
-                                                      or max_held_bytes_per_server < 1
-                                                      or keep_activations is not True):
-            problems.append(f"max_held_bytes_per_server={max_held_bytes_per_server!r} (must be an int >= 1, "
-                            f"with keep_activations=True)")
+        from scheduler.checks import positive_int
+        from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, render, warn_deprecated
+        entry = "DistCAClient.local"
+        given = legacy_fields(entry, (), legacy, accepted=_LOCAL_LEGACY)
+        problems, plan, backend, timeout_s, servers = [], None, JobConfig.backend, JobConfig.timeout_s, num_servers
+        if given:
+            if config is not None:
+                raise TypeError(f"{entry}: pass config= or the deprecated arguments ({', '.join(given)}), not both")
+            implied = {} if "mode" in given else {"mode": PlanConfig.mode}
+            if {"backend", "timeout_s"} & set(given):
+                warn_deprecated(entry, list(given), "config=" + render(given, dict(
+                    implied, **({} if num_servers is None else {"servers": num_servers}))))
+            else:
+                warn_deprecated(entry, list(given), "config=" + render(given, kind="PlanConfig"))
+            try:  # servers: num_servers, checked below
+                job = JobConfig.from_fields(plan=PlanConfig(), **given)
+                plan, backend, timeout_s = job.plan, job.backend, job.timeout_s
+            except ConfigError as exc:
+                problems += exc.problems
+        elif config is None or isinstance(config, PlanConfig):
+            plan = PlanConfig() if config is None else config
+        elif isinstance(config, JobConfig):
+            plan, backend, timeout_s = config.plan, config.backend, config.timeout_s
+            if num_servers is None:
+                servers = config.servers
+            elif num_servers != config.servers:
+                problems.append(f"num_servers={num_servers!r} != config.servers={config.servers} (give one)")
+        else:
+            problems.append(f"config must be a PlanConfig or JobConfig, got {type(config).__name__}")
+        num_ranks = servers if num_ranks is None else num_ranks
+        for name, value in (("num_servers", servers), ("num_ranks", num_ranks)):
+            try:
+                positive_int(name, value)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if plan is not None and plan.mode == "inplace" and num_ranks != servers:
+            problems.append(f"num_ranks={num_ranks} != num_servers={servers} (inplace mode)")
+        if plan is not None:
+            try:
+                check_backend_name(backend)
+            except ValueError as exc:
+                problems.append(f"backend={backend!r} ({exc})")
         problems += _check_max_batches(max_batches)
         if problems:
-            raise ValueError("DistCAClient.local: " + "; ".join(problems))
-        runtime = LocalRuntime(int(num_servers), int(num_ranks), mode, float(epsilon), backend,
-                               int(min_shard), float(timeout_s), keep_activations,
-                               None if max_held_bytes_per_server is None else int(max_held_bytes_per_server),
-                               partial_kv)
+            raise ConfigError(entry, problems)
+        runtime = LocalRuntime(int(servers), int(num_ranks), plan, backend=backend, timeout_s=timeout_s)
         runtime.max_batches = int(max_batches)
         return cls(runtime)
 
     @classmethod
     def connect(cls, name: str = "default", rank: int | None = None, world_size: int | None = None,
-                *, timeout_s: float | None = None, keep_activations: bool | None = None,
-                max_batches: int = BATCHES_KEPT) -> "DistCAClient":
+                *, config: JobConfig | PlanConfig | None = None, timeout_s: float | None = None,
+                max_batches: int = BATCHES_KEPT, **legacy) -> "DistCAClient":
         """Join job ``name`` on the current Ray cluster as client ``rank`` of ``world_size``.
 
         Call it from any Ray task or actor (Ray Train workers included: rank and world size then
         come from the Train context; elsewhere from ``RANK``/``WORLD_SIZE`` if not given). A client
         that restarted after a failure rejoins the same way.
 
-        ``keep_activations`` is the job's setting (``distca_server.launch(keep_activations=...)``,
-        on by default): every client and server of a plan must agree, so it is chosen once per
-        job. Passing it here checks that the job runs with that setting.
+        The job's settings are chosen once, at launch (``distca_server.launch(config=...)``,
+        ``distca up``): every client and server of a plan must agree.
 
-        ``max_batches``: as in :meth:`local`. Batches are bound in program order, so give every
-        client of a job the same value.
+        Args:
+            name, rank, world_size: the job, this client's rank and the number of clients.
+            config: None, or the :class:`~scheduler.config.JobConfig` the job was launched with
+                (or only its :class:`~scheduler.config.PlanConfig`): connect checks that the job
+                runs with it and raises ``ValueError`` naming every field that differs.
+            timeout_s: this client's deadline of every wait, seconds (None: the job's
+                ``timeout_s``).
+            max_batches: as in :meth:`local`. Batches are bound in program order, so give every
+                client of a job the same value.
+            **legacy: deprecated: ``keep_activations`` (checks the job's setting; pass the job's
+                config instead). It warns (``DeprecationWarning``).
 
         Raises:
-            ValueError: no job of that name, rank/world size missing or inconsistent, a
-                ``keep_activations`` other than the job's, or a bad ``max_batches``.
+            ValueError: no job of that name, rank/world size missing or inconsistent, a bad
+                ``config``, ``timeout_s`` or ``max_batches``, a job that runs with other settings
+                than ``config`` (or another ``keep_activations``).
+            TypeError: ``config`` together with ``keep_activations``, or an unknown keyword.
             DistCAError: Ray is not initialised or the scheduler does not answer.
         """
+        from scheduler.checks import finite_positive
+        from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, warn_deprecated
+        entry = "DistCAClient.connect"
+        given = legacy_fields(entry, (), legacy, accepted=("keep_activations",))
+        if given:
+            if config is not None:
+                raise TypeError(f"{entry}: pass config= or the deprecated keep_activations, not both")
+            warn_deprecated(entry, list(given), "config= the job's JobConfig (or its PlanConfig), which "
+                                                "connect checks the job runs with")
         problems = _check_max_batches(max_batches)
+        if config is not None and not isinstance(config, (JobConfig, PlanConfig)):
+            problems.append(f"config must be a JobConfig or PlanConfig, got {type(config).__name__}")
+        if timeout_s is not None:
+            try:
+                finite_positive("timeout_s", timeout_s)
+            except ValueError as exc:
+                problems.append(str(exc))
         if problems:  # before registering with the job
-            raise ValueError("DistCAClient.connect: " + "; ".join(problems))
+            raise ConfigError(entry, problems)
         from distca_server.runtime.ray_client import RayClientRuntime
-        runtime = RayClientRuntime(name, rank, world_size, timeout_s, keep_activations)
+        runtime = RayClientRuntime(name, rank, world_size, timeout_s, given.get("keep_activations"), config=config)
         runtime.max_batches = int(max_batches)
         return cls(runtime)
 
     def attend_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
-                     softmax_scale: float | None = None, window: int | None = None) -> "AttendHandle":
-        """Start :meth:`attend`'s forward round and return at once; ``handle.wait()`` gives ``out``.
+                     softmax_scale: float | None = None, window: int | None = None,
+                     return_lse: bool = False) -> "AttendHandle":
+        """Start :meth:`attend`'s forward round and return at once; ``handle.wait()`` gives what
+        :meth:`attend` returns (``out``, or ``(out, lse)`` with ``return_lse=True``).
 
         Meanwhile the training loop can run the other nano-batch's layers (DistCA §4.2 ping-pong).
-        Rounds run in call order, so every client must issue them in the same order.
+        Rounds run in call order, so every client must issue them in the same order. Eager only:
+        under torch.compile call :meth:`attend`.
 
         Raises:
             ValueError: as :meth:`attend`, before anything is queued.
         """
+        if type(return_lse) is not bool:
+            raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+        counts = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                 for t in (q, k, v))
+        pending = self._start_round(q, k, v, doc_lens, softmax_scale, window, counts)
+        return AttendHandle(pending, q, k, v, return_lse)
+
+    def _start_round(self, q, k, v, doc_lens, softmax_scale, window, counts: bool) -> Pending:
+        """Check the inputs, find (or plan) the step's batch and queue the forward round;
+        ``counts``: a backward round may follow. Raises as :meth:`attend`."""
         try:
             lens, scale, window = check_attend_inputs(q, k, v, doc_lens, softmax_scale, window)
         except ValueError as exc:  # peers must not wait for this rank's round until they time out
@@ -163,40 +218,52 @@ class DistCAClient:
         fmt = RowFormat.of(q, k)
         step = self._runtime.step_for(lens, fmt, q.device, window)
         self._remember(step)
-        counts = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
         ticket = self._runtime.open_ticket(step, future) if counts else None
-        return AttendHandle(Pending(step, future, ticket=ticket), q, k, v, scale)
+        return Pending(step, future, ticket=ticket, softmax_scale=scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
-               softmax_scale: float | None = None, window: int | None = None) -> torch.Tensor:
+               softmax_scale: float | None = None, window: int | None = None,
+               return_lse: bool = False):
         """(Sliding-window) causal attention inside each document of a packed batch, computed by
         the servers.
+
+        The ``distca::attend_fwd`` operator with its autograd formula (:mod:`distca_client.op`):
+        ``torch.compile`` traces it (``fullgraph=True`` works); there pass ``doc_lens`` as a
+        tensor, so that a new batch is data to the compiled graph rather than a recompile.
 
         Args:
             q: [total_tokens, num_heads_q, head_dim], float16/bfloat16/float32/float64.
             k, v: [total_tokens, num_heads_kv, head_dim], same dtype and device;
                 ``num_heads_q % num_heads_kv == 0`` (GQA).
             doc_lens: document lengths (tokens) in packing order, a list of ints or a 1-D integer
-                tensor, ``sum(doc_lens) == total_tokens``.
+                tensor (any device), ``sum(doc_lens) == total_tokens``.
             softmax_scale: multiplier of ``Q Kᵀ``; None means ``head_dim ** -0.5``.
             window: sliding window ``W``: row ``t`` sees only keys ``t - W + 1 .. t`` of its
                 document (Mistral-style); None means full causal attention. Layers with
                 different windows in one step get one plan each (a windowed plan balances
                 windowed FLOPs and moves only the keys each shard's window needs).
+            return_lse: also return the softmax log-sum-exp.
 
         Returns:
-            out: [total_tokens, num_heads_q, head_dim], q's dtype and device; differentiable
-            with respect to q, k and v. Row ``t`` of document ``d`` is
+            out: [total_tokens, num_heads_q, head_dim], q's dtype and device, contiguous;
+            differentiable with respect to q, k and v. Row ``t`` of document ``d`` is
             ``softmax(scale · q_t K_dᵀ[s:t+1]) V_d[s:t+1]``, ``s = 0`` or ``max(0, t - W + 1)``
             (causal, no attention across documents).
+            With ``return_lse=True``, ``(out, lse)``: lse [num_heads_q, total_tokens] on q's
+            device (flash-attention's layout), ``lse[h, t] = log Σ_j exp(scale · q_t·k_j)`` over
+            the keys row ``t`` sees (natural log), float32 (float64 for float64 inputs). The LSE
+            is not differentiable: autograd treats it as a constant (``requires_grad=False``).
 
         Raises:
-            ValueError: bad shapes, dtypes, devices, ``doc_lens``, ``softmax_scale`` or
-                ``window``, before any byte moves.
+            ValueError: bad shapes, dtypes, devices, ``doc_lens``, ``softmax_scale``, ``window``
+                or ``return_lse``, before any byte moves (under torch.compile the values of a
+                ``doc_lens`` tensor are checked when the compiled code runs).
             DistCAError: a participant was lost or timed out.
+            RuntimeError: in the backward, a second backward (``retain_graph=True``) of a
+                client that keeps activations, or a double backward (``create_graph=True``).
         """
-        return self.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale, window=window).wait()
+        return op.attend(self, q, k, v, doc_lens, softmax_scale, window, return_lse)
 
     def new_step(self) -> None:
         """End the current step now; the next ``attend`` starts a new one. A step with a backward
@@ -254,6 +321,11 @@ class DistCAClient:
         self.close()
 
 
+# DistCAClient.local's old settings, deprecated (see its doc).
+_LOCAL_LEGACY = ("epsilon", "backend", "mode", "min_shard", "timeout_s", "keep_activations",
+                 "max_held_bytes_per_server", "partial_kv")
+
+
 def _check_max_batches(value) -> list[str]:
     if not is_int(value) or value < 1:
         return [f"max_batches={value!r} (must be an int >= 1)"]
@@ -261,21 +333,23 @@ def _check_max_batches(value) -> list[str]:
 
 
 class AttendHandle:
-    """A forward round in flight; :meth:`wait` returns its ``out`` (connected to autograd)."""
+    """A forward round in flight; :meth:`wait` returns its ``out`` (connected to autograd), or
+    ``(out, lse)`` if it was started with ``return_lse=True``."""
 
-    def __init__(self, pending: Pending, q, k, v, softmax_scale: float):
-        self._pending, self._inputs, self._scale = pending, (q, k, v), softmax_scale
-        self._out = None
+    def __init__(self, pending: Pending, q, k, v, return_lse: bool = False):
+        self._pending, self._inputs, self._return_lse = pending, (q, k, v), return_lse
+        self._result = None
 
-    def wait(self) -> torch.Tensor:
-        """Block until the round is done; ``out`` as :meth:`DistCAClient.attend` returns it.
+    def wait(self):
+        """Block until the round is done; ``out`` (or ``(out, lse)``) as :meth:`DistCAClient.attend`
+        returns it.
 
         Raises:
             DistCAError: the round failed (a participant was lost or timed out).
         """
-        if self._out is None:
-            self._out = DistCAAttention.apply(*self._inputs, self._pending, self._scale)
-        return self._out
+        if self._result is None:
+            self._result = op.finish(self._pending, *self._inputs)
+        return self._result if self._return_lse else self._result[0]
 
     def done(self) -> bool:
         return self._pending.future.done()

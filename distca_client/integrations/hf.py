@@ -20,16 +20,23 @@ with padding between real tokens is refused, since transformers attends across s
 documents cannot). The registered mask hook is
 transformers' own flash-attention one: it hands the attention function the 2-D padding mask (or
 None) instead of a dense 4-D mask, which distca has no use for.
+
+``torch.compile(model, fullgraph=True)`` traces a model on ``"distca"`` whole: under compile the
+document lengths come from the operator ``distca::hf_document_lengths`` (:func:`document_lengths`
+run when the compiled code runs) as a tensor for ``attend``, so a new packing of the batch is data,
+not a recompile (docs/api.md). ``register_local`` attention is eager only.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from distca_client import op as _op  # noqa: F401  (registers the distca operators)
 from distca_client.client import DistCAClient
 from distca_client.functional import varlen_attention
 from distca_server.kernels import check_backend_name
@@ -138,8 +145,12 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
     if problems:
         raise ValueError("distca attention: " + "; ".join(problems))
 
-    doc_lens = document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k,
-                                attention_mask, training=module.training)
+    if torch.compiler.is_compiling():  # found when the compiled code runs: see document_lengths_op
+        doc_lens = torch.ops.distca.hf_document_lengths(position_ids, cu_seq_lens_q, cu_seq_lens_k,
+                                                        attention_mask, batch, seq, module.training)
+    else:
+        doc_lens = document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k,
+                                    attention_mask, training=module.training)
     # [B, H, S, D] -> [B·S, H, D]: a view when the projections' [B, S, H, D] memory is intact,
     # which is what transformers' attention modules produce (view + transpose + RoPE).
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3])
@@ -204,6 +215,28 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
             f"document: [0, {seq}])")
     idx = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist() + [total]
     return [b - a for a, b in zip(idx, idx[1:])]
+
+
+@torch.library.custom_op("distca::hf_document_lengths", mutates_args=())
+def document_lengths_op(position_ids: Optional[torch.Tensor], cu_seq_lens_q: Optional[torch.Tensor],
+                        cu_seq_lens_k: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                        batch: int, seq: int, training: bool) -> torch.Tensor:
+    """:func:`document_lengths` as an operator for torch.compile: the lengths depend on the
+    tensors' values, so they are found when the compiled code runs (with the same checks and
+    errors), and the compiled graph sees a 1-D int64 CPU tensor whose length is a runtime value
+    (no recompile when the documents change).
+
+    Raises:
+        ValueError: as :func:`document_lengths`.
+    """
+    lens = document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask,
+                            training=training)
+    return torch.tensor(lens, dtype=torch.int64)
+
+
+@document_lengths_op.register_fake
+def _document_lengths_fake(position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask, batch, seq, training):
+    return torch.empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64, device="cpu")
 
 
 def _check_padding_at_ends(mask: torch.Tensor) -> None:

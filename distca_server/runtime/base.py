@@ -61,7 +61,7 @@ def sum_traffic(traffics) -> Traffic:
 class PlannedBatch(ABC):
     """One batch of one training step bound to its plan and to this process's participants.
 
-    The ``step`` object of :class:`~distca_client.autograd.DistCAAttention`: every layer's forward
+    The ``step`` object of distca's attention op (:mod:`distca_client.op`): every layer's forward
     round and, later, its backward round run through it. Rounds run in call order, one at a time.
 
     Attributes:

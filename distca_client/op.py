@@ -1,0 +1,232 @@
+"""``DistCAClient.attend`` as a PyTorch operator that ``torch.compile`` traces.
+
+Three layers, the structure of flash-attention's ``flash_attn_interface.py``:
+
+1. Two ``torch.library.custom_op`` s in the ``distca`` namespace, each with a ``register_fake``
+   that gives only output shapes and dtypes, so torch.compile (dynamo, AOTAutograd, inductor)
+   traces a call without running it:
+
+   - ``distca::attend_fwd(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept)
+     -> (out [T, Hq, D] like q, lse [Hq, T] float32 (float64 for float64 q), round [1] int64 CPU)``
+     runs (or finishes) one forward round;
+   - ``distca::attend_bwd(dout, round, q?, k?, v?, out?, lse?, num_heads_kv) -> (dq, dk, dv)``
+     runs its backward round.
+
+2. One autograd formula, registered on ``attend_fwd`` with ``register_autograd``
+   (:mod:`distca_client.autograd`: ``setup_context`` saves the round tensor, plus q, k, v, out
+   and lse when the servers keep nothing; ``backward`` calls ``attend_bwd``).
+
+3. The documented :meth:`DistCAClient.attend` (and ``attend_async``/``AttendHandle``), which
+   call :func:`attend` / :func:`finish` here.
+
+An operator takes tensors and plain scalars only, so the client goes in as an int key into a
+registry that references clients weakly (:func:`client_key`), and a forward round's state goes
+from the forward to the backward op inside the ``round`` tensor (:class:`~distca_client.autograd.Round`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from distca_server.dtypes import accumulation_dtype
+from scheduler.checks import is_number
+from scheduler.cost import window_arg
+
+from . import autograd as _autograd
+from .autograd import Pending, Round
+from .validate import _doc_lens
+
+_CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> DistCAClient
+_CLIENT_KEYS = itertools.count(1)
+_PENDING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Pending (attend_async)
+_PENDING_KEYS = itertools.count(1)
+_NO_DOCS = torch.empty(0, dtype=torch.int64)  # doc_lens of a call that finishes a started round
+
+
+@torch.compiler.assume_constant_result
+def client_key(client) -> int:
+    """The int that names ``client`` to the operators (registered on first use; the registry
+    holds it weakly). A constant in a compiled graph; dynamo guards on the client object, so
+    a compiled function called with another client recompiles for it."""
+    key = client.__dict__.get("_op_key")
+    if key is None:
+        key = client.__dict__["_op_key"] = next(_CLIENT_KEYS)
+        _CLIENTS[key] = client
+    return key
+
+
+@torch.compiler.assume_constant_result
+def keeps_activations(client) -> bool:
+    """Whether ``client``'s servers keep a counted round's activations (so the autograd formula
+    saves nothing but the round tensor). Read when torch.compile traces a call: every runtime knows
+    its setting (a connected client has its job's from registering); a runtime that did not say is
+    taken to keep nothing once it has planned no batch (the compiled graph then saves q, k, v, out
+    and lse for nothing, but stays exact)."""
+    runtime = client._runtime
+    keep = getattr(runtime, "keep_activations", None)
+    if keep is None and client._last_step is not None:
+        keep = client._last_step.keep_activations
+    return bool(keep)
+
+
+def _client(key: int):
+    client = _CLIENTS.get(key)
+    if client is None:
+        raise RuntimeError(f"distca::attend_fwd: no live DistCAClient has key {key}")
+    return client
+
+
+# ---- layer 1: the operators ------------------------------------------------------------------
+
+@torch.library.custom_op("distca::attend_fwd", mutates_args=())
+def attend_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torch.Tensor, client: int,
+               softmax_scale: Optional[float], window: Optional[int], counts: bool, pending: int,
+               kept: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward round of core attention through the servers of client ``client``.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; float16/bfloat16/float32/float64, one device.
+        doc_lens: 1-D integer tensor of document lengths summing to T (any device).
+        client: :func:`client_key` of the client.
+        softmax_scale: None means ``D ** -0.5``.
+        window: sliding window W, or None (full causal).
+        counts: a backward round may follow (grad enabled and an input requiring grad).
+        pending: 0, or the :func:`finish` key of a round ``attend_async`` started already (the
+            other arguments but q, k, v and kept are then ignored).
+        kept: whether the servers keep this round's activations (read by the autograd formula).
+
+    Returns:
+        out [T, Hq, D] in q's dtype, contiguous; lse [Hq, T] natural log in float32 (float64 for
+        float64 q), contiguous; round: int64 [1] on the CPU (see :class:`Round`).
+
+    Raises:
+        ValueError: bad inputs (:func:`~distca_client.validate.check_attend_inputs`), before any
+            byte moves.
+        DistCAError: a participant was lost or timed out.
+    """
+    if pending:
+        found = _PENDING.pop(pending, None)
+        if found is None:
+            raise RuntimeError(f"distca::attend_fwd: no started round has key {pending}")
+    else:
+        found = _client(client)._start_round(q, k, v, doc_lens, softmax_scale, window, counts)
+    out, lse = found.result()
+    return out.contiguous(), lse.t().contiguous(), Round(found).tensor()
+
+
+@attend_fwd.register_fake
+def _attend_fwd_fake(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    T, hq, d = q.shape
+    return (q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=accumulation_dtype(q.dtype)),
+            torch.empty((1,), dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("distca::attend_bwd", mutates_args=())
+def attend_bwd(dout: torch.Tensor, round: torch.Tensor, q: Optional[torch.Tensor], k: Optional[torch.Tensor],
+               v: Optional[torch.Tensor], out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
+               num_heads_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward round of the forward round ``round`` names.
+
+    Args:
+        dout: [T, Hq, D], the gradient of ``out``.
+        round: the forward op's third output.
+        q, k, v, out, lse: the forward's inputs and outputs (lse [Hq, T]), or all None when the
+            servers kept them.
+        num_heads_kv: Hkv (the shape of dk and dv).
+
+    Returns:
+        dq [T, Hq, D]; dk, dv [T, Hkv, D]; dout's dtype and device, contiguous.
+
+    Raises:
+        RuntimeError: a second backward of a round whose kept activations are freed
+            (``retain_graph=True``), or ``round`` names no live round.
+        DistCAError: a participant was lost or timed out, or the round's step has ended.
+    """
+    rnd = Round.of(round)
+    dq, dk, dv = rnd.backward(dout, q, k, v, out, None if lse is None else lse.t().contiguous())
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attend_bwd.register_fake
+def _attend_bwd_fake(dout, round, q, k, v, out, lse, num_heads_kv):
+    T, _, d = dout.shape
+    return dout.new_empty(dout.shape), dout.new_empty((T, num_heads_kv, d)), dout.new_empty((T, num_heads_kv, d))
+
+
+# ---- layer 2: the autograd function ----------------------------------------------------------
+
+attend_fwd.register_autograd(_autograd.backward, setup_context=_autograd.setup_context)
+
+
+# ---- the calls layer 3 makes -----------------------------------------------------------------
+
+def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
+    """``DistCAClient.attend``'s body (see its docstring).
+
+    Eager: start the round as ``attend_async`` does (inputs checked, the step's batch planned or
+    found), then :func:`finish` it. Under torch.compile the operator starts the round itself,
+    when the compiled code runs, from ``doc_lens`` as a tensor: the documents are data to the
+    compiled graph, so a new batch does not recompile it (a tensor of another length recompiles
+    once, after which its length is dynamic; a Python list is traced element by element, so its
+    length is compiled in: one graph per document count). The checks of the tensor's values,
+    the planning and the round all happen inside the operator, where nothing is traced.
+    Argument errors found while tracing (a non-tensor q, a bad ``softmax_scale``) are ValueErrors
+    that dynamo reports; with ``fullgraph=True`` as ``torch._dynamo.exc.Unsupported`` naming it.
+    """
+    if type(return_lse) is not bool:
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    if not torch.compiler.is_compiling():
+        return client.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale, window=window,
+                                   return_lse=return_lse).wait()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    counts = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out, lse, _ = torch.ops.distca.attend_fwd(
+        q, k, v, _doc_lens_tensor(doc_lens), client_key(client), _scale_arg(softmax_scale),
+        window_arg(window), counts, 0, counts and keeps_activations(client))
+    return (out, lse) if return_lse else out
+
+
+def finish(pending: Pending, q, k, v):
+    """``(out, lse)`` of the round ``pending`` (started by ``attend_async``), through the
+    operator, so its autograd node is the one every ``attend`` has."""
+    key = next(_PENDING_KEYS)
+    _PENDING[key] = pending
+    out, lse, _ = torch.ops.distca.attend_fwd(q, k, v, _NO_DOCS, 0, None, None, False, key,
+                                              pending.kept is not None)
+    return out, lse
+
+
+def _scale_arg(softmax_scale) -> float | None:
+    if softmax_scale is None:
+        return None
+    try:
+        scale = float(softmax_scale) if is_number(softmax_scale) else math.nan
+    except OverflowError:  # an int beyond float range
+        scale = math.inf
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
+                         f"got {softmax_scale!r}")
+    return scale
+
+
+def _doc_lens_tensor(doc_lens) -> torch.Tensor:
+    """``doc_lens`` as a 1-D integer tensor for the operator, which checks its values."""
+    if isinstance(doc_lens, np.ndarray):
+        doc_lens = torch.from_numpy(doc_lens)
+    if isinstance(doc_lens, torch.Tensor):
+        if doc_lens.dim() != 1 or doc_lens.dtype.is_floating_point or doc_lens.dtype.is_complex \
+                or doc_lens.dtype == torch.bool:
+            raise ValueError(f"doc_lens must be a 1-D integer array or tensor, got {doc_lens.dtype} "
+                             f"{tuple(doc_lens.shape)}")
+        return doc_lens
+    return torch.tensor(_doc_lens(doc_lens), dtype=torch.int64)  # a list's ints, checked
