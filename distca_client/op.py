@@ -27,7 +27,6 @@ from the forward to the backward op inside the ``round`` tensor (:class:`~distca
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from typing import Optional
 
@@ -35,12 +34,11 @@ import numpy as np
 import torch
 
 from distca_server.dtypes import accumulation_dtype
-from scheduler.checks import is_number
 from scheduler.cost import window_arg
 
 from . import autograd as _autograd
 from .autograd import Pending, Round
-from .validate import _doc_lens
+from .validate import _doc_lens, check_softmax_scale
 
 _CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> DistCAClient
 _CLIENT_KEYS = itertools.count(1)
@@ -191,7 +189,7 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     counts = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse, _ = torch.ops.distca.attend_fwd(
-        q, k, v, _doc_lens_tensor(doc_lens), client_key(client), _scale_arg(softmax_scale),
+        q, k, v, _doc_lens_tensor(doc_lens), client_key(client), check_softmax_scale(softmax_scale),
         window_arg(window), counts, 0, counts and keeps_activations(client))
     return (out, lse) if return_lse else out
 
@@ -204,19 +202,6 @@ def finish(pending: Pending, q, k, v):
     out, lse, _ = torch.ops.distca.attend_fwd(q, k, v, _NO_DOCS, 0, None, None, False, key,
                                               pending.kept is not None)
     return out, lse
-
-
-def _scale_arg(softmax_scale) -> float | None:
-    if softmax_scale is None:
-        return None
-    try:
-        scale = float(softmax_scale) if is_number(softmax_scale) else math.nan
-    except OverflowError:  # an int beyond float range
-        scale = math.inf
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
-                         f"got {softmax_scale!r}")
-    return scale
 
 
 def _doc_lens_tensor(doc_lens) -> torch.Tensor:

@@ -55,18 +55,27 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[
     if sum(lens) != q.shape[0]:
         raise ValueError(f"sum(doc_lens)={sum(lens)} != total_tokens={q.shape[0]}")
 
+    scale = check_softmax_scale(softmax_scale)
+    return lens, q.shape[2] ** -0.5 if scale is None else scale, window
+
+
+def check_softmax_scale(softmax_scale) -> float | None:
+    """``softmax_scale`` as a float (None stays None: the caller's default ``head_dim ** -0.5``).
+
+    Raises:
+        ValueError: not a finite int or float.
+    """
     if softmax_scale is None:
-        scale = q.shape[2] ** -0.5
-    else:
-        # A number only: float("0.5") or float(True) would turn a caller's slip into a result.
-        try:
-            scale = float(softmax_scale) if is_number(softmax_scale) else math.nan
-        except OverflowError:  # an int beyond float range
-            scale = math.inf
-        if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
-                             f"got {softmax_scale!r}")
-    return lens, scale, window
+        return None
+    # A number only: float("0.5") or float(True) would turn a caller's slip into a result.
+    try:
+        scale = float(softmax_scale) if is_number(softmax_scale) else math.nan
+    except OverflowError:  # an int beyond float range
+        scale = math.inf
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number (int or float, not bool or str), "
+                         f"got {softmax_scale!r}")
+    return scale
 
 
 def _doc_lens(doc_lens) -> list[int]:

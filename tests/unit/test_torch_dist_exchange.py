@@ -9,6 +9,7 @@ import torch
 
 from distca_server.errors import DistCAError
 from distca_server.transport.local import LocalGroup
+from bench.roundtrip import CountingGroup  # the one counting wrapper: the benchmark counts with it too
 from test_groups import _join_all
 from test_transport_symmetric import in_threads
 
@@ -32,20 +33,6 @@ def _case(P: int, nseg: int, seed: int):
     return out
 
 
-class _Counting:
-    """A process group that counts the collectives issued through it."""
-
-    def __init__(self, pg):
-        self._pg, self.collectives = pg, 0
-
-    def alltoall_base(self, *args):
-        self.collectives += 1
-        return self._pg.alltoall_base(*args)
-
-    def __getattr__(self, name):
-        return getattr(self._pg, name)
-
-
 def _run(transports, case):
     def one(r):
         send, ss, rs = case[r]
@@ -60,7 +47,7 @@ def test_one_collective_per_exchange_delivers_what_the_reference_does(P, nseg):
     groups = _join_all("torch_dist", P, "j", 0, {})
     local = LocalGroup(P)
     for g in groups:
-        g.transport.pg = _Counting(g.transport.pg)
+        g.transport.pg = CountingGroup(g.transport.pg)
     try:
         for seed in range(3):
             case = _case(P, nseg, seed)
