@@ -140,7 +140,8 @@ class RayClientRuntime(Runtime):
         self.member: GroupMember | None = None
         cfg = self._register()
         self.mode, self.backend = cfg["mode"], cfg["backend"]
-        self.keep_activations = bool(cfg["keep_activations"])  # the job's, set once at launch
+        # the job's, set once at launch (None: a scheduler that did not say; the plans tell)
+        self.keep_activations = cfg.get("keep_activations")
         if keep_activations is not None and keep_activations != cfg["keep_activations"]:
             raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
                              f"{keep_activations} (it is set once per job, at launch)")
