@@ -78,7 +78,10 @@ import torch  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.runtime.local import split_documents  # noqa: E402
 from distca_server.wire import RowFormat  # noqa: E402
-from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+try:
+    from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+except ImportError:  # a checkout from before the config (DISTCA_TREE): it takes keyword arguments
+    JobConfig = PlanConfig = None
 from scheduler.cost import CostModel  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
 from bench.report import finish  # noqa: E402
@@ -264,9 +267,14 @@ class RayRunner:
 
         self.mode, self.clients, self.args = mode, clients, args
         self.name = f"roundtrip-{mode}-{clients}-{servers}-{os.getpid()}"
-        config = JobConfig(servers=max(servers, 1), timeout_s=TIMEOUT_S,
-                           plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD))
-        self.job = launch(name=self.name, config=config, detached=False, server_options={"num_cpus": 0})
+        if JobConfig is None:
+            self.job = launch(name=self.name, servers=max(servers, 1), mode=mode, epsilon=EPSILON,
+                              min_shard=MIN_SHARD, timeout_s=TIMEOUT_S, detached=False,
+                              server_options={"num_cpus": 0})
+        else:
+            config = JobConfig(servers=max(servers, 1), timeout_s=TIMEOUT_S,
+                               plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD))
+            self.job = launch(name=self.name, config=config, detached=False, server_options={"num_cpus": 0})
         self.servers = self.job["servers"]
         self.workers = []
         try:
@@ -337,8 +345,13 @@ class LocalRunner:
     def __init__(self, mode: str, clients: int, servers: int, args):
         self.clients, self.args = clients, args
         num_servers = clients if mode == "inplace" else servers
-        self.client = DistCAClient.local(num_ranks=clients, config=JobConfig(
-            servers=num_servers, timeout_s=TIMEOUT_S, plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD)))
+        if JobConfig is None:
+            self.client = DistCAClient.local(num_servers=num_servers, epsilon=EPSILON, mode=mode,
+                                             num_ranks=clients, min_shard=MIN_SHARD, timeout_s=TIMEOUT_S)
+        else:
+            self.client = DistCAClient.local(num_ranks=clients, config=JobConfig(
+                servers=num_servers, timeout_s=TIMEOUT_S,
+                plan=PlanConfig(mode=mode, epsilon=EPSILON, min_shard=MIN_SHARD)))
         self.backend = None
 
     def step(self, index: int, ranks: list[list[int]]) -> dict:
