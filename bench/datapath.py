@@ -62,7 +62,10 @@ sys.path.insert(0, os.environ.get("DISTCA_TREE", str(ROOT)))
 
 from distca_client import DistCAClient, varlen_attention  # noqa: E402
 from distca_server import kernels  # noqa: E402
-from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+try:
+    from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+except ImportError:  # a checkout from before the config (--before-tree): it takes keyword arguments
+    JobConfig = PlanConfig = None
 
 HQ, D, DTYPE = 8, 64, torch.bfloat16
 aten = torch.ops.aten
@@ -252,8 +255,11 @@ def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int
     else:
         gc.collect()
         before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
-        config = JobConfig(servers=servers, backend="stub", plan=PlanConfig(mode=mode))
-        with DistCAClient.local(config=config) as client:
+        if JobConfig is None:
+            client = DistCAClient.local(servers, backend="stub", mode=mode)
+        else:
+            client = DistCAClient.local(config=JobConfig(servers=servers, backend="stub", plan=PlanConfig(mode=mode)))
+        with client:
             row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, repeats,
                           base=before_client)
             comm = client.last_plan.comm_bytes()
