@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import TimeoutError as FutureTimeout
+
 import torch
 
 from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
-from scheduler.checks import MODES, is_int, is_number
+from scheduler.checks import is_int
 from scheduler.tasks import Plan
 
 from . import op
@@ -340,14 +342,26 @@ class AttendHandle:
         self._pending, self._inputs, self._return_lse = pending, (q, k, v), return_lse
         self._result = None
 
-    def wait(self):
+    def wait(self, timeout: float | None = None):
         """Block until the round is done; ``out`` (or ``(out, lse)``) as :meth:`DistCAClient.attend`
         returns it.
 
+        Args:
+            timeout: the most seconds to wait (None: until the round ends, which the job's
+                ``timeout_s`` bounds anyway: a lost peer fails the round).
+
         Raises:
+            TimeoutError: the round is still running after ``timeout`` seconds; it goes on, and a
+                later ``wait`` returns its result.
             DistCAError: the round failed (a participant was lost or timed out).
         """
         if self._result is None:
+            if timeout is not None:
+                try:  # wait without taking the result: the round may still be claimed later
+                    self._pending.future.exception(timeout=max(0.0, float(timeout)))
+                except FutureTimeout:
+                    raise TimeoutError(f"the forward round is still running after {timeout} s "
+                                       f"(it goes on; wait again for its result)") from None
             self._result = op.finish(self._pending, *self._inputs)
         return self._result if self._return_lse else self._result[0]
 
