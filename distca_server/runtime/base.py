@@ -243,6 +243,30 @@ class Runtime(ABC):
         """Stop the runtime's threads and leave any group; later calls raise DistCAError."""
 
 
+def stream_ordered(fn, tensors):
+    """``fn``, to run on a round thread in order with the caller's CUDA stream: the caller's current
+    stream records an event now, and the round's work on the round thread's stream waits on it,
+    so q, k, v (or dO) made on any stream, e.g. a ping-pong nano-batch's side stream, are complete
+    before the round reads them. The round thread then waits for its stream to finish, so the
+    round's results are complete when its future is (whatever stream the caller reads them on).
+    With no CUDA tensor among ``tensors`` (on the CPU) ``fn`` is returned as it is.
+    """
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    if device is None:
+        return fn
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+
+    def ordered(*args):
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(ready)
+        try:
+            return fn(*args)
+        finally:
+            stream.synchronize()  # this thread waits, not the caller: it may run ahead
+    return ordered
+
+
 def in_backward() -> bool:
     """Whether the calling thread runs inside an autograd backward pass. Activation
     checkpointing recomputes a forward there, reentrant or not."""

@@ -28,7 +28,7 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..transport.local import LocalGroup
 from ..wire import RowFormat
-from .base import PlannedBatch, Runtime, StepState
+from .base import PlannedBatch, Runtime, StepState, stream_ordered
 
 PLANS_KEPT = 16
 
@@ -218,6 +218,7 @@ class LocalRuntime(Runtime):
             if self._closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
+            fn = stream_ordered(fn, args)
             if kind != RoundKind.FORWARD:
                 return self._rounds.submit(fn, *args)
             kept = seq if batch.keep_activations and counts_for_step else None

@@ -40,7 +40,7 @@ from ..header import RoundHeader
 from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
-from .base import PlannedBatch, Runtime, StepState
+from .base import PlannedBatch, Runtime, StepState, stream_ordered
 from .member import REGISTER_TIMEOUT_S, GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
@@ -350,7 +350,7 @@ class RayClientRuntime(Runtime):
             kept = seq if batch.keep_activations and counts_for_step else None
         header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
                              batch.participants[0].part.plan_id, -1 if kept is None else kept)
-        future = self._worker.submit(self._run, batch, header, tensors)
+        future = self._worker.submit(stream_ordered(self._run, tensors), batch, header, tensors)
         return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
