@@ -229,6 +229,23 @@ def draw(series: dict, start: float, end: float, kill_time: float | None, png: P
 
 # ---- the job -------------------------------------------------------------------------------------
 
+def wait_gone(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until process ``pid`` (on this node) has exited.
+
+    Raises:
+        TimeoutError: it still runs after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} still runs {timeout_s:g} s after it was killed")
+        time.sleep(0.05)
+
+
 def run(args) -> dict:
     from distca_server import launch, shutdown, status
     from scheduler import JobConfig, PlanConfig
@@ -258,7 +275,10 @@ def run(args) -> dict:
             fwd = ray.get([t.forward.remote(lens[r], step, args.layers) for r, t in enumerate(trainers)], timeout=120)
             if step == args.kill_at:
                 kill_time = time.time()
-                ray.kill(ray.get_actor(f"distca-server-{NAME}-1", namespace="distca"), no_restart=False)
+                victim = ray.get_actor(f"distca-server-{NAME}-1", namespace="distca")
+                pid = ray.get(victim.stats.remote(), timeout=60)["pid"]
+                ray.kill(victim, no_restart=False)
+                wait_gone(pid)  # ray.kill only asks: on a busy machine the backward could still run on it
             bwd = ray.get([t.backward.remote() for t in trainers], timeout=120)
             if not all(r["ok"] for r in fwd + bwd):
                 failed.append({"step": step, "errors": [r["error"] for r in fwd + bwd if not r["ok"]]})
