@@ -38,7 +38,7 @@ from scheduler.cost import window_arg
 
 from . import autograd as _autograd
 from .autograd import Pending, Round
-from .validate import _doc_lens, check_softmax_scale
+from .validate import _doc_lens, check_lens_array, check_softmax_scale
 
 _CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> DistCAClient
 _CLIENT_KEYS = itertools.count(1)
@@ -206,12 +206,8 @@ def finish(pending: Pending, q, k, v):
 
 def _doc_lens_tensor(doc_lens) -> torch.Tensor:
     """``doc_lens`` as a 1-D integer tensor for the operator, which checks its values."""
-    if isinstance(doc_lens, np.ndarray):
+    if isinstance(doc_lens, np.ndarray):  # a tensor first: dynamo traces tensors, not ndarray.dtype
         doc_lens = torch.from_numpy(doc_lens)
     if isinstance(doc_lens, torch.Tensor):
-        if doc_lens.dim() != 1 or doc_lens.dtype.is_floating_point or doc_lens.dtype.is_complex \
-                or doc_lens.dtype == torch.bool:
-            raise ValueError(f"doc_lens must be a 1-D integer array or tensor, got {doc_lens.dtype} "
-                             f"{tuple(doc_lens.shape)}")
-        return doc_lens
+        return check_lens_array(doc_lens)
     return torch.tensor(_doc_lens(doc_lens), dtype=torch.int64)  # a list's ints, checked

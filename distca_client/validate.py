@@ -78,6 +78,21 @@ def check_softmax_scale(softmax_scale) -> float | None:
     return scale
 
 
+def check_lens_array(doc_lens):
+    """``doc_lens`` (a numpy array or tensor) as it is, if it is 1-D of an integer dtype.
+
+    Raises:
+        ValueError: another rank or dtype (float, complex, bool).
+    """
+    is_integer = (not doc_lens.dtype.is_floating_point and not doc_lens.dtype.is_complex
+                  and doc_lens.dtype != torch.bool) if isinstance(doc_lens, torch.Tensor) \
+        else doc_lens.dtype.kind in "iu"
+    if doc_lens.ndim != 1 or not is_integer:
+        raise ValueError(f"doc_lens must be a 1-D integer array or tensor, got {doc_lens.dtype} "
+                         f"{tuple(doc_lens.shape)}")
+    return doc_lens
+
+
 def _doc_lens(doc_lens) -> list[int]:
     """``doc_lens`` as a list of Python ints, each a token count (:func:`scheduler.checks.bad_lengths`).
 
@@ -85,13 +100,7 @@ def _doc_lens(doc_lens) -> list[int]:
     tuple or range, a 1-D integer numpy array or tensor. A set or dict is refused, not sorted.
     """
     if isinstance(doc_lens, (torch.Tensor, np.ndarray)):
-        is_integer = (not doc_lens.dtype.is_floating_point and not doc_lens.dtype.is_complex
-                      and doc_lens.dtype != torch.bool) if isinstance(doc_lens, torch.Tensor) \
-            else doc_lens.dtype.kind in "iu"
-        if doc_lens.ndim != 1 or not is_integer:
-            raise ValueError(f"doc_lens must be a 1-D integer array or tensor, got {doc_lens.dtype} "
-                             f"{tuple(doc_lens.shape)}")
-        items = doc_lens.tolist()
+        items = check_lens_array(doc_lens).tolist()
     elif isinstance(doc_lens, Sequence) and not isinstance(doc_lens, (str, bytes)):
         items = list(doc_lens)
     else:
