@@ -172,7 +172,7 @@ class Participant:
         # through a transport, so every split is 0 and the exchange would only check that.
         alone = self.part.num_participants == 1
         if not alone:
-            transport.exchange(send, shape.send_splits.tolist(), recv, shape.recv_splits.tolist()).wait()
+            transport.exchange(send, shape.send_splits, recv, shape.recv_splits).wait()
         t2 = time.perf_counter()
         self.timings["pack"] += t1 - t0
         self.timings["all_to_all"] += t2 - t1
@@ -196,8 +196,7 @@ class Participant:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         _, ret_recv = self._segments("client", transport, [0] * len(back), shape.ret_recv_sizes)
         if not alone:
-            transport.exchange(ret_send, shape.ret_send_splits.tolist(), ret_recv,
-                               shape.ret_recv_splits.tolist()).wait()
+            transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits).wait()
         self.timings["all_to_all"] += time.perf_counter() - t2
         if self.rank is None:
             return None, None

@@ -24,6 +24,7 @@ kernel reads them where they land, in the order of its ``cu_seqlens``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -199,17 +200,17 @@ class CommLayout:
     ret_recv_splits: np.ndarray
     head_rows_back: np.ndarray
 
-    @property
+    @cached_property  # read in every round: computed once
     def send_sizes(self) -> list[int]:
         """Bytes of each dispatched tensor the client role sends in all."""
         return self.send_splits.sum(axis=1).tolist()
 
-    @property
+    @cached_property  # read in every round: computed once
     def recv_sizes(self) -> list[int]:
         """Bytes of each dispatched tensor the server role receives in all (heads excluded)."""
         return self.recv_splits.sum(axis=1).tolist()
 
-    @property
+    @cached_property  # read in every round: computed once
     def ret_recv_sizes(self) -> list[int]:
         """Bytes of each returned tensor the client role receives in all."""
         return self.ret_recv_splits.sum(axis=1).tolist()
