@@ -10,7 +10,8 @@ from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
 from distca_server.wire import RowFormat
-from scheduler.checks import is_int
+from scheduler.checks import finite_positive, is_int, positive_int
+from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, render, warn_deprecated
 from scheduler.tasks import Plan
 
 from . import op
@@ -84,8 +85,6 @@ class DistCAClient:
                 including a backend this install cannot run.
             TypeError: ``config`` together with deprecated arguments, or an unknown keyword.
         """
-        from scheduler.checks import positive_int
-        from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, render, warn_deprecated
         entry = "DistCAClient.local"
         given = legacy_fields(entry, (), legacy, accepted=_LOCAL_LEGACY)
         problems, plan, backend, timeout_s, servers = [], None, JobConfig.backend, JobConfig.timeout_s, num_servers
@@ -165,8 +164,6 @@ class DistCAClient:
             TypeError: ``config`` together with ``keep_activations``, or an unknown keyword.
             DistCAError: Ray is not initialised or the scheduler does not answer.
         """
-        from scheduler.checks import finite_positive
-        from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, warn_deprecated
         entry = "DistCAClient.connect"
         given = legacy_fields(entry, (), legacy, accepted=("keep_activations",))
         if given:
