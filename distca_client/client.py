@@ -199,16 +199,23 @@ class DistCAClient:
         Raises:
             ValueError: as :meth:`attend`, before anything is queued.
         """
+        return self._handle(q, k, v, doc_lens, softmax_scale, window, return_lse, synchronous=False)
+
+    def _handle(self, q, k, v, doc_lens, softmax_scale, window, return_lse, *, synchronous: bool) -> "AttendHandle":
+        """:meth:`attend_async`'s handle; ``synchronous``: the round runs on this thread and is
+        done when this returns (:meth:`attend`)."""
         if type(return_lse) is not bool:
             raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
         counts = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in (q, k, v))
-        pending = self._start_round(q, k, v, doc_lens, softmax_scale, window, counts)
+        pending = self._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=synchronous)
         return AttendHandle(pending, q, k, v, return_lse)
 
-    def _start_round(self, q, k, v, doc_lens, softmax_scale, window, counts: bool) -> Pending:
-        """Check the inputs, find (or plan) the step's batch and queue the forward round;
-        ``counts``: a backward round may follow. Raises as :meth:`attend`."""
+    def _start_round(self, q, k, v, doc_lens, softmax_scale, window, counts: bool, *,
+                     synchronous: bool = False) -> Pending:
+        """Check the inputs, find (or plan) the step's batch and start the forward round, queued
+        or (``synchronous``) run on this thread; ``counts``: a backward round may follow. Raises
+        as :meth:`attend`."""
         try:
             lens, scale, window = check_attend_inputs(q, k, v, doc_lens, softmax_scale, window)
         except ValueError as exc:  # peers must not wait for this rank's round until they time out
@@ -217,7 +224,7 @@ class DistCAClient:
         fmt = RowFormat.of(q, k)
         step = self._runtime.step_for(lens, fmt, q.device, window)
         self._remember(step)
-        future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts)
+        future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts, synchronous=synchronous)
         ticket = self._runtime.open_ticket(step, future) if counts else None
         return Pending(step, future, ticket=ticket, softmax_scale=scale)
 

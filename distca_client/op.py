@@ -113,7 +113,7 @@ def attend_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torc
         if found is None:
             raise RuntimeError(f"distca::attend_fwd: no started round has key {pending}")
     else:
-        found = _client(client)._start_round(q, k, v, doc_lens, softmax_scale, window, counts)
+        found = _client(client)._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=True)
     out, lse = found.result()
     return out.contiguous(), lse.t().contiguous(), Round(found).tensor()
 
@@ -169,8 +169,9 @@ attend_fwd.register_autograd(_autograd.backward, setup_context=_autograd.setup_c
 def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
     """``DistCAClient.attend``'s body (see its docstring).
 
-    Eager: start the round as ``attend_async`` does (inputs checked, the step's batch planned or
-    found), then :func:`finish` it. Under torch.compile the operator starts the round itself,
+    Eager: run the round on this thread (inputs checked, the step's batch planned or found, the
+    round run after this process's earlier rounds; no hand-off to the rounds thread), then
+    :func:`finish` it. Under torch.compile the operator starts the round itself,
     when the compiled code runs, from ``doc_lens`` as a tensor: the documents are data to the
     compiled graph, so a new batch does not recompile it (a tensor of another length recompiles
     once, after which its length is dynamic; a Python list is traced element by element, so its
@@ -181,9 +182,8 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
     """
     if type(return_lse) is not bool:
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    if not torch.compiler.is_compiling():
-        return client.attend_async(q, k, v, doc_lens, softmax_scale=softmax_scale, window=window,
-                                   return_lse=return_lse).wait()
+    if not torch.compiler.is_compiling():  # the round runs on this thread: no hand-off
+        return client._handle(q, k, v, doc_lens, softmax_scale, window, return_lse, synchronous=True).wait()
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -103,8 +103,9 @@ class PlannedBatch(ABC):
 
     @abstractmethod
     def forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      counts_for_step: bool = True) -> Future:
-        """Queue the forward round behind this process's earlier rounds.
+                      counts_for_step: bool = True, synchronous: bool = False) -> Future:
+        """Queue the forward round behind this process's earlier rounds (see
+        :mod:`~distca_server.runtime.order`).
 
         Args:
             q: [T, num_heads_q, head_dim]; k, v: [T, num_heads_kv, head_dim]: this process's
@@ -112,6 +113,8 @@ class PlannedBatch(ABC):
             softmax_scale: multiplier of ``Q Kᵀ``.
             counts_for_step: whether a backward round may follow (the forward ran with grad);
                 the caller opens the round's ticket (:meth:`Runtime.open_ticket`).
+            synchronous: run the round on this thread, after the earlier rounds, and return
+                once it is done (the caller waits for it anyway: no hand-off to another thread).
 
         Returns:
             A future of ``(out [T, num_heads_q, head_dim] in q's dtype, lse [T, num_heads_q] in
@@ -241,30 +244,6 @@ class Runtime(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the runtime's threads and leave any group; later calls raise DistCAError."""
-
-
-def stream_ordered(fn, tensors):
-    """``fn``, to run on a round thread in order with the caller's CUDA stream: the caller's current
-    stream records an event now, and the round's work on the round thread's stream waits on it,
-    so q, k, v (or dO) made on any stream, e.g. a ping-pong nano-batch's side stream, are complete
-    before the round reads them. The round thread then waits for its stream to finish, so the
-    round's results are complete when its future is (whatever stream the caller reads them on).
-    With no CUDA tensor among ``tensors`` (on the CPU) ``fn`` is returned as it is.
-    """
-    device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    if device is None:
-        return fn
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(device))
-
-    def ordered(*args):
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(ready)
-        try:
-            return fn(*args)
-        finally:
-            stream.synchronize()  # this thread waits, not the caller: it may run ahead
-    return ordered
 
 
 def in_backward() -> bool:

@@ -28,7 +28,8 @@ from ..kernels import get_backend
 from ..participant import Participant
 from ..transport.local import LocalGroup
 from ..wire import RowFormat
-from .base import PlannedBatch, Runtime, StepState, stream_ordered
+from .base import PlannedBatch, Runtime, StepState
+from .order import RoundQueue, StreamFence
 
 PLANS_KEPT = 16
 
@@ -135,16 +136,16 @@ class LocalBatch(PlannedBatch):
         self._run([job(p) for p in self.participants])
         return dq, dk, dv
 
-    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
-        return self.runtime.submit(self, RoundKind.FORWARD, counts_for_step, self._forward,
+    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True, synchronous=False):
+        return self.runtime.submit(self, RoundKind.FORWARD, counts_for_step, synchronous, self._forward,
                                    q, k, v, softmax_scale)
 
     def backward(self, q, k, v, out, lse, dout, softmax_scale):
-        return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward,
+        return self.runtime.submit(self, RoundKind.BACKWARD, True, True, self._backward,
                                    q, k, v, out, lse, dout, softmax_scale).result()
 
     def backward_kept(self, kept, dout, softmax_scale):
-        return self.runtime.submit(self, RoundKind.BACKWARD, True, self._backward_kept,
+        return self.runtime.submit(self, RoundKind.BACKWARD, True, True, self._backward_kept,
                                    kept, dout, softmax_scale).result()
 
 
@@ -168,7 +169,8 @@ class LocalRuntime(Runtime):
         self.keep_activations = plan.keep_activations
         self.backend, self.timeout_s = backend, timeout_s
         self.world_size = num_ranks if plan.mode == "inplace" else num_ranks + num_servers
-        self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="distca-local")
+        # Participants 1.. of a round; participant 0 runs on the thread that runs the round.
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.world_size - 1), thread_name_prefix="distca-local")
         self._group: LocalGroup | None = None
         self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
         # batch shape -> the participants last bound to its plan (their layouts are reused)
@@ -177,7 +179,7 @@ class LocalRuntime(Runtime):
         self._lock = threading.RLock()
         self._closed = False
         # Rounds run one at a time, in call order, like a distributed client's rounds.
-        self._rounds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distca-local-rounds")
+        self._rounds = RoundQueue("distca-local-rounds")
 
     def _plan(self, key, doc_lens: list[int], fmt: RowFormat, window: int | None) -> Plan:
         plan = self._plans.get(key)
@@ -210,19 +212,21 @@ class LocalRuntime(Runtime):
                 self._state.add(key, found)
             return found
 
-    def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, fn, *args):
-        """Count a round of ``batch`` toward its step and queue ``fn(*args)`` behind the earlier
-        rounds (a forward round's ``fn`` also gets the key its activations are kept under, or
-        None); returns its future (a forward round's tells the step when it is claimed)."""
+    def submit(self, batch: LocalBatch, kind: RoundKind, counts_for_step: bool, synchronous: bool, fn, *args):
+        """Count a round of ``batch`` toward its step and run ``fn(*args)`` after the earlier
+        rounds: here (``synchronous``) or on the rounds thread (a forward round's ``fn`` also gets
+        the key its activations are kept under, or None); returns its future (a forward round's
+        tells the step when it is claimed)."""
         with self._lock:
             if self._closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
-            fn = stream_ordered(fn, args)
-            if kind != RoundKind.FORWARD:
-                return self._rounds.submit(fn, *args)
-            kept = seq if batch.keep_activations and counts_for_step else None
-            return self._state.claimable(batch, self._rounds.submit(fn, *args, kept), kept)
+            kept = seq if kind == RoundKind.FORWARD and batch.keep_activations and counts_for_step else None
+            if kind == RoundKind.FORWARD:
+                args = args + (kept,)
+            slot = self._rounds.reserve()
+        future = slot.here(fn, *args) if synchronous else slot.queued(fn, args, *args)
+        return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
 
     def run(self, jobs, device: torch.device | str = "cpu"):
         """Run one exchange-synchronised job per participant; return their results in order.
@@ -245,26 +249,44 @@ class LocalRuntime(Runtime):
             except BaseException as exc:
                 group.abort(i, f"{type(exc).__name__}: {exc}")
                 raise
-        if len(jobs) == 1:  # nobody to wait for: run it on this (the rounds) thread, no hand-off
+        if len(jobs) == 1:  # nobody to wait for: no hand-off
             return [call(0, jobs[0])]
-        futures = [self._pool.submit(call, i, job) for i, job in enumerate(jobs)]
-        done, pending = wait(futures, timeout=2 * self.timeout_s + 5)
+        fence = StreamFence(torch.device(device))
+
+        def helper(i, job):  # on a pool thread: its stream follows this thread's and is joined back
+            fence.enter()
+            try:
+                return call(i, job)
+            finally:
+                done[i] = fence.leave()
+        done: list = [None] * len(jobs)
+        futures = [self._pool.submit(helper, i, job) for i, job in enumerate(jobs) if i]
+        first: list = []
+        try:
+            first.append(call(0, jobs[0]))  # participant 0 on this thread
+        except BaseException as exc:
+            first_error = exc
+        else:
+            first_error = None
+        _, pending = wait(futures, timeout=2 * self.timeout_s + 5)
         if pending:
             group.abort(-1, "round did not finish")
             raise DistCAError(f"{len(pending)} local participants did not finish within "
                               f"{2 * self.timeout_s + 5:g} s")
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        fence.join(done)
+        errors = ([first_error] if first_error is not None else []) + [
+            f.exception() for f in futures if f.exception() is not None]
         if errors:
             root = [e for e in errors if not isinstance(e, DistCAError)]
             raise (root or errors)[0]
-        return [f.result() for f in futures]
+        return first + [f.result() for f in futures]
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._rounds.shutdown(wait=True)  # rounds already queued still run
+        self._rounds.close()  # rounds already queued still run
         self._pool.shutdown(wait=True)
         self._pool = None
         self._plans.clear()

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
@@ -40,7 +39,8 @@ from ..header import RoundHeader
 from ..kernels import get_backend
 from ..participant import Participant
 from ..wire import RowFormat
-from .base import PlannedBatch, Runtime, StepState, stream_ordered
+from .base import PlannedBatch, Runtime, StepState
+from .order import RoundQueue
 from .member import REGISTER_TIMEOUT_S, GroupFailure, GroupMember, SchedulerLost, ask
 
 _REPORT_TRIES = 4  # a report re-made after a re-registration or a resync, at most this often
@@ -89,16 +89,17 @@ class RayBatch(PlannedBatch):
                 self._plan = self.runtime.fetch_plan(self.step, self.batch)
             return self._plan
 
-    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True):
-        return self.runtime.submit(self, RoundKind.FORWARD, (q, k, v), softmax_scale, q.dtype, counts_for_step)
+    def forward_async(self, q, k, v, softmax_scale, counts_for_step=True, synchronous=False):
+        return self.runtime.submit(self, RoundKind.FORWARD, (q, k, v), softmax_scale, q.dtype, counts_for_step,
+                                   synchronous=synchronous)
 
     def backward(self, q, k, v, out, lse, dout, softmax_scale):
         return self.runtime.submit(self, RoundKind.BACKWARD, (q, k, v, out, lse, dout), softmax_scale,
-                                   q.dtype).result()
+                                   q.dtype, synchronous=True).result()
 
     def backward_kept(self, kept, dout, softmax_scale):
         return self.runtime.submit(self, RoundKind.BACKWARD, (dout,), softmax_scale, dout.dtype,
-                                   kept=kept).result()
+                                   kept=kept, synchronous=True).result()
 
 
 class RayClientRuntime(Runtime):
@@ -156,7 +157,7 @@ class RayClientRuntime(Runtime):
         self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}", job=name)
         self.member.scheduler_incarnation = cfg["scheduler"]
         self._needs_register = False
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"distca-client-{self.rank}")
+        self._rounds = RoundQueue(f"distca-client-{self.rank}")
         self._lock = threading.RLock()
         self.closed = False
 
@@ -224,8 +225,9 @@ class RayClientRuntime(Runtime):
         except Exception:  # the scheduler is gone or broken: the peers' own timeouts take over
             return
         if mid_step and self.member.joined:  # peers may wait in this step's next round
-            self._worker.submit(self.member.fail, step, f"step {step}", f"rank {self.rank}: {message}",
-                                detected=True).result()
+            fail = lambda: self.member.fail(step, f"step {step}", f"rank {self.rank}: {message}",  # noqa: E731
+                                            detected=True)
+            self._rounds.reserve().here(fail).result()  # after the rounds this client queued
 
     def step_for(self, doc_lens: list[int], fmt: RowFormat, device: torch.device,
                  window: int | None = None) -> RayBatch:
@@ -337,20 +339,26 @@ class RayClientRuntime(Runtime):
 
     # ---- rounds ----------------------------------------------------------------------------------
     def submit(self, batch: RayBatch, kind: RoundKind, tensors, softmax_scale: float, dtype,
-               counts_for_step: bool = True, kept: int | None = None):
-        """Count a round toward its step and queue it on the client's worker thread; returns a
-        future of its result (a forward round's tells the step when its result is claimed).
-        A forward round of a kept-activation plan that counts for the step is kept under its
-        sequence number; a backward round names the key of its forward round in ``kept``."""
+               counts_for_step: bool = True, kept: int | None = None, *, synchronous: bool = False):
+        """Count a round toward its step and run it after this client's earlier rounds: here
+        (``synchronous``) or on the client's rounds thread (:mod:`~distca_server.runtime.order`);
+        returns a future of its result (a forward round's tells the step when its result is
+        claimed). A forward round of a kept-activation plan that counts for the step is kept
+        under its sequence number; a backward round names the key of its forward round in
+        ``kept``."""
         with self._lock:
             if self.closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
-        if kind == RoundKind.FORWARD:
-            kept = seq if batch.keep_activations and counts_for_step else None
-        header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
-                             batch.participants[0].part.plan_id, -1 if kept is None else kept)
-        future = self._worker.submit(stream_ordered(self._run, tensors), batch, header, tensors)
+            if kind == RoundKind.FORWARD:
+                kept = seq if batch.keep_activations and counts_for_step else None
+            header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
+                                 batch.participants[0].part.plan_id, -1 if kept is None else kept)
+            slot = self._rounds.reserve()  # in the order rounds are counted
+        if synchronous:
+            future = slot.here(self._run, batch, header, tensors)
+        else:
+            future = slot.queued(self._run, tensors, batch, header, tensors)
         return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
@@ -365,7 +373,7 @@ class RayClientRuntime(Runtime):
             if self.closed:
                 return
             self.closed = True
-        self._worker.shutdown(wait=True)
+        self._rounds.close()
         self.member.close()
         try:
             ray.get(self.scheduler.unregister_client.remote(self.rank, self.incarnation), timeout=10)

@@ -20,7 +20,7 @@ def test_wait_with_a_timeout_raises_then_the_round_still_finishes_exactly():
     with DistCAClient.local(2) as client:
         # Rounds run one at a time in call order: a round queued behind a blocked one cannot end.
         gate = threading.Event()
-        blocker = client._runtime._rounds.submit(gate.wait, 60)
+        blocker = client._runtime._rounds.reserve().queued(gate.wait, (), 60)
         handle = client.attend_async(q, k, v, lens)
         with pytest.raises(TimeoutError, match="still running after 0.2 s"):
             handle.wait(timeout=0.2)
