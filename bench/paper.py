@@ -18,6 +18,9 @@ Usage::
     python bench/paper.py --quick     # 8 + 8 configurations, Fig. 4 and Fig. 12: seconds
     python bench/paper.py             # full grids (72 + 60 configurations): a few minutes
     python bench/paper.py --smoke     # 2 configurations, for tests
+    python bench/paper.py --quick --measured --planner both
+                                      # the GPU's measured attention tables, and distca's FLOP
+                                      # and time planners side by side (DistCA §4.2)
 
 Writes ``--json`` (default ``bench/results/paper.json``): a list of rows with keys
 ``experiment, model, gpus, context, dataset, system, throughput_tokens_s, speedup_vs_wlb`` and
@@ -121,13 +124,14 @@ def fig4(dps, contexts, gpu, steps):
 
 
 # ---- Fig. 9 / 10 ---------------------------------------------------------------------------------
-def speedup_grid(experiment, configs, gpu, pp, microbatches, progress):
+def speedup_grid(experiment, configs, gpu, pp, microbatches, progress, planner="flops", measured=False):
     rows, table, summary = [], [], {}
     dim = "3d" if pp == 1 else "4d"
     for model, dataset, gpus, context in progress(configs, desc=experiment):
         par = ParallelConfig.from_gpus(gpus, tp=8, pp=pp,
                                        microbatches=microbatches if pp > 1 else 1)
-        cmp = simulate(model, gpu, par, Workload(dataset, context), epsilons=EPSILONS)
+        cmp = simulate(model, with_tables(gpu, model, measured), par, Workload(dataset, context),
+                       epsilons=EPSILONS, planner=planner)
         wlb = cmp.get("wlb_ideal")
         best = cmp.get("distca")
         paper = PAPER[(dim, model, dataset)]
@@ -138,7 +142,10 @@ def speedup_grid(experiment, configs, gpu, pp, microbatches, progress):
                             step_time_s=r.step_time_s, comm_exposed_s=r.comm_exposed_s,
                             idle_fraction=r.idle_fraction, memory_gib=r.memory_bytes / GIB,
                             fits=r.fits, details=r.details, paper_speedup=paper_text(paper),
-                            best_distca=r is best))
+                            best_distca=r is best,
+                            best_of_planner=(r is cmp.get("distca-time") if r.system.startswith("distca-time")
+                                             else r is cmp.get("distca-flops") if r.system.startswith("distca")
+                                             else None)))
         sp = cmp.speedup()
         summary.setdefault((model, dataset), []).append(sp)
         table.append([model, dataset, str(gpus), f"{context // K}K", str(par.dp),
@@ -147,10 +154,13 @@ def speedup_grid(experiment, configs, gpu, pp, microbatches, progress):
                       str(wlb.details["cp"]),
                       f"{cmp.speedup('per_doc_cp'):.2f}", f"{cmp.speedup('packing'):.2f}",
                       f"{100 * best.idle_fraction:.1f}", f"{100 * wlb.idle_fraction:.1f}",
-                      cmp.get("packing").details["recompute"]])
+                      cmp.get("packing").details["recompute"]]
+                     + ([f"{cmp.speedup('distca-flops'):.3f}", f"{cmp.speedup('distca-time'):.3f}"]
+                        if planner == "both" else []))
     text = format_table(["model", "dataset", "GPUs", "context", "DP", "distca tok/s", "WLB tok/s",
                          "speedup", "paper", "best eps", "WLB cp", "CP/WLB", "pack/WLB",
-                         "distca idle %", "WLB idle %", "recompute"], table)
+                         "distca idle %", "WLB idle %", "recompute"]
+                        + (["FLOP planner", "time planner"] if planner == "both" else []), table)
     lines = [f"  {m} {d}: ours {min(v):.2f}-{max(v):.2f}x over {len(v)} configs; paper "
              f"{paper_text(PAPER[(dim, m, d)])}" for (m, d), v in summary.items()]
     return rows, text + "\n" + "\n".join(lines), summary
@@ -299,6 +309,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results",
                     help="where the PNGs go")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--planner", default="flops", choices=("flops", "time", "both"),
+                    help="distca's planner in Fig. 9 / 10: balance FLOPs, the seconds the attention "
+                         "tables predict (DistCA §4.2), or both (one column each; speedup = the best)")
+    ap.add_argument("--measured", action="store_true",
+                    help="price attention with the GPU's measured tables (distca_sim/data/profiles) "
+                         "where there are some for the model's shape, instead of the assumed rates")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -317,10 +333,12 @@ def main(argv=None) -> int:
     rows += r4
     sections.append(("Fig. 4 - DP imbalance: fixed-length vs variable-length packing "
                      f"(llama3-8b, TP 8, {args.gpu}, pretrain, mean of {cfg['steps']} steps)", t4))
-    r9, t9, _ = speedup_grid("fig9", cfg["3d"], args.gpu, 1, 1, progress)
+    r9, t9, _ = speedup_grid("fig9", cfg["3d"], args.gpu, 1, 1, progress, args.planner,
+                             args.measured)
     rows += r9
     sections.append((f"Fig. 9 - 3D parallelism (TP 8 x DP), distca vs WLB-ideal, {args.gpu}", t9))
-    r10, t10, _ = speedup_grid("fig10", cfg["4d"], args.gpu, pp, mb, progress)
+    r10, t10, _ = speedup_grid("fig10", cfg["4d"], args.gpu, pp, mb, progress, args.planner,
+                                args.measured)
     rows += r10
     sections.append((f"Fig. 10 - 4D parallelism (TP 8 x DP x PP {pp}, {mb} microbatches, 1F1B), "
                      f"distca vs WLB-ideal, {args.gpu}", t10))
@@ -341,6 +359,17 @@ def main(argv=None) -> int:
             print(f"wrote {p}")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def with_tables(gpu: str, model: str, measured: bool):
+    """The GPU preset ``gpu``, with ``measured`` its measured attention tables for ``model``'s
+    per-GPU shape at tp 8 where distca ships some (else the preset's assumed rates)."""
+    if not measured:
+        return gpu
+    from distca_sim.hardware import get_gpu, get_model, load_attention_profile, measured_attention_profile
+    cost = get_model(model).cost_model(8)
+    folder = measured_attention_profile(gpu, cost)
+    return gpu if folder is None else get_gpu(gpu).with_tables(*load_attention_profile(folder, cost))
 
 
 def _json_default(x):

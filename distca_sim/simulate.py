@@ -10,7 +10,9 @@ stages, ``microbatches`` per step), on a batch drawn from the Pretrain or ProLon
 compares in one run:
 
 * ``distca`` — in-place core attention servers planned by :func:`scheduler.plan_batch` for each ε
-  in ``epsilons`` (named ``"distca eps=0.05"``);
+  in ``epsilons`` (named ``"distca eps=0.05"``; with ``planner="time"`` or ``"both"``, the time
+  planner's are ``"distca-time eps=0.05"``: it balances the seconds of the same tables the
+  simulation prices with);
 * ``wlb_ideal`` — the paper's baseline: WLB-LLM variable-length packing plus per-document CP,
   idealised, at its best CP degree;
 * ``per_doc_cp`` — per-document CP over all ranks of a stage;
@@ -212,13 +214,15 @@ class Comparison:
     results: list[SystemResult]
 
     def get(self, system: str) -> SystemResult:
-        """The result named ``system``; ``"distca"`` means the fastest distca ε.
+        """The result named ``system``; ``"distca"`` means the fastest distca ε (of either planner),
+        ``"distca-flops"`` / ``"distca-time"`` the fastest of one planner.
 
         Raises:
             KeyError: no such system in this comparison.
         """
-        if system == "distca":
-            cands = [r for r in self.results if r.system.startswith("distca")]
+        if system in ("distca", "distca-flops", "distca-time"):
+            prefix = {"distca": "distca", "distca-flops": "distca eps=", "distca-time": "distca-time "}[system]
+            cands = [r for r in self.results if r.system.startswith(prefix)]
             if cands:
                 return min(cands, key=lambda r: r.step_time_s)
         for r in self.results:
@@ -312,8 +316,8 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
              workload: Workload, *, systems: Iterable[str] = SYSTEMS,
              epsilons: Sequence[float] = (0.05,), ping_pong: bool = True,
              bubble_serving: bool = True, recompute: str = "auto", keep_activations: bool = True,
-             cp_degrees: Sequence[int] | None = None, min_shard: int = 128,
-             batch: Sequence[Sequence[Sequence[int]]] | None = None) -> Comparison:
+             cp_degrees: Sequence[int] | None = None, min_shard: int | None = None,
+             batch: Sequence[Sequence[Sequence[int]]] | None = None, planner: str = "flops") -> Comparison:
     """Simulate one training step of every system in ``systems`` on the same batch.
 
     Args:
@@ -332,7 +336,10 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
             to its backward round, which then sends dO only (as :func:`scheduler.plan_batch`);
             False: stateless servers, every backward round resends Q, K, V, O and LSE.
         cp_degrees: CP degrees WLB-ideal may use (default: powers of two dividing ``dp``).
-        min_shard: the planner's smallest shard, tokens.
+        min_shard: the planner's smallest shard, tokens (None: 128 for the FLOP planner, the
+            table's choice for the time planner, :meth:`scheduler.time_cost.TimeModel.choose_min_shard`).
+        planner: distca's planner: ``"flops"`` (balance FLOPs), ``"time"`` (balance the seconds the
+            simulation's own attention tables predict; named ``"distca-time eps=…"``) or ``"both"``.
         batch: explicit documents instead of sampling: ``batch[i][d]`` lists the document lengths
             of microbatch ``i`` on rank ``d`` (``microbatches × dp`` lists; a list may be empty).
 
@@ -341,7 +348,7 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
 
     Raises:
         ValueError: an unknown model, GPU, system or dataset; a layout that does not fit the model;
-            bad ε, CP degrees, recompute mode or ``keep_activations``.
+            bad ε, CP degrees, recompute mode, ``keep_activations`` or ``planner``.
     """
     boolean("keep_activations", keep_activations)
     model = get_model(model) if isinstance(model, str) else model
@@ -356,7 +363,10 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
     if unknown or not systems:
         raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
     eps = _check_epsilons(epsilons)
-    at_least("min_shard", min_shard)
+    if min_shard is not None:
+        at_least("min_shard", min_shard)
+    if planner not in ("flops", "time", "both"):
+        raise ValueError(f"planner must be 'flops', 'time' or 'both', got {planner!r}")
     R = parallel.dp
     cps = tuple(cp_degrees) if cp_degrees is not None else tuple(
         c for c in (2 ** k for k in range(int(math.log2(R)) + 1)) if R % c == 0)
@@ -398,10 +408,11 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
     results = []
     for name in systems:
         if name == "distca":
-            for e in eps:
-                run = run_distca(ctx, batch, e, ping_pong=ping_pong, bubble_serving=bubble_serving,
-                                 keep_activations=keep_activations)
-                results.append(result(f"distca eps={e:g}", run))
+            for timed in {"flops": (False,), "time": (True,), "both": (False, True)}[planner]:
+                for e in eps:
+                    run = run_distca(ctx, batch, e, ping_pong=ping_pong, bubble_serving=bubble_serving,
+                                     keep_activations=keep_activations, time_planner=timed)
+                    results.append(result(f"distca{'-time' if timed else ''} eps={e:g}", run))
         elif name == "wlb_ideal":
             cap = ctx.token_cap()
             runs = [run_wlb_ideal(ctx, batch, c, cap) for c in cps]

@@ -22,7 +22,9 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
 * ``distca`` — core attention disaggregation with in-place servers: every layer of every tick is
   planned by :func:`scheduler.plan_batch` over all ranks of all stages (ranks idle in a pipeline
   bubble serve CA-tasks, DistCA §4.1), priced per CA-task with the profile table, and run with
-  ping-pong overlap (DistCA §4.2) by :func:`distca_sim.pipeline.run_rounds`.
+  ping-pong overlap (DistCA §4.2) by :func:`distca_sim.pipeline.run_rounds`. The planner balances
+  FLOPs, or (``time_planner=True``) the seconds the same tables predict
+  (:class:`scheduler.time_cost.TimeModel` of :meth:`Context.time_model`, DistCA §4.2).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import numpy as np
 
 from scheduler import plan_batch
 from scheduler.baselines import capped_lpt
+from scheduler.config import DEFAULT_MIN_SHARD
 from scheduler.cost import RoundKind
+from scheduler.time_cost import TimeModel
 
 from .hardware import MEMORY_HEADROOM, GPUConfig, ModelConfig, attention_tables
 from .network import (alltoall_seconds, p2p_seconds, plan_round_bytes, rank_nodes, ring_seconds,
@@ -69,7 +73,7 @@ class Context:
     """
 
     def __init__(self, model: ModelConfig, gpu: GPUConfig, tp: int, pp: int, dp: int,
-                 microbatches: int, recompute: bool, min_shard: int):
+                 microbatches: int, recompute: bool, min_shard: int | None):
         self.model, self.gpu = model, gpu
         self.tp, self.pp, self.dp, self.m = tp, pp, dp, microbatches
         self.recompute, self.min_shard = recompute, min_shard
@@ -90,6 +94,22 @@ class Context:
         self.attention_saved_token_bytes = sum(self.cost.bytes_per_token(n) for n in ("q", "k", "v", "lse"))
 
     # ---- attention kernels ------------------------------------------------------------------
+    def time_model(self) -> TimeModel:
+        """The planner's time model of the tables this context prices attention with: forward and
+        backward tables, ``call_s`` the GPU's kernel launch (a server's round pays one)."""
+        model = self.__dict__.get("_time_model")
+        if model is None:
+            model = TimeModel(self.fwd_table, self.bwd_table, call_s=self.gpu.kernel_launch_s)
+            self._time_model = model
+        return model
+
+    def plan_min_shard(self, time_planner: bool) -> int:
+        """The planner's ``min_shard``: the one given, else 128 tokens for the FLOP planner and
+        the table's choice for the time planner (:meth:`TimeModel.choose_min_shard`)."""
+        if self.min_shard is not None:
+            return self.min_shard
+        return self.time_model().choose_min_shard() if time_planner else DEFAULT_MIN_SHARD
+
     def doc_attention(self, lens) -> tuple[float, float]:
         """Forward and backward seconds of whole documents run locally (one fused call)."""
         l = np.asarray(lens, dtype=np.int64)
@@ -313,42 +333,45 @@ FWD_DISPATCH, FWD_RETURN = (RoundKind.FORWARD, "dispatch"), (RoundKind.FORWARD, 
 BWD_DISPATCH, BWD_RETURN = (RoundKind.BACKWARD, "dispatch"), (RoundKind.BACKWARD, "return")
 
 
-def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activations: bool):
+def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activations: bool,
+             time_model: TimeModel | None = None):
     """``(server, q_len, kv_len, q_rows, kv_rows)`` of a plan, cached.
 
-    The planner sees the cost model only through the ratio of query-row to KV-row bytes of a step
-    (it ranks moves by FLOPs per byte; :meth:`~scheduler.cost.CostModel.step_row_bytes` with
-    ``keep_activations``), so plans are shared by every model with the same per-GPU head ratio.
+    The FLOP planner sees the cost model only through the ratio of query-row to KV-row bytes of a
+    step (it ranks moves by FLOPs per byte; :meth:`~scheduler.cost.CostModel.step_row_bytes` with
+    ``keep_activations``), so its plans are shared by every model with the same per-GPU head
+    ratio; a time planner's plans (``time_model``) are cached per model object.
     """
     q, kv = cost.step_row_bytes(keep_activations)
     g = math.gcd(q, kv)
     key = (tuple(tuple(x) for x in docs_per_rank), q // g, kv // g, float(epsilon), min_shard,
-           keep_activations)
+           keep_activations, None if time_model is None else id(time_model))
     with _PLAN_LOCK:
         hit = _PLAN_CACHE.get(key)
-        if hit is not None:
+        if hit is not None and hit[0] is time_model:  # an id reused by another model misses
             _PLAN_CACHE.move_to_end(key)
-            return hit
+            return hit[1]
     # Planned outside the lock: other threads' lookups go on meanwhile (two threads may plan the
     # same batch, each once; the second entry replaces the first).
     plan = plan_batch([list(x) for x in docs_per_rank], len(docs_per_rank), cost=cost,
                       epsilon=epsilon, mode="inplace", min_shard=min_shard,
-                      keep_activations=keep_activations)
+                      keep_activations=keep_activations, time_model=time_model)
     arr = plan.task_array
     q_rows, kv_rows = plan.row_matrix
     hit = (arr[:, 0].copy(), arr[:, 4] - arr[:, 3], arr[:, 6].copy(), q_rows, kv_rows)
     with _PLAN_LOCK:
-        _PLAN_CACHE[key] = hit
+        _PLAN_CACHE[key] = (time_model, hit)
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
     return hit
 
 
-def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong, keep):
+def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong, keep, time_planner=False):
     """Seconds of one tick for one all-to-all group of ranks, with and without communication,
     and ``held[r, s]``: bytes server ``s`` keeps of rank ``r``'s rows per layer (``keep``)."""
     S = len(docs)
-    server, ql, kl, q_rows, kv_rows = _planned(docs, ctx.cost, epsilon, ctx.min_shard, keep)
+    server, ql, kl, q_rows, kv_rows = _planned(docs, ctx.cost, epsilon, ctx.plan_min_shard(time_planner), keep,
+                                               ctx.time_model() if time_planner else None)
     ca_f = np.bincount(server, ctx.fwd_table.latencies(ql, kl), minlength=S)
     ca_b = np.bincount(server, ctx.bwd_table.latencies(ql, kl), minlength=S)
     nodes = rank_nodes(int(max(ranks)) + 1, ctx.tp, ctx.gpu.gpus_per_node)[ranks]
@@ -399,8 +422,12 @@ def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong, kee
 
 
 def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
-               bubble_serving: bool = True, keep_activations: bool = True) -> RunResult:
+               bubble_serving: bool = True, keep_activations: bool = True,
+               time_planner: bool = False) -> RunResult:
     """distca with in-place servers; ``bubble_serving=False`` plans each stage on its own.
+
+    ``time_planner``: plan each tick balancing the seconds of this context's own tables
+    (:meth:`Context.time_model`; ε in those seconds) instead of FLOPs.
 
     ``keep_activations`` (as :func:`scheduler.plan_batch`): the backward rounds send dO only, the
     clients save no Q, K, V, LSE for core attention (:meth:`Context.act_bytes_per_token`) and each
@@ -424,7 +451,7 @@ def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
         for grp in groups:
             t, t0, lb, ab, port, rv, mv, held = _tick_group(
                 ctx, [docs[r] for r in grp], np.array(grp), epsilon, kind, last[grp], ping_pong,
-                keep_activations)
+                keep_activations, time_planner)
             if kind == "F" and not ctx.recompute:  # kept until this microbatch's backward tick
                 for s, i in active:
                     from_s = stage_of[grp] == s
@@ -449,7 +476,8 @@ def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
     act = np.array([tokens[s * R + d] * ctx.act_bytes_per_token(s, keep_activations)
                     for s in range(p) for d in range(R)]) + recv + held_peak
     return RunResult(step, step - step0, lin, attn, comm, act,
-                     {"epsilon": float(epsilon), "ping_pong": ping_pong,
+                     {"epsilon": float(epsilon), "planner": "time" if time_planner else "flops",
+                      "min_shard": ctx.plan_min_shard(time_planner), "ping_pong": ping_pong,
                       "bubble_serving": bubble_serving, "keep_activations": keep_activations,
                       "ca_bytes_per_step": moved, "held_bytes_max": float(held_peak.max())},
                      held_peak)

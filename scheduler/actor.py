@@ -134,7 +134,7 @@ class SchedulerActor:
         self.m = ray_metrics("scheduler")
         self._lost_counted: set[int] = set()  # epochs whose lost participants are counted
         configure_logging(scheduler_actor_name(name))
-        log.info("job %s: scheduler %s up (%s mode, epsilon %g, min_shard %d, timeout %g s)",
+        log.info("job %s: scheduler %s up (%s mode, epsilon %g, min_shard %s, timeout %g s)",
                  name, self.incarnation, self.mode, config.plan.epsilon, config.plan.min_shard, self.timeout_s)
 
     # ---- membership --------------------------------------------------------------------------

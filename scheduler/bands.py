@@ -8,6 +8,8 @@ count.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def prefix_pairs(x: int, window: int) -> int:
     """Pairs of the tokens ``[0, x)`` of a document under ``window``: ``doc_pairs(x, window)``
@@ -29,6 +31,13 @@ def band_kv_rows(l: int, a: int, b: int, window: int | None) -> int:
         return l - a
     h0, t0 = max(0, a - window + 1), max(0, l - b - window + 1)
     return l - a - h0 if b >= t0 else (b - h0) + (l - a - t0)
+
+
+def band_kv_rows_array(l, a, b, window: int):
+    """:func:`band_kv_rows` of int64 arrays (one shape) under a window (the time refinement of
+    :mod:`scheduler.time_refine` prices many moves at once)."""
+    h0, t0 = np.maximum(0, a - window + 1), np.maximum(0, l - b - window + 1)
+    return np.where(b >= t0, l - a - h0, (b - h0) + (l - a - t0))
 
 
 def band_shards(l: int, a: int, b: int) -> list[tuple[int, int]]:

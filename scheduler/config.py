@@ -35,6 +35,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
+from .time_cost import TimeModel
 from .checks import (MODES, TRANSPORTS, at_least, boolean, check_mode, check_transport, finite_nonnegative,
                      finite_positive, positive_int)
 
@@ -43,6 +44,8 @@ from .checks import (MODES, TRANSPORTS, at_least, boolean, check_mode, check_tra
 # pins the scheduler (10M one-token documents took minutes and 5.7 GB to plan).
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
+# min_shard when neither the caller nor a time model chooses one: a FlashAttention tile (DistCA §3).
+DEFAULT_MIN_SHARD = 128
 
 
 class ConfigError(ValueError):
@@ -75,6 +78,17 @@ def _nonempty_str(name: str, value) -> str:
     return value
 
 
+def _attn_profile(name: str, value) -> str:
+    """A folder whose tables load (:meth:`~scheduler.time_cost.TimeModel.from_dir`); kept as given."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a folder path (a non-empty str), got {value!r}")
+    try:
+        TimeModel.from_dir(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+    return value
+
+
 def _restarts(name: str, value) -> int:
     return at_least(name, value, -1)
 
@@ -96,20 +110,26 @@ def _run_checks(obj, checks) -> tuple[list[str], set[str]]:
 class PlanConfig:
     """The planner's settings (see :func:`scheduler.plan_batch`).
 
+    ``min_shard`` None (the default) is resolved where the plan is made
+    (:meth:`resolved_min_shard`): 128 tokens, or with ``attn_profile`` the table's choice.
+
     Raises:
         ConfigError: every bad field at once: ``epsilon`` not a finite number >= 0; ``min_shard``,
-            ``max_held_bytes_per_server`` or ``max_kv_rows_per_server`` not a positive int (the
-            last two may be None); ``mode`` not in :data:`~scheduler.checks.MODES`;
-            ``keep_activations`` or ``partial_kv`` not a bool; a ``max_held_bytes_per_server``
-            without ``keep_activations``, or a ``max_kv_rows_per_server`` without ``partial_kv``.
+            ``max_held_bytes_per_server`` or ``max_kv_rows_per_server`` not a positive int (each
+            may be None); ``attn_profile`` not a folder holding valid forward and backward tables;
+            ``mode`` not in :data:`~scheduler.checks.MODES`; ``keep_activations`` or ``partial_kv``
+            not a bool; a ``max_held_bytes_per_server`` without ``keep_activations``, or a
+            ``max_kv_rows_per_server`` without ``partial_kv``.
     """
 
     epsilon: float = field(default=0.05, metadata=_meta(
         "imbalance tolerance ε: the planner aims for every server within (1 + ε) · max(mean, lower "
         "bound) of the batch's attention work", "fraction of the mean (0.05 = 5 %)"))
-    min_shard: int = field(default=128, metadata=_meta(
+    min_shard: int | None = field(default=None, metadata=_meta(
         "smallest shard of a split document; documents with ceil(l / 2) < 2 · min_shard stay whole "
-        "(a FlashAttention tile is 128 rows)", "tokens"))
+        "(a FlashAttention tile is 128 rows). None: 128, or with attn_profile the smallest tile "
+        "multiple that runs at 0.65 of the table's best throughput (TimeModel.choose_min_shard)",
+        "tokens"))
     mode: str = field(default="inplace", metadata=_meta(
         "where attention servers run: inplace (server i is client rank i) or dedicated (separate "
         "processes; every row moves)", choices=MODES))
@@ -125,13 +145,19 @@ class PlanConfig:
     max_kv_rows_per_server: int | None = field(default=None, metadata=_meta(
         "with partial_kv, the most KV rows a server should receive; key blocks move off servers "
         "above it (None: no limit)", "tokens (KV rows)"))
+    attn_profile: str | None = field(default=None, metadata=_meta(
+        "a folder holding forward.json and backward.json, the measured latency of one CA-task over "
+        "(query rows, key rows) (ProfileTable JSON, bench/gpu_kernels.py): the planner balances "
+        "predicted seconds instead of FLOPs, epsilon in seconds (DistCA §4.2). The folder must be "
+        "readable where plans are made (the scheduler). None: balance FLOPs", "path"))
 
     def __post_init__(self):
         problems, bad = _run_checks(self, (
-            ("epsilon", finite_nonnegative), ("min_shard", positive_int), ("mode", _named(check_mode)),
+            ("epsilon", finite_nonnegative), ("min_shard", _optional(positive_int)), ("mode", _named(check_mode)),
             ("keep_activations", boolean), ("partial_kv", boolean),
             ("max_held_bytes_per_server", _optional(positive_int)),
-            ("max_kv_rows_per_server", _optional(positive_int))))
+            ("max_kv_rows_per_server", _optional(positive_int)),
+            ("attn_profile", _optional(_attn_profile))))
         if (self.max_held_bytes_per_server is not None and self.keep_activations is False
                 and "max_held_bytes_per_server" not in bad):
             problems.append(f"max_held_bytes_per_server={self.max_held_bytes_per_server!r} needs "
@@ -146,6 +172,23 @@ class PlanConfig:
     def to_dict(self) -> dict:
         """The fields as a plain dict (msgpack- and JSON-safe)."""
         return dataclasses.asdict(self)
+
+    def time_model(self) -> TimeModel | None:
+        """The :class:`~scheduler.time_cost.TimeModel` of ``attn_profile`` (loaded once per folder),
+        or None.
+
+        Raises:
+            ValueError: the folder no longer holds valid tables (the message names it).
+        """
+        return None if self.attn_profile is None else TimeModel.from_dir(self.attn_profile)
+
+    def resolved_min_shard(self, time_model: TimeModel | None = None) -> int:
+        """``min_shard``, or when None: ``time_model.choose_min_shard()`` with a time model (the
+        one given, else :meth:`time_model`), else :data:`DEFAULT_MIN_SHARD` (128 tokens)."""
+        if self.min_shard is not None:
+            return self.min_shard
+        model = time_model if time_model is not None else self.time_model()
+        return DEFAULT_MIN_SHARD if model is None else model.choose_min_shard()
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanConfig":
@@ -383,5 +426,5 @@ def legacy_job_config(entry: str, config, given: dict) -> JobConfig:
         raise ConfigError(entry, exc.problems) from None
 
 
-__all__ = ["ConfigError", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
+__all__ = ["ConfigError", "DEFAULT_MIN_SHARD", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
            "PlanConfig", "differences", "legacy_fields", "legacy_job_config", "render", "warn_deprecated"]

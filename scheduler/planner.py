@@ -1,7 +1,9 @@
 """The communication-aware greedy planner (DistCA §4.2 and Appendix B), improved: :func:`plan_batch`.
 
 Code: :mod:`scheduler.bands` (band arithmetic), :mod:`scheduler.placement` (steps 1-2),
-:mod:`scheduler.greedy` (step 3 and the last pass), this module (the runs, the guarantees).
+:mod:`scheduler.greedy` (step 3 and the last pass), this module (the runs, the guarantees);
+with a time model, :mod:`scheduler.time_refine` refines the plan in predicted seconds
+(:mod:`scheduler.time_cost`; its guarantee: never above this FLOP plan's predicted maximum).
 
 Vocabulary. A document of ``l`` tokens is *folded*: folded position ``f`` in ``[0, c)``,
 ``c = ceil(l / 2)``, stands for the head token ``f`` and its mirror ``l - 1 - f`` (one token at the
@@ -114,6 +116,8 @@ from .greedy import Greedy
 from .partial import split_past_blocks
 from .placement import PlacedBatch, held_cap_bound
 from .tasks import Plan
+from .time_cost import TimeModel
+from .time_refine import refine_time
 
 
 def validate_plan_args(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
@@ -285,13 +289,29 @@ def _fallback(batch: PlacedBatch, best: Greedy, target: float, cost: CostModel, 
     return best
 
 
+def _refine(tasks: np.ndarray, batch: PlacedBatch, model: TimeModel, epsilon: float, window, make) -> np.ndarray:
+    """The FLOP plan's ``tasks`` refined in predicted seconds (:mod:`scheduler.time_refine`; it
+    returns ``tasks`` unless the refined plan's most loaded server is lower). Under a held-bytes
+    cap the refined plan (``make``: tasks to a Plan) is kept only if it holds within the cap
+    wherever the FLOP plan did."""
+    refined, _ = refine_time(tasks, counts=batch.counts, lens=batch.lens_arr, num_servers=batch.S,
+                             inplace=batch.inplace, model=model, epsilon=epsilon, min_shard=batch.min_shard,
+                             window=window, q_bytes=batch.q_bytes, kv_bytes=batch.kv_bytes)
+    cap = batch.held_cap
+    if refined is not tasks and cap is not None and max(make(refined).held_bytes()) > cap >= max(make(tasks).held_bytes()):
+        return tasks
+    return refined
+
+
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
                config: PlanConfig | None = None, window: int | None = None,
                epsilon: float = PlanConfig.epsilon, mode: str = PlanConfig.mode,
                min_shard: int = PlanConfig.min_shard, partial_kv: bool = PlanConfig.partial_kv,
                max_kv_rows_per_server: int | None = PlanConfig.max_kv_rows_per_server,
                keep_activations: bool = PlanConfig.keep_activations,
-               max_held_bytes_per_server: int | None = PlanConfig.max_held_bytes_per_server) -> Plan:
+               max_held_bytes_per_server: int | None = PlanConfig.max_held_bytes_per_server,
+               attn_profile: str | None = PlanConfig.attn_profile,
+               time_model: TimeModel | None = None) -> Plan:
     """Plan one step: split the batch's documents into CA-tasks balanced over the servers.
 
     The planner's settings come as one :class:`~scheduler.config.PlanConfig` (``config=``) or as
@@ -311,6 +331,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             or ``"dedicated"`` (servers are separate processes; every row moves).
         min_shard: no shard of a split document is shorter than this many tokens (a FlashAttention
             tile is 128 rows, DistCA §3); documents with ``ceil(l / 2) < 2 · min_shard`` stay whole.
+            None (the default): 128, or with a time model the table's choice
+            (:meth:`~scheduler.time_cost.TimeModel.choose_min_shard`).
         window: sliding-window attention: query ``i`` sees keys ``i - window + 1 .. i`` of its
             document (None: full causal). Loads are windowed pairs, and a shard's tasks take only
             the keys its window needs (``kv_start = max(0, q_start - window + 1)``), so windowed
@@ -343,11 +365,20 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             without ``keep_activations``, below what any plan needs (the mean over servers, or one
             document's KV rows plus its first shard), or one the planner could not keep (it names
             the server, e.g. an in-place rank whose own rows exceed it: the planner moves work for
-            balance, not for memory).
+            balance, not for memory); ``time_model`` together with ``attn_profile``, a
+            ``time_model`` that is not a :class:`~scheduler.time_cost.TimeModel` or was measured
+            for another attention shape than ``cost``.
+
+    Time (``time_model=``, or ``attn_profile``: a folder of measured tables, DistCA §4.2): the plan
+    balances predicted seconds (forward + backward, :mod:`scheduler.time_cost`) instead of FLOPs:
+    the FLOP plan above is refined by :func:`scheduler.time_refine.refine_time` towards
+    ``T_s = (1 + ε) · max(mean_s, piece_s)`` seconds (:meth:`TimeModel.bound`). Guaranteed: its
+    predicted most loaded server is at or below the FLOP plan's (same batch, settings and
+    ``min_shard``). Without a time model the plan is the FLOP plan, bit for bit.
     """
     settings = dict(epsilon=epsilon, mode=mode, min_shard=min_shard, partial_kv=partial_kv,
                     max_kv_rows_per_server=max_kv_rows_per_server, keep_activations=keep_activations,
-                    max_held_bytes_per_server=max_held_bytes_per_server)
+                    max_held_bytes_per_server=max_held_bytes_per_server, attn_profile=attn_profile)
     if config is None:
         config = PlanConfig(**settings)
     else:
@@ -356,7 +387,15 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         both = [k for k, v in settings.items() if v is not getattr(PlanConfig, k) and v != getattr(PlanConfig, k)]
         if both:
             raise ValueError(f"plan_batch: pass config= or the settings {both} by keyword, not both")
-    epsilon, mode, min_shard = config.epsilon, config.mode, config.min_shard
+    if time_model is not None:
+        if not isinstance(time_model, TimeModel):
+            raise ValueError(f"time_model must be a scheduler.time_cost.TimeModel, got {type(time_model).__name__}")
+        if config.attn_profile is not None:
+            raise ValueError(f"plan_batch: pass time_model= or attn_profile={config.attn_profile!r}, not both")
+    model = time_model if time_model is not None else config.time_model()
+    if model is not None and isinstance(cost, CostModel):
+        model.check_cost(cost)
+    epsilon, mode, min_shard = config.epsilon, config.mode, config.resolved_min_shard(model)
     partial_kv, keep_activations = config.partial_kv, config.keep_activations
     max_kv_rows_per_server, cap = config.max_kv_rows_per_server, config.max_held_bytes_per_server
     counts, lens = validate_plan_args(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard)
@@ -387,6 +426,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         return Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
                              cost=cost, task_array=tasks, epsilon=float(epsilon),
                              min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
+    if model is not None:
+        tasks = _refine(tasks, batch, model, epsilon, window, make)
     plan = make(tasks)
     if partial_kv and (window is None or window >= int(lens.max(initial=0))):
         split = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
@@ -397,6 +438,9 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             # greedy's plan did.
             if cap is not None and max(plan.held_bytes()) > cap >= max(unsplit.held_bytes()):
                 plan = unsplit
+            elif model is not None and (model.server_seconds(split, batch.S, window).max()
+                                        > model.server_seconds(tasks, batch.S, window).max()):
+                plan = unsplit  # key splits balance pairs; keep them only if seconds do not rise
     if cap is not None:
         held = plan.held_bytes()
         worst = int(np.argmax(held))

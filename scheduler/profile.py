@@ -1,6 +1,8 @@
 """Measured attention-kernel latency of one CA-task over a ``(q_len, kv_len)`` grid.
 
-Pure Python + numpy (no torch). Units: lengths are tokens, latencies are seconds.
+Pure Python + numpy (no torch). Units: lengths are tokens, latencies are seconds. The planner
+prices CA-tasks with it (:mod:`scheduler.time_cost`, DistCA §4.2's profiled cost); the simulator
+re-exports it as ``distca_sim.profile.ProfileTable``.
 
 A FLOP count alone predicts kernel time badly for small tasks (launch overhead, tiles that are
 only partly full) and well for large ones (the kernel runs at its saturated throughput). A
@@ -30,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.checks import is_int
-
-from scheduler.cost import CostModel, causal_pairs
+from .checks import is_int
+from .cost import CostModel, causal_pairs
 
 __all__ = ["ProfileTable"]
 
@@ -239,16 +240,21 @@ class ProfileTable:
                 f"q_len > kv_len at index {k}: q_len={q[k]}, kv_len={kv[k]} "
                 f"({int(over.sum())} such pair(s))"
             )
+        return self._latencies_unchecked(q, kv)
+
+    def _latencies_unchecked(self, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """:meth:`latencies` of int64 arrays of one shape already known to hold ``0 <= q <= kv``
+        (the planner's inner loop, :mod:`scheduler.time_cost`); float64 seconds."""
         qf = np.maximum(q, self._q[0])
         kf = np.maximum(kv, self._kv[0])
         qc = np.minimum(qf, self._q[-1])
         kc = np.minimum(kf, self._kv[-1])
-        base = self._bilinear_np(qc, kc)
+        base = np.array(self._bilinear_np(qc, kc), dtype=np.float64, ndmin=1).reshape(q.shape)
         scaled = (qc != qf) | (kc != kf)
-        ratio = np.ones(base.shape, dtype=np.float64)
         if scaled.any():
-            ratio[scaled] = _work_np(qf[scaled], kf[scaled]) / _work_np(qc[scaled], kc[scaled])
-        return np.where(q == 0, 0.0, base * ratio)
+            base[scaled] *= _work_np(qf[scaled], kf[scaled]) / _work_np(qc[scaled], kc[scaled])
+        base[q == 0] = 0.0
+        return base
 
     @staticmethod
     def _int_array(name: str, x: Any) -> np.ndarray:
@@ -259,21 +265,43 @@ class ProfileTable:
             return arr.astype(np.int64)
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype} values {arr.ravel()[:5]}")
 
-    def _bracket_np(self, grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _cells(self) -> tuple:
+        """Per grid cell ``(i, j)`` the coefficients of its bilinear form, flattened: with
+        ``dq = q - q_lens[i]``, ``dk = kv - kv_lens[j]``,
+        ``T = c0 + dq · (cq + cqk · dk) + ck · dk`` (the four-corner interpolation, rearranged so a
+        lookup gathers from one flat index). Built on first use."""
+        cells = self.__dict__.get("_cells_cache")
+        if cells is None:
+            lat, q, kv = self._lat, self._q.astype(np.float64), self._kv.astype(np.float64)
+            nq, nk = lat.shape
+            i1, j1 = min(1, nq - 1), min(1, nk - 1)
+            l00 = lat[:max(nq - 1, 1), :max(nk - 1, 1)]
+            l10 = lat[i1:, :max(nk - 1, 1)] if nq > 1 else l00
+            l01 = lat[:max(nq - 1, 1), j1:] if nk > 1 else l00
+            l11 = lat[i1:, j1:] if nq > 1 and nk > 1 else (l10 if nk == 1 else l01)
+            dq = (np.diff(q) if nq > 1 else np.ones(1))[:, None]
+            dk = (np.diff(kv) if nk > 1 else np.ones(1))[None, :]
+            cq = (l10 - l00) / dq if nq > 1 else np.zeros_like(l00)
+            ck = (l01 - l00) / dk if nk > 1 else np.zeros_like(l00)
+            cqk = (l11 - l10 - l01 + l00) / (dq * dk) if nq > 1 and nk > 1 else np.zeros_like(l00)
+            cells = tuple(c.ravel().copy() for c in (l00, cq, ck, cqk)) + (l00.shape[1],)
+            object.__setattr__(self, "_cells_cache", cells)
+        return cells
+
+    @staticmethod
+    def _cell_index(grid: np.ndarray, x: np.ndarray) -> np.ndarray:
         if len(grid) == 1:
-            return np.zeros(x.shape, dtype=np.int64), np.zeros(x.shape, dtype=np.float64)
-        i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, len(grid) - 2)
-        w = (x - grid[i]) / (grid[i + 1] - grid[i])
-        return i, w
+            return np.zeros(x.shape, dtype=np.intp)
+        return np.clip(np.searchsorted(grid, x, side="right") - 1, 0, len(grid) - 2)
 
     def _bilinear_np(self, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
-        i, wq = self._bracket_np(self._q, q)
-        j, wk = self._bracket_np(self._kv, kv)
-        i1 = np.minimum(i + 1, len(self._q) - 1)
-        j1 = np.minimum(j + 1, len(self._kv) - 1)
-        lat = self._lat
-        return ((1 - wq) * ((1 - wk) * lat[i, j] + wk * lat[i, j1])
-                + wq * ((1 - wk) * lat[i1, j] + wk * lat[i1, j1]))
+        """Bilinear interpolation of the table at int64 points inside the grid."""
+        c0, cq, ck, cqk, width = self._cells()
+        i, j = self._cell_index(self._q, q), self._cell_index(self._kv, kv)
+        flat = i * width + j
+        dq = q - self._q[i]
+        dk = kv - self._kv[j]
+        return c0[flat] + dq * (cq[flat] + cqk[flat] * dk) + ck[flat] * dk
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod

@@ -33,14 +33,15 @@ COST = CostModel(num_heads_q=4, num_heads_kv=2, head_dim=8, dtype_bytes=8)
 def test_defaults_and_each_entry_points_mode():
     plan = PlanConfig()
     assert (plan.epsilon, plan.min_shard, plan.mode, plan.keep_activations, plan.partial_kv,
-            plan.max_held_bytes_per_server, plan.max_kv_rows_per_server) == (0.05, 128, "inplace", True, False,
-                                                                             None, None)
+            plan.max_held_bytes_per_server, plan.max_kv_rows_per_server, plan.attn_profile) == (
+        0.05, None, "inplace", True, False, None, None, None)
+    assert plan.resolved_min_shard() == 128  # None: 128 tokens without an attention profile
     job = JobConfig()
     assert job.plan == dataclasses.replace(plan, mode="dedicated")  # a job's servers are apart by default
     assert (job.servers, job.transport, job.backend, job.timeout_s, job.failure_grace_s, job.start_timeout_s,
             job.server_restarts, job.scheduler_restarts) == (1, "torch_dist", "auto", 60.0, 1.0, 300.0, 0, -1)
     # the class attributes are the defaults the entry points refer to
-    assert PlanConfig.epsilon == 0.05 and PlanConfig.min_shard == 128 and JobConfig.timeout_s == 60.0
+    assert PlanConfig.epsilon == 0.05 and PlanConfig.min_shard is None and JobConfig.timeout_s == 60.0
 
 
 def test_plan_batch_defaults_are_plan_configs():

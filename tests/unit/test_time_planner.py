@@ -1,0 +1,269 @@
+"""The time planner: plan_batch with a TimeModel (scheduler/time_cost.py, scheduler/time_refine.py).
+
+Seeded random batches (odd lengths, 1-token documents, empty ranks, both modes, windows): every
+plan is a valid Plan covering every pair exactly once, its predicted most loaded server is at or
+below the FLOP plan's, no time model gives today's plan; bad tables and settings raise ValueError
+naming the value; the min_shard rule. Nothing here depends on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scheduler import ConfigError, CostModel, Plan, PlanConfig, plan_batch
+from scheduler.config import DEFAULT_MIN_SHARD
+from scheduler.cost import causal_pairs, doc_pairs
+from scheduler.profile import ProfileTable
+from scheduler.time_cost import TimeModel
+
+ROOT = Path(__file__).resolve().parents[2]
+H200_8B = ROOT / "distca_sim" / "data" / "profiles" / "h200" / "llama3-8b-tp8"
+SHIPPED = sorted(p.parent for p in (ROOT / "distca_sim" / "data" / "profiles").glob("*/*/forward.json"))
+MODEL = TimeModel.from_dir(H200_8B)
+COST = MODEL.cost  # the shape the tables were measured for (4/1/128, bf16)
+
+
+def random_batch(rng: random.Random, mode: str, window_choices=(None,)):
+    ranks = rng.randint(1, 10)
+    lens = []
+    for _ in range(ranks):
+        if rng.random() < 0.15:
+            lens.append([])  # an empty rank
+            continue
+        docs = []
+        for _ in range(rng.randint(1, 12)):
+            u = rng.random()
+            if u < 0.15:
+                docs.append(1)
+            elif u < 0.4:
+                docs.append(2 * rng.randint(0, 1500) + 1)  # odd
+            elif u < 0.9:
+                docs.append(rng.randint(1, 6000))
+            else:
+                docs.append(rng.randint(6000, 40000))
+        lens.append(docs)
+    servers = ranks if mode == "inplace" else rng.randint(1, 12)
+    return dict(lens=lens, servers=servers, mode=mode, window=rng.choice(window_choices),
+                epsilon=rng.choice([0.0, 0.05, 0.2]), min_shard=rng.choice([1, 16, 128]))
+
+
+def revalidated(plan: Plan) -> Plan:
+    """The plan rebuilt through Plan's validating constructor (coverage, shards, min_shard)."""
+    return Plan(plan.doc_lens_per_rank, plan.num_servers, plan.mode, plan.cost, plan.server_tasks,
+                epsilon=plan.epsilon, min_shard=plan.min_shard, keep_activations=plan.keep_activations,
+                window=plan.window)
+
+
+def check_pairs(plan: Plan) -> None:
+    """Every document's tasks hold exactly its pairs (each pair once: Plan's tiling check plus this)."""
+    arr = plan.task_array
+    gid = plan.doc_offsets[arr[:, 1]] + arr[:, 2]
+    pairs = causal_pairs(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], plan.window)
+    got = np.bincount(gid, pairs, minlength=len(plan.doc_lens_flat))
+    want = doc_pairs(plan.doc_lens_flat, plan.window)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("mode", ["inplace", "dedicated"])
+def test_random_batches_valid_and_never_slower(seed, mode):
+    rng = random.Random(seed * 2 + (mode == "dedicated"))
+    b = random_batch(rng, mode, window_choices=(None, None, 64, 1024))
+    kw = dict(cost=COST, epsilon=b["epsilon"], mode=mode, min_shard=b["min_shard"], window=b["window"])
+    flop = plan_batch(b["lens"], b["servers"], **kw)
+    timed = plan_batch(b["lens"], b["servers"], time_model=MODEL, **kw)
+    assert timed.min_shard == b["min_shard"]
+    revalidated(timed)
+    check_pairs(timed)
+    S, w = b["servers"], b["window"]
+    assert MODEL.server_seconds(timed.task_array, S, w).max() <= MODEL.server_seconds(flop.task_array, S, w).max()
+
+
+@pytest.mark.parametrize("dataset", ["pretrain", "prolong"])
+@pytest.mark.parametrize("mode", ["inplace", "dedicated"])
+def test_trace_batches_reach_the_time_target(dataset, mode):
+    from distca_sim.workloads import sample_batch
+    batch = sample_batch(dataset, 32, 131072, seed=1, step=0)
+    servers = 32 if mode == "inplace" else 24
+    flop = plan_batch(batch, servers, cost=COST, mode=mode)
+    timed = plan_batch(batch, servers, cost=COST, mode=mode, time_model=MODEL)
+    revalidated(timed)
+    check_pairs(timed)
+    level = MODEL.bound(timed.doc_lens_flat, servers, timed.min_shard).level_s
+    t_flop = MODEL.server_seconds(flop.task_array, servers).max()
+    t_time = MODEL.server_seconds(timed.task_array, servers).max()
+    assert t_time <= t_flop
+    assert t_time <= 1.05 * level * (1 + 1e-12) or t_time < t_flop
+
+
+def test_partial_kv_and_held_cap_keep_the_guarantee():
+    rng = random.Random(7)
+    lens = [[rng.randint(1, 30000) for _ in range(6)] for _ in range(6)]
+    for kw in (dict(partial_kv=True), dict(max_held_bytes_per_server=10**12)):
+        flop = plan_batch(lens, 6, cost=COST, min_shard=128, **kw)
+        timed = plan_batch(lens, 6, cost=COST, min_shard=128, time_model=MODEL, **kw)
+        revalidated(timed)
+        check_pairs(timed)
+        assert MODEL.server_seconds(timed.task_array, 6).max() <= MODEL.server_seconds(flop.task_array, 6).max()
+
+
+def test_no_time_model_is_todays_plan():
+    rng = random.Random(3)
+    for mode in ("inplace", "dedicated"):
+        b = random_batch(rng, mode)
+        default = plan_batch(b["lens"], b["servers"], cost=COST, mode=mode)
+        explicit = plan_batch(b["lens"], b["servers"], cost=COST, mode=mode, min_shard=DEFAULT_MIN_SHARD)
+        by_config = plan_batch(b["lens"], b["servers"], cost=COST, config=PlanConfig(mode=mode))
+        assert default == explicit == by_config
+        assert default.min_shard == DEFAULT_MIN_SHARD == 128
+
+
+def test_empty_and_tiny_batches():
+    for lens, S, mode in (([[], []], 2, "inplace"), ([[1]], 3, "dedicated"), ([[1, 1, 1], []], 2, "inplace")):
+        plan = plan_batch(lens, S, cost=COST, mode=mode, time_model=MODEL)
+        revalidated(plan)
+
+
+# ---- the time model ------------------------------------------------------------------------------
+def test_band_seconds_are_their_shards_seconds():
+    l, a, b = np.array([1001, 1000, 5000, 7]), np.array([0, 100, 300, 0]), np.array([501, 200, 2500, 2])
+    got = MODEL.band_seconds(l, a, b)
+    t0 = np.maximum(l - b, b)
+    head_end = np.where(t0 == b, l - a, b)
+    want = MODEL.task_seconds(a, head_end, 0, head_end)
+    want = want + np.where(t0 == b, 0.0, MODEL.task_seconds(t0, l - a, 0, l - a))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert MODEL.band_seconds(np.array([10]), np.array([3]), np.array([3]))[0] == 0.0
+
+
+def test_task_seconds_match_the_tables_for_plain_tasks():
+    q, kv = np.array([128, 300, 5000]), np.array([128, 4000, 20000])
+    want = MODEL.forward.latencies(q, kv) + MODEL.backward.latencies(q, kv)
+    np.testing.assert_allclose(MODEL.task_seconds(kv - q, kv, 0, kv), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_tables_cut_ratio(folder):
+    """TimeModel.bound's level is a lower bound up to the table's cut ratio rho (its docstring):
+    on the shipped tables even cuts into 2-64 bands of 1K-256K-token documents take at least
+    0.8 of the whole document's seconds."""
+    model = TimeModel.from_dir(folder)
+    for l in (1024, 2048, 4099, 8192, 32768, 131072, 262144):
+        whole = model.whole_seconds([l])[0]
+        c = (l + 1) // 2
+        for k in (2, 3, 4, 16, 64):
+            cuts = np.linspace(0, c, k + 1).astype(np.int64)
+            pieces = model.band_seconds(np.full(k, l), cuts[:-1], cuts[1:]).sum()
+            assert pieces >= 0.8 * whole, (folder, l, k)
+
+
+def test_min_shard_choice():
+    for folder in SHIPPED:
+        assert TimeModel.from_dir(folder).choose_min_shard() == 256, folder
+    # constant throughput: every tile multiple reaches it, so one tile
+    cost = CostModel(num_heads_q=4, num_heads_kv=1, head_dim=128, dtype_bytes=2)
+    grid = [128, 256, 512, 1024, 4096]
+    flat = ProfileTable.from_flops(1e14, 0.0, grid, grid, cost)
+    assert TimeModel(flat, flat).choose_min_shard() == 128
+    # a large per-task overhead: only wide shards come near the saturated throughput
+    slow = ProfileTable.from_flops(1e14, 2e-4, grid, grid, cost)
+    m = TimeModel(slow, slow)
+    chosen = m.choose_min_shard(0.65)
+    assert chosen > 128 and chosen % 128 == 0
+    assert m.choose_min_shard(0.99) >= chosen
+    # what plan_batch uses: the chosen value when none is given, the caller's otherwise
+    assert plan_batch([[5000, 3000], []], 2, cost=COST, time_model=MODEL).min_shard == 256
+    assert plan_batch([[5000, 3000], []], 2, cost=COST, time_model=MODEL, min_shard=64).min_shard == 64
+    assert plan_batch([[5000, 3000], []], 2, cost=COST).min_shard == 128
+    assert PlanConfig(attn_profile=str(H200_8B)).resolved_min_shard() == 256
+    assert PlanConfig().resolved_min_shard() == 128
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def test_bad_time_models_name_the_value(tmp_path):
+    with pytest.raises(ValueError, match="forward must be a ProfileTable, got str"):
+        TimeModel("nope", MODEL.backward)
+    with pytest.raises(ValueError, match=r"task_s must be a finite number >= 0 \(seconds\), got -1"):
+        TimeModel(MODEL.forward, MODEL.backward, task_s=-1)
+    with pytest.raises(ValueError, match="call_s .* got nan"):
+        TimeModel(MODEL.forward, MODEL.backward, call_s=float("nan"))
+    other = ProfileTable(q_lens=[128], kv_lens=[128], latency_s=[[1e-5]],
+                         meta={"cost": {"num_heads_q": 8, "num_heads_kv": 1, "head_dim": 128, "dtype_bytes": 2}})
+    with pytest.raises(ValueError, match="backward table for .*'num_heads_q': 8"):
+        TimeModel(MODEL.forward, other)
+    with pytest.raises(ValueError, match="fraction must be a number in \\(0, 1\\], got 0"):
+        MODEL.choose_min_shard(fraction=0)
+    with pytest.raises(ValueError, match="tile must be a positive int, got 0"):
+        MODEL.choose_min_shard(tile=0)
+    with pytest.raises(ValueError, match="no backward.json"):
+        (tmp_path / "forward.json").write_text((H200_8B / "forward.json").read_text())
+        TimeModel.from_dir(tmp_path)
+    (tmp_path / "backward.json").write_text(json.dumps({"q_lens": [2, 1], "kv_lens": [1], "latency_s": [[0], [0]]}))
+    with pytest.raises(ValueError, match="backward.json: q_lens must be strictly increasing"):
+        TimeModel.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="'/no/such/folder': not a folder"):
+        TimeModel.from_dir("/no/such/folder")
+
+
+def test_bad_plan_settings_name_the_value():
+    with pytest.raises(ConfigError, match="attn_profile='/no/such/folder'"):
+        PlanConfig(attn_profile="/no/such/folder")
+    with pytest.raises(ConfigError, match="attn_profile must be a folder path .* got 3"):
+        PlanConfig(attn_profile=3)
+    with pytest.raises(ValueError, match="time_model must be a scheduler.time_cost.TimeModel, got str"):
+        plan_batch([[10]], 1, cost=COST, time_model="h200")
+    with pytest.raises(ValueError, match="not both"):
+        plan_batch([[10]], 1, cost=COST, time_model=MODEL, attn_profile=str(H200_8B))
+    big = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
+    with pytest.raises(ValueError, match="measured for the attention shape .*'num_heads_q': 4"):
+        plan_batch([[10]], 1, cost=big, time_model=MODEL)
+
+
+def test_attn_profile_travels_in_the_config_and_the_flag():
+    from distca_cli.flags import add_config_flags, config_from_args
+    config = PlanConfig(attn_profile=str(H200_8B), mode="dedicated")
+    assert PlanConfig.from_dict(config.to_dict()) == config
+    by_config = plan_batch([[9000, 300], [40]], 3, cost=COST, config=config)
+    by_model = plan_batch([[9000, 300], [40]], 3, cost=COST, mode="dedicated", time_model=MODEL)
+    assert by_config == by_model and by_config.min_shard == 256
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    job = config_from_args(parser.parse_args(["--attn-profile", str(H200_8B)]))
+    assert job.plan.attn_profile == str(H200_8B) and job.plan.min_shard is None
+
+
+def test_refinement_moves_work_on_most_random_batches():
+    """The property tests above are not vacuous: the time plan differs from the FLOP plan on
+    most of their batches (64 of the 80 at the time of writing)."""
+    moved = 0
+    for seed in range(20):
+        for mode in ("inplace", "dedicated"):
+            rng = random.Random(seed * 2 + (mode == "dedicated"))
+            b = random_batch(rng, mode, window_choices=(None, None, 64, 1024))
+            kw = dict(cost=COST, epsilon=b["epsilon"], mode=mode, min_shard=b["min_shard"], window=b["window"])
+            moved += plan_batch(b["lens"], b["servers"], **kw) != plan_batch(b["lens"], b["servers"],
+                                                                             time_model=MODEL, **kw)
+    assert moved >= 20
+
+
+# ---- the simulator -------------------------------------------------------------------------------
+def test_simulator_runs_both_planners():
+    from distca_sim.hardware import get_gpu, load_attention_profile
+    from distca_sim.simulate import ParallelConfig, Workload, simulate
+    gpu = get_gpu("h200").with_tables(*load_attention_profile(H200_8B, COST))
+    cmp = simulate("llama3-8b", gpu, ParallelConfig.from_gpus(64, tp=8), Workload("pretrain", 131072),
+                   systems=("distca", "wlb_ideal"), epsilons=(0.05,), planner="both")
+    flops, timed = cmp.get("distca-flops"), cmp.get("distca-time")
+    assert (flops.system, timed.system) == ("distca eps=0.05", "distca-time eps=0.05")
+    assert flops.details["planner"] == "flops" and flops.details["min_shard"] == 128
+    assert timed.details["planner"] == "time" and timed.details["min_shard"] == 256
+    assert cmp.get("distca").step_time_s == min(flops.step_time_s, timed.step_time_s)
+    with pytest.raises(ValueError, match="planner must be 'flops', 'time' or 'both', got 'fast'"):
+        simulate("llama3-8b", gpu, ParallelConfig.from_gpus(64, tp=8), Workload("pretrain", 131072),
+                 systems=("distca",), planner="fast")
