@@ -60,6 +60,49 @@ MAX_KEPT_ROUNDS = 1024
 with a ValueError (a loop that never runs its backward rounds would otherwise grow without end)."""
 
 
+def drive(steps):
+    """Run one participant's round generator (:meth:`Participant.forward_steps` and the like) to its
+    end on this thread, waiting for each exchange handle it yields; returns the round's result.
+
+    Raises what the round or an exchange's ``wait`` raises."""
+    try:
+        handle = next(steps)
+        while True:
+            handle.wait()
+            handle = steps.send(None)
+    except StopIteration as stop:
+        return stop.value
+
+
+def drive_all(rounds: list) -> list:
+    """Run several participants' round generators in lock step on this thread: each to its next
+    exchange, then every exchange handle's ``wait``, then each on (the protocol of
+    :class:`~distca_server.transport.local.LockstepGroup`). Returns their results in order.
+
+    Raises:
+        the first error a round raised (the others are closed); else the first ``wait``'s
+        :class:`~distca_server.errors.DistCAError` (a round ended while a peer still exchanged).
+    """
+    results: list = [None] * len(rounds)
+    live = list(range(len(rounds)))
+    try:
+        while live:
+            handles, going = [], []
+            for i in live:
+                try:
+                    handles.append(next(rounds[i]))
+                    going.append(i)
+                except StopIteration as stop:
+                    results[i] = stop.value
+            for handle in handles:
+                handle.wait()
+            live = going
+    finally:
+        for steps in rounds:
+            steps.close()
+    return results
+
+
 class Participant:
     """One participant of a plan's all-to-all group, built from its :class:`PlanPart`.
 
@@ -144,7 +187,7 @@ class Participant:
         return found
 
     def _round(self, transport, kind: RoundKind, local, compute):
-        """Run one round; returns ``(results from the other servers, own server's results)`` on a
+        """Run one round (a generator: it yields each exchange's handle, see :func:`drive`); returns ``(results from the other servers, own server's results)`` on a
         client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
         t0 = time.perf_counter()
         shape = self.layout(kind)
@@ -172,7 +215,7 @@ class Participant:
         # through a transport, so every split is 0 and the exchange would only check that.
         alone = self.part.num_participants == 1
         if not alone:
-            transport.exchange(send, shape.send_splits, recv, shape.recv_splits).wait()
+            yield transport.exchange(send, shape.send_splits, recv, shape.recv_splits)
         t2 = time.perf_counter()
         self.timings["pack"] += t1 - t0
         self.timings["all_to_all"] += t2 - t1
@@ -196,7 +239,7 @@ class Participant:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         _, ret_recv = self._segments("client", transport, [0] * len(back), shape.ret_recv_sizes)
         if not alone:
-            transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits).wait()
+            yield transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits)
         self.timings["all_to_all"] += time.perf_counter() - t2
         if self.rank is None:
             return None, None
@@ -316,9 +359,27 @@ class Participant:
         return f"server {self.server} (step {self.part.step} batch {self.part.batch})"
 
     # ---- rounds ------------------------------------------------------------------------------------
-    @torch.no_grad()  # rounds run on worker threads, where grad mode is on; autograd is above us
     def forward(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None,
                 keep: int | None = None):
+        """Run :meth:`forward_steps` to the end, waiting for each exchange here."""
+        return drive(self.forward_steps(transport, q, k, v, softmax_scale, out=out, lse=lse, keep=keep))
+
+    def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
+                 dv=None):
+        """Run :meth:`backward_steps` to the end, waiting for each exchange here."""
+        return drive(self.backward_steps(transport, q, k, v, out, lse, dout, softmax_scale, dq=dq, dk=dk, dv=dv))
+
+    def backward_kept(self, transport, dout, softmax_scale: float, *, kept: int, dq=None, dk=None,
+                      dv=None):
+        """Run :meth:`backward_kept_steps` to the end, waiting for each exchange here."""
+        return drive(self.backward_kept_steps(transport, dout, softmax_scale, kept=kept, dq=dq, dk=dk, dv=dv))
+
+    # The rounds as generators: each yields the handle of every exchange it starts and goes on once
+    # the handle is complete, so one thread can run every participant of a process in lock step
+    # (the local runtime) or a thread its one participant (:func:`drive`).
+    @torch.no_grad()  # rounds run on worker threads, where grad mode is on; autograd is above us
+    def forward_steps(self, transport, q, k, v, softmax_scale: float, *, out=None, lse=None,
+                      keep: int | None = None):
         """Forward round. Clients pass their local ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] and
         get ``(out [T, Hq, D], lse [T, Hq])``; server-only participants pass None and get None.
 
@@ -341,7 +402,7 @@ class Participant:
             if keep is not None:
                 self._keep(keep, x, {"out": o, "lse": s}, shared=x is local)
             return {"out": o, "lse": s}
-        remote, own = self._round(transport, RoundKind.FORWARD, local, compute)
+        remote, own = yield from self._round(transport, RoundKind.FORWARD, local, compute)
         if remote is None:
             return None
         if self.results_home:
@@ -367,8 +428,8 @@ class Participant:
         return out, lse
 
     @torch.no_grad()
-    def backward(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
-                 dv=None):
+    def backward_steps(self, transport, q, k, v, out, lse, dout, softmax_scale: float, *, dq=None, dk=None,
+                       dv=None):
         """Backward round of a stateless plan: clients get ``(dq, dk, dv)`` shaped like their
         ``q``, ``k``, ``v``; gradients of KV rows used by several servers are summed in float32
         (float64).
@@ -385,11 +446,11 @@ class Participant:
             g = self.executor.backward(x["dout"], x["q"], x["k"], x["v"], x["out"], x["lse"],
                                        softmax_scale)
             return dict(zip(("dq", "dk", "dv"), g))
-        return self._backward_round(transport, local, compute, dq, dk, dv)
+        return (yield from self._backward_round(transport, local, compute, dq, dk, dv))
 
     @torch.no_grad()
-    def backward_kept(self, transport, dout, softmax_scale: float, *, kept: int, dq=None, dk=None,
-                      dv=None):
+    def backward_kept_steps(self, transport, dout, softmax_scale: float, *, kept: int, dq=None, dk=None,
+                            dv=None):
         """Backward round of forward round ``kept`` of a kept-activation plan: clients pass only
         ``dout`` [T, Hq, D] and get ``(dq [T, Hq, D], dk, dv [T, Hkv, D])`` in dout's dtype; the
         round sends dO and, for the query rows of split tasks, the merged O and LSE the client
@@ -415,10 +476,10 @@ class Participant:
             kv = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))
             dk = torch.empty_like(kv) if dk is None else dk
             dv = torch.empty_like(kv) if dv is None else dv
-        return self._backward_round(transport, local, compute, dq, dk, dv, like_q=dout)
+        return (yield from self._backward_round(transport, local, compute, dq, dk, dv, like_q=dout))
 
     def _backward_round(self, transport, local, compute, dq, dk, dv, like_q=None):
-        remote, own = self._round(transport, RoundKind.BACKWARD, local, compute)
+        remote, own = yield from self._round(transport, RoundKind.BACKWARD, local, compute)
         if remote is None:
             return None
         if self.results_home:

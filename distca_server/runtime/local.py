@@ -1,8 +1,10 @@
-"""``DistCAClient.local``: every participant of the plan as a thread of this process.
+"""``DistCAClient.local``: every participant of the plan in this process, run in lock step by one thread.
 
 The batch handed to ``attend`` is cut into ``num_ranks`` virtual client ranks (whole documents,
 contiguous, about equal tokens); each participant runs exactly the code a distributed participant
-runs, over the in-process all-to-all of :mod:`distca_server.transport.local`, and writes its
+runs, over the in-process all-to-all of :mod:`distca_server.transport.local`
+(:class:`~distca_server.transport.local.LockstepGroup`: the thread that runs the round starts every
+participant's exchange, then completes them all; no participant thread, lock or event), and writes its
 rank's results straight into its rows of one batch-wide output. Steps end as on Ray (see
 :class:`~distca_server.runtime.base.StepState`); plans are cached across steps per batch shape
 (planning is deterministic), participants are bound per step and batch (reusing the layouts a
@@ -25,8 +27,8 @@ from scheduler.parts import plan_parts
 
 from ..errors import DistCAError
 from ..kernels import get_backend
-from ..participant import Participant
-from ..transport.local import LocalGroup
+from ..participant import Participant, drive, drive_all
+from ..transport.local import LockstepGroup
 from ..wire import RowFormat
 from .base import PlannedBatch, Runtime, StepState
 from .order import RoundQueue, StreamFence
@@ -52,7 +54,7 @@ def split_documents(doc_lens: list[int], num_ranks: int) -> list[list[int]]:
 
 
 class LocalBatch(PlannedBatch):
-    """One batch of one step bound to every participant of its plan (threads of this process)."""
+    """One batch of one step bound to every participant of its plan (all in this process)."""
 
     def __init__(self, runtime: "LocalRuntime", plan: Plan, fmt: RowFormat, device: torch.device,
                  step: int, batch: int, like: list[Participant] | None = None):
@@ -94,7 +96,7 @@ class LocalBatch(PlannedBatch):
 
     def _forward(self, q, k, v, softmax_scale, keep):
         if len(self.bounds) == 2:
-            return self._single_rank([lambda t, p=p: p.forward(t, *self._rows(p, (q, k, v)), softmax_scale,
+            return self._single_rank([lambda t, p=p: p.forward_steps(t, *self._rows(p, (q, k, v)), softmax_scale,
                                                                keep=keep)
                                       for p in self.participants])
         T = q.shape[0]
@@ -103,26 +105,26 @@ class LocalBatch(PlannedBatch):
 
         def job(p):
             rq, rk, rv, ro, rl = self._rows(p, (q, k, v, out, lse))
-            return lambda t: p.forward(t, rq, rk, rv, softmax_scale, out=ro, lse=rl, keep=keep)
+            return lambda t: p.forward_steps(t, rq, rk, rv, softmax_scale, out=ro, lse=rl, keep=keep)
         self._run([job(p) for p in self.participants])
         return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, softmax_scale):
         if len(self.bounds) == 2:
-            return self._single_rank([lambda t, p=p: p.backward(t, *self._rows(p, (q, k, v, out, lse, dout)),
+            return self._single_rank([lambda t, p=p: p.backward_steps(t, *self._rows(p, (q, k, v, out, lse, dout)),
                                                                 softmax_scale)
                                       for p in self.participants])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
         def job(p):
             rows = self._rows(p, (q, k, v, out, lse, dout, dq, dk, dv))
-            return lambda t: p.backward(t, *rows[:6], softmax_scale, dq=rows[6], dk=rows[7], dv=rows[8])
+            return lambda t: p.backward_steps(t, *rows[:6], softmax_scale, dq=rows[6], dk=rows[7], dv=rows[8])
         self._run([job(p) for p in self.participants])
         return dq, dk, dv
 
     def _backward_kept(self, kept, dout, softmax_scale):
         if len(self.bounds) == 2:
-            return self._single_rank([lambda t, p=p: p.backward_kept(t, self._rows(p, (dout,))[0], softmax_scale,
+            return self._single_rank([lambda t, p=p: p.backward_kept_steps(t, self._rows(p, (dout,))[0], softmax_scale,
                                                                      kept=kept)
                                       for p in self.participants])
         dq = torch.empty_like(dout)
@@ -131,7 +133,7 @@ class LocalBatch(PlannedBatch):
 
         def job(p):
             rows = self._rows(p, (dout, dq, dk, dv))
-            return lambda t: p.backward_kept(t, rows[0], softmax_scale, kept=kept, dq=rows[1], dk=rows[2],
+            return lambda t: p.backward_kept_steps(t, rows[0], softmax_scale, kept=kept, dq=rows[1], dk=rows[2],
                                              dv=rows[3])
         self._run([job(p) for p in self.participants])
         return dq, dk, dv
@@ -150,16 +152,21 @@ class LocalBatch(PlannedBatch):
 
 
 class LocalRuntime(Runtime):
-    """Plans, participants and threads of a ``DistCAClient.local`` client.
+    """Plans, participants and rounds of a ``DistCAClient.local`` client.
 
     Args:
-        num_servers: attention servers (threads).
+        num_servers: attention servers (participants of this process).
         num_ranks: virtual client ranks the batch is cut into.
         plan: the planner's settings (:class:`~scheduler.config.PlanConfig`, checked; see
             :func:`scheduler.plan_batch`).
         backend: kernel backend name or "auto".
-        timeout_s: how long an in-process all-to-all waits for a participant (seconds).
+        timeout_s: the job's wait bound (seconds); kept for the config, since participants in lock
+            step never wait for each other.
     """
+
+    group_factory = LockstepGroup
+    """Makes the in-process group of a round's participants: ``group_factory(world_size,
+    timeout_s)``."""
 
     def __init__(self, num_servers: int, num_ranks: int, plan: PlanConfig, *, backend: str, timeout_s: float):
         if not isinstance(plan, PlanConfig):
@@ -169,9 +176,9 @@ class LocalRuntime(Runtime):
         self.keep_activations = plan.keep_activations
         self.backend, self.timeout_s = backend, timeout_s
         self.world_size = num_ranks if plan.mode == "inplace" else num_ranks + num_servers
-        # Participants 1.. of a round; participant 0 runs on the thread that runs the round.
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.world_size - 1), thread_name_prefix="distca-local")
-        self._group: LocalGroup | None = None
+        self._stopped = False
+        self._group = None
+        self._pool: ThreadPoolExecutor | None = None  # only for a blocking group (_run_threads)
         self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
         # batch shape -> the participants last bound to its plan (their layouts are reused)
         self._bound: dict = {}
@@ -229,53 +236,70 @@ class LocalRuntime(Runtime):
         return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
 
     def run(self, jobs, device: torch.device | str = "cpu"):
-        """Run one exchange-synchronised job per participant; return their results in order.
+        """Run one round's job per participant; return their results in order.
 
         Each job gets its participant's transport endpoint on ``device`` (where the batch's
-        tensors live: the endpoint's buffers must be there too).
+        tensors live: the endpoint's buffers must be there too) and returns the participant's
+        round generator (:meth:`~distca_server.participant.Participant.forward_steps` and the
+        like). Over a :class:`~distca_server.transport.local.LockstepGroup` (the default
+        :attr:`group_factory`) :func:`~distca_server.participant.drive_all` runs them all on this
+        thread: it starts every participant's exchange, then completes them all, then lets each
+        go on, so the round's device work is queued by one thread on its current stream, with no
+        hand-off, lock or event. Over a group whose exchanges block until the peers arrive (a
+        one-sided transport), participants 1.. run on threads (:meth:`_run_threads`).
 
-        A failing participant aborts the group so the others stop waiting; the first real
-        error (not the peers' resulting :class:`DistCAError`) is re-raised.
+        The first error a participant raised is re-raised (its peers are stopped); a failed round
+        leaves a group that the next round replaces.
         """
-        if self._pool is None:
+        if self._stopped:
             raise DistCAError("this DistCAClient is closed")
         if self._group is None or self._group.broken:
-            self._group = LocalGroup(self.world_size, self.timeout_s)
+            self._group = self.group_factory(self.world_size, self.timeout_s)
         group = self._group
+        if not isinstance(group, LockstepGroup):
+            return self._run_threads(group, jobs, device)
+        try:
+            return drive_all([job(group.endpoint(i, device)) for i, job in enumerate(jobs)])
+        except BaseException as exc:
+            group.abort(-1, f"{type(exc).__name__}: {exc}")
+            raise
 
+    def _run_threads(self, group, jobs, device):
+        """:meth:`run` over a blocking group: participant 0 on this thread, the others on pool
+        threads whose streams wait on this thread's and are joined back by events
+        (:class:`~distca_server.runtime.order.StreamFence`)."""
         def call(i, job):
             try:
-                return job(group.endpoint(i, device))
+                return drive(job(group.endpoint(i, device)))
             except BaseException as exc:
                 group.abort(i, f"{type(exc).__name__}: {exc}")
                 raise
-        if len(jobs) == 1:  # nobody to wait for: no hand-off
+        if len(jobs) == 1:
             return [call(0, jobs[0])]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.world_size - 1, thread_name_prefix="distca-local")
         fence = StreamFence(torch.device(device))
+        done: list = [None] * len(jobs)
 
-        def helper(i, job):  # on a pool thread: its stream follows this thread's and is joined back
+        def helper(i, job):
             fence.enter()
             try:
                 return call(i, job)
             finally:
                 done[i] = fence.leave()
-        done: list = [None] * len(jobs)
         futures = [self._pool.submit(helper, i, job) for i, job in enumerate(jobs) if i]
-        first: list = []
+        errors, first = [], []
         try:
-            first.append(call(0, jobs[0]))  # participant 0 on this thread
+            first.append(call(0, jobs[0]))
         except BaseException as exc:
-            first_error = exc
-        else:
-            first_error = None
+            errors.append(exc)
         _, pending = wait(futures, timeout=2 * self.timeout_s + 5)
         if pending:
             group.abort(-1, "round did not finish")
             raise DistCAError(f"{len(pending)} local participants did not finish within "
                               f"{2 * self.timeout_s + 5:g} s")
         fence.join(done)
-        errors = ([first_error] if first_error is not None else []) + [
-            f.exception() for f in futures if f.exception() is not None]
+        errors += [f.exception() for f in futures if f.exception() is not None]
         if errors:
             root = [e for e in errors if not isinstance(e, DistCAError)]
             raise (root or errors)[0]
@@ -287,7 +311,8 @@ class LocalRuntime(Runtime):
                 return
             self._closed = True
         self._rounds.close()  # rounds already queued still run
-        self._pool.shutdown(wait=True)
-        self._pool = None
+        self._stopped = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._plans.clear()
         self._state.advance()

@@ -94,8 +94,8 @@ class LocalTransport:
     def buffer(self, key: str, nbytes: int) -> torch.Tensor:
         return self._buffers.buffer(key, nbytes)
 
-    def exchange(self, send: Sequence[torch.Tensor], send_splits, recv: Sequence[torch.Tensor],
-                 recv_splits, timeout_s: float | None = None) -> ExchangeHandle:
+    def _deposit(self, send, send_splits, recv, recv_splits) -> None:
+        """Check the call and put this participant's segments where its peers read them."""
         g, me, P = self.group, self.rank, self.world_size
         check_exchange(send, send_splits, recv, recv_splits, P, me)
         offsets = []
@@ -107,7 +107,11 @@ class LocalTransport:
             offsets.append(o)
         g._slots[me] = (list(send), [list(map(int, x)) for x in send_splits], offsets)
         self.bytes_sent += sum(sum(map(int, x)) - int(x[me]) for x in send_splits)
-        g._wait(me, "deposit")
+
+    def _collect(self, recv, recv_splits) -> None:
+        """Copy what every peer deposited for this participant into ``recv`` (sizes checked;
+        a mismatch aborts the group)."""
+        g, me, P = self.group, self.rank, self.world_size
         try:
             for s, (buf, expect) in enumerate(zip(recv, recv_splits)):
                 pos = 0
@@ -126,7 +130,75 @@ class LocalTransport:
         except ValueError as exc:
             g.abort(me, str(exc))
             raise
+
+    def exchange(self, send: Sequence[torch.Tensor], send_splits, recv: Sequence[torch.Tensor],
+                 recv_splits, timeout_s: float | None = None) -> ExchangeHandle:
+        g, me = self.group, self.rank
+        self._deposit(send, send_splits, recv, recv_splits)
+        g._wait(me, "deposit")
+        self._collect(recv, recv_splits)
         # Nobody may reuse a send buffer for the next exchange before everyone has read this one.
         g._wait(me, "collect")
         g._slots[me] = None
         return DONE
+
+
+class LockstepGroup(LocalGroup):
+    """Shared state of ``world_size`` participants that one thread runs in lock step
+    (:func:`distca_server.participant.drive_all`): an exchange only deposits the sender's segments
+    and returns a handle; the driver first starts every participant's exchange, then waits on
+    every handle, which copies the rows in, then lets every participant go on. So no participant
+    waits for another, nothing blocks, and no send buffer is reused before every receiver has read
+    it. A handle whose peers did not all deposit raises :class:`DistCAError` at once (a peer
+    failed or stopped early: the driver raises its error first)."""
+
+    def __init__(self, world_size: int, timeout_s: float = 0.0):
+        super().__init__(world_size, timeout_s=timeout_s)  # nobody waits: kept for the factory's signature
+        self._entered = [0] * world_size
+
+    def endpoint(self, rank: int, device="cpu") -> "LockstepTransport":
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
+        key = (rank, str(torch.device(device)))
+        if key not in self._endpoints:
+            self._endpoints[key] = LockstepTransport(self, rank, device)
+        return self._endpoints[key]
+
+    def abort(self, rank: int, reason: str) -> None:
+        self._failed[rank] = reason
+
+    @property
+    def broken(self) -> bool:
+        return bool(self._failed)
+
+
+class LockstepTransport(LocalTransport):
+    """One participant's endpoint of a :class:`LockstepGroup`."""
+
+    def exchange(self, send, send_splits, recv, recv_splits, timeout_s: float | None = None) -> "_Collect":
+        g, me = self.group, self.rank
+        self._deposit(send, send_splits, recv, recv_splits)
+        g._entered[me] += 1
+        return _Collect(self, recv, recv_splits, g._entered[me])
+
+
+class _Collect:
+    """The receive half of a :class:`LockstepTransport` exchange."""
+
+    __slots__ = ("_endpoint", "_recv", "_splits", "_seq")
+
+    def __init__(self, endpoint: LockstepTransport, recv, recv_splits, seq: int):
+        self._endpoint, self._recv, self._splits, self._seq = endpoint, recv, recv_splits, seq
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        ep = self._endpoint
+        if ep is None:
+            return
+        g = ep.group
+        missing = [r for r, n in enumerate(g._entered) if n != self._seq]
+        if missing or g._failed:
+            detail = "; ".join(f"participant {r} failed: {m}" for r, m in sorted(g._failed.items())) or (
+                f"participants {missing} did not start exchange {self._seq}")
+            raise DistCAError(f"all-to-all aborted on participant {ep.rank}: {detail}")
+        ep._collect(self._recv, self._splits)
+        self._endpoint = None

@@ -118,12 +118,13 @@ def test_runtime_reraises_root_cause_and_recovers():
     runtime = LocalRuntime(num_servers=3, num_ranks=3, plan=PlanConfig(), backend="auto", timeout_s=20)
     empty = torch.zeros(0, dtype=torch.uint8)
 
-    def good(t):
-        all_to_all(t, empty, [0] * 3, [0] * 3)
+    def good(t):  # a round generator (Participant.forward_steps and the like)
+        yield t.exchange([empty], [[0] * 3], [empty], [[0] * 3])
         return t.rank
 
     def bad(t):
         raise ValueError("descriptor for participant 1 is malformed")
+        yield  # a generator that fails before its first exchange
     start = time.monotonic()
     with pytest.raises(ValueError, match="malformed"):
         runtime.run([good, bad, good])

@@ -346,7 +346,7 @@ def test_attention_rounds_over_the_symmetric_transport_equal_the_local_transport
     with DistCAClient.local(servers, **kwargs) as client:
         want = [step(client, seed) for seed in range(3)]
     _ShmGroup.made.clear()
-    monkeypatch.setattr(runtime_local, "LocalGroup", _ShmGroup)
+    monkeypatch.setattr(runtime_local.LocalRuntime, "group_factory", _ShmGroup)  # blocking: participant threads
     try:
         with DistCAClient.local(servers, **kwargs) as client:
             got = [step(client, seed) for seed in range(3)]
