@@ -446,7 +446,7 @@ class _ClaimedFuture(Future):
 
     def __init__(self, inner: Future, on_claim, kept: int | None = None):
         super().__init__()
-        self._on_claim, self.kept = on_claim, kept
+        self._on_claim, self.kept, self._inner = on_claim, kept, inner
         inner.add_done_callback(self._copy)
 
     def _copy(self, inner: Future) -> None:
@@ -454,10 +454,14 @@ class _ClaimedFuture(Future):
         if exc is not None:
             self.set_exception(exc)
         else:
-            self.set_result(inner.result())
+            self.set_result(Future.result(inner))  # the stream join is the taker's (result below)
 
     def result(self, timeout=None):
         claim, self._on_claim = self._on_claim, None
         if claim is not None:
             claim()
-        return super().result(timeout)
+        out = super().result(timeout)
+        join = getattr(self._inner, "join_stream", None)  # a queued round: see RoundFuture
+        if join is not None:
+            join()
+        return out

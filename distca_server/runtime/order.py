@@ -9,8 +9,9 @@ them in the same order, so the all-to-alls of a round pair up). Two ways to run 
 * **queued** (``attend_async``): on the queue's one worker thread, which starts only when a first
   round is queued. The caller's current stream records an event at submit; the worker's stream
   waits on it before the round's work (q, k, v made on a ping-pong side stream are complete
-  before the gather reads them), and the worker waits for its stream at the end, so the round's
-  results are complete when its future is, on whatever stream the caller reads them.
+  before the gather reads them), and records a completion event after it; taking the result
+  (:class:`RoundFuture`, ``handle.wait()``) makes the taker's current stream wait on that event.
+  So the worker never blocks on the device and may queue the next round's work at once.
 
 :class:`StreamFence` carries the same ordering to the helper threads of a round (the local
 runtime's participants): they wait on the event of the thread that started the round, and that
@@ -90,6 +91,26 @@ def _settle(future: Future, finished: threading.Event, fn, args) -> None:
         finished.set()
 
 
+class RoundFuture(Future):
+    """The future of a queued round: :meth:`result` also makes the *calling* thread's current
+    CUDA stream wait on the round's completion event (``device_done``, recorded on the rounds
+    thread's stream after the round's work), so the results are complete on the stream that reads
+    them, and no thread blocks on a stream. On the CPU it is a plain future."""
+
+    def __init__(self, fence: "StreamFence"):
+        super().__init__()
+        self._fence, self.device_done = fence, None
+
+    def join_stream(self) -> None:
+        """This thread's current stream waits for the round's device work (no-op on the CPU)."""
+        self._fence.join([self.device_done])
+
+    def result(self, timeout=None):
+        out = super().result(timeout)
+        self.join_stream()
+        return out
+
+
 class RoundSlot:
     """A round's place in its :class:`RoundQueue` (taken by :meth:`RoundQueue.reserve`, under the
     runtime's lock, in the order rounds are counted); run it with :meth:`here` or :meth:`queued`,
@@ -127,15 +148,15 @@ class RoundSlot:
         to find their CUDA device); returns its future."""
         fence = StreamFence(cuda_device(tensors))
 
+        future = RoundFuture(fence)
+
         def job():
             self._after_before()
             fence.enter()
             try:
                 return fn(*args)
-            finally:
-                if fence.device is not None:  # this thread waits, not the caller: it may run ahead
-                    torch.cuda.current_stream(fence.device).synchronize()
-        future: Future = Future()
+            finally:  # set before the result: whoever sees the future done sees its event
+                future.device_done = fence.leave()
         try:
             self._queue._worker().submit(_settle, future, self.finished, job, ())
         except BaseException:
