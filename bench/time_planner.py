@@ -17,7 +17,9 @@ Two parts, both on the CPU:
     WLB-ideal of each planner, and the simulator's breakdown (attention max and mean over ranks,
     exposed communication; WLB-ideal's exposed all-gather) to explain the cells where distca loses
     (``explain`` in each cell's JSON);
-  - at ε = 0.05 (the default) and ε = 0.
+  - at ε = 0.05 (the default) and ε = 0. The time planner aims at the level in both (the FLOP plan
+    at ε = 0 refined towards ``level_s``); ε, in predicted seconds, bounds what it accepts (a plan
+    above ``(1 + ε) · level_s`` also refines the FLOP plan at ε; :func:`scheduler.plan_batch`).
 
 Usage::
 

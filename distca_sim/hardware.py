@@ -31,7 +31,7 @@ from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
-from .profile import ProfileTable
+from scheduler.profile import ProfileTable, read_profile_dir
 
 __all__ = ["ModelConfig", "GPUConfig", "MODELS", "GPUS", "get_model", "get_gpu",
            "attention_tables", "load_attention_profile", "measured_attention_profile", "MEMORY_HEADROOM",
@@ -334,21 +334,14 @@ def load_attention_profile(directory, cost: CostModel) -> tuple[ProfileTable, Pr
         ValueError: a missing file, an invalid table, or a table without ``meta["cost"]`` or for
             another attention shape (the message names both shapes).
     """
-    folder = Path(directory)
-    tables = []
-    for kind in ("forward", "backward"):
-        path = folder / f"{kind}.json"
-        if not path.is_file():
-            raise ValueError(f"attention profile {folder}: no {kind}.json there (expected "
-                             f"forward.json and backward.json, ProfileTable JSON)")
-        table = ProfileTable.from_json(path)
+    tables = read_profile_dir(directory)
+    for kind, table in zip(("forward", "backward"), tables):
         shape = table.meta.get("cost")
         if shape != cost.to_dict():
-            raise ValueError(f"attention profile {path} was measured for the attention shape {shape}, "
-                             f"but the simulation's per-GPU shape is {cost.to_dict()} (meta['cost'] "
-                             f"must match: measure the table for this model and tp)")
-        tables.append(table)
-    return tables[0], tables[1]
+            raise ValueError(f"attention profile {Path(directory) / (kind + '.json')} was measured for the "
+                             f"attention shape {shape}, but the simulation's per-GPU shape is {cost.to_dict()} "
+                             f"(meta['cost'] must match: measure the table for this model and tp)")
+    return tables
 
 
 def measured_attention_profile(gpu_name: str, cost: CostModel) -> Path | None:

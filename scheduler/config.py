@@ -148,7 +148,8 @@ class PlanConfig:
     attn_profile: str | None = field(default=None, metadata=_meta(
         "a folder holding forward.json and backward.json, the measured latency of one CA-task over "
         "(query rows, key rows) (ProfileTable JSON, bench/gpu_kernels.py): the planner balances "
-        "predicted seconds instead of FLOPs, epsilon in seconds (DistCA §4.2). The folder must be "
+        "predicted seconds instead of FLOPs (DistCA §4.2): it aims at the level (the whole documents' "
+        "seconds per server) and epsilon, in seconds, bounds what it accepts. The folder must be "
         "readable where plans are made (the scheduler). None: balance FLOPs", "path"))
 
     def __post_init__(self):

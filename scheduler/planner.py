@@ -2,8 +2,8 @@
 
 Code: :mod:`scheduler.bands` (band arithmetic), :mod:`scheduler.placement` (steps 1-2),
 :mod:`scheduler.greedy` (step 3 and the last pass), this module (the runs, the guarantees);
-with a time model, :mod:`scheduler.time_refine` refines the plan in predicted seconds
-(:mod:`scheduler.time_cost`; its guarantee: never above this FLOP plan's predicted maximum).
+with a time model, :mod:`scheduler.time_refine` refines the FLOP plan at ε = 0 in predicted seconds
+(:mod:`scheduler.time_cost`; its guarantee: never above that FLOP plan's predicted maximum).
 
 Vocabulary. A document of ``l`` tokens is *folded*: folded position ``f`` in ``[0, c)``,
 ``c = ceil(l / 2)``, stands for the head token ``f`` and its mirror ``l - 1 - f`` (one token at the
@@ -117,7 +117,7 @@ from .partial import split_past_blocks
 from .placement import PlacedBatch, held_cap_bound
 from .tasks import Plan
 from .time_cost import TimeModel
-from .time_refine import refine_time
+from .time_refine import _MARGIN as _TIME_MARGIN, refine_time
 
 
 def validate_plan_args(doc_lens_per_rank, num_servers, cost, epsilon, mode, min_shard) -> tuple[np.ndarray, np.ndarray]:
@@ -289,18 +289,55 @@ def _fallback(batch: PlacedBatch, best: Greedy, target: float, cost: CostModel, 
     return best
 
 
-def _refine(tasks: np.ndarray, batch: PlacedBatch, model: TimeModel, epsilon: float, window, make) -> np.ndarray:
-    """The FLOP plan's ``tasks`` refined in predicted seconds (:mod:`scheduler.time_refine`; it
-    returns ``tasks`` unless the refined plan's most loaded server is lower). Under a held-bytes
-    cap the refined plan (``make``: tasks to a Plan) is kept only if it holds within the cap
-    wherever the FLOP plan did."""
-    refined, _ = refine_time(tasks, counts=batch.counts, lens=batch.lens_arr, num_servers=batch.S,
-                             inplace=batch.inplace, model=model, epsilon=epsilon, min_shard=batch.min_shard,
-                             window=window, q_bytes=batch.q_bytes, kv_bytes=batch.kv_bytes)
+def _flop_tasks(batch: PlacedBatch, bound, epsilon: float, cost: CostModel, mode: str, keep_activations: bool,
+                cap) -> np.ndarray:
+    """The FLOP plan's task array at ``epsilon`` (module doc, *Balance*: the runs, the last pass and
+    the fallback; loads in causal pairs)."""
+    target = (1.0 + epsilon) * bound.level
+    best = Greedy(batch, (1.0 + epsilon) * bound.mean)
+    best.run()
+    if best.max_load() > target and target > best.limit:
+        again = Greedy(batch, target)
+        again.run()
+        if again.max_load() < best.max_load():
+            best = again
+    if best.max_load() > target:
+        best.settle(target)
+    if best.max_load() > max(target, (1.0 + _MATERIAL) * bound.level) and cap is None:
+        best = _fallback(batch, best, target, cost, mode, keep_activations, target / 2)
+    return best.task_array()
+
+
+def _refine(tasks: np.ndarray, batch: PlacedBatch, model: TimeModel, window, make) -> tuple[np.ndarray, float, float]:
+    """A FLOP plan's ``tasks`` refined in predicted seconds towards the level
+    (:func:`~scheduler.time_refine.refine_time`; it returns ``tasks`` unless the refined plan's most
+    loaded server is lower): ``(tasks, level_s, max_s)``, ``max_s`` the returned plan's predicted
+    maximum. Under a held-bytes cap the refined plan (``make``: tasks to a Plan) is kept only if it
+    holds within the cap wherever the FLOP plan did."""
+    out = refine_time(tasks, counts=batch.counts, lens=batch.lens_arr, num_servers=batch.S,
+                      inplace=batch.inplace, model=model, min_shard=batch.min_shard, window=window,
+                      q_bytes=batch.q_bytes, kv_bytes=batch.kv_bytes)
     cap = batch.held_cap
-    if refined is not tasks and cap is not None and max(make(refined).held_bytes()) > cap >= max(make(tasks).held_bytes()):
-        return tasks
-    return refined
+    if out.tasks is not tasks and cap is not None and max(make(out.tasks).held_bytes()) > cap >= max(make(tasks).held_bytes()):
+        return tasks, out.level_s, out.start_max_s
+    return out.tasks, out.level_s, out.max_s
+
+
+def _time_plan(batch: PlacedBatch, model: TimeModel, epsilon: float, window, make, flop) -> np.ndarray:
+    """The time planner's task array (DistCA §4.2; ``flop(ε)``: the FLOP plan at ε). It *aims at
+    the level*: the FLOP plan at ε = 0 (the greedy aimed at ``max(mean, B)`` in pairs), refined
+    towards ``level_s`` seconds (:func:`~scheduler.time_refine.refine_time`). ε (seconds) bounds
+    what it accepts: a result above ``T_s = (1 + ε) · level_s`` is a miss, and then the FLOP plan at
+    ε is refined as well and kept if its predicted maximum is lower (by the refinement's relative
+    margin, so that it holds however the seconds are summed). So the predicted maximum is at most
+    the FLOP plan's at ε = 0, exactly, and at most ``max(T_s, the FLOP plan's at ε)`` up to that
+    margin (1e-9 relative, on ties)."""
+    tasks, level, top = _refine(flop(0.0), batch, model, window, make)
+    if epsilon > 0 and top > (1.0 + epsilon) * level:
+        other, _, other_top = _refine(flop(epsilon), batch, model, window, make)
+        if other_top < top * (1.0 - _TIME_MARGIN):
+            tasks = other
+    return tasks
 
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
@@ -370,11 +407,16 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
             for another attention shape than ``cost``.
 
     Time (``time_model=``, or ``attn_profile``: a folder of measured tables, DistCA §4.2): the plan
-    balances predicted seconds (forward + backward, :mod:`scheduler.time_cost`) instead of FLOPs:
-    the FLOP plan above is refined by :func:`scheduler.time_refine.refine_time` towards
-    ``T_s = (1 + ε) · max(mean_s, piece_s)`` seconds (:meth:`TimeModel.bound`). Guaranteed: its
-    predicted most loaded server is at or below the FLOP plan's (same batch, settings and
-    ``min_shard``). Without a time model the plan is the FLOP plan, bit for bit.
+    balances predicted seconds (forward + backward, :mod:`scheduler.time_cost`) instead of FLOPs.
+    It aims at the level: the FLOP plan at ε = 0 is refined by
+    :func:`scheduler.time_refine.refine_time` towards ``level_s = max(mean_s, piece_s)`` seconds
+    (:meth:`TimeModel.bound`); ε, in predicted seconds, bounds what it accepts: a plan above
+    ``T_s = (1 + ε) · level_s`` is a miss, and then the FLOP plan at ε is refined as well and the
+    plan with the lower predicted maximum kept. Guaranteed (same batch, ``min_shard`` and other
+    settings): its predicted most loaded server is at or below the FLOP plan's at ε = 0, and at or
+    below ``max(T_s, the FLOP plan's at ε)`` (up to a relative 1e-9 on ties). ``Plan.epsilon`` is
+    the ε given. Without a time
+    model the plan is the FLOP plan, bit for bit.
     """
     settings = dict(epsilon=epsilon, mode=mode, min_shard=min_shard, partial_kv=partial_kv,
                     max_kv_rows_per_server=max_kv_rows_per_server, keep_activations=keep_activations,
@@ -408,26 +450,15 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
                              f"{num_servers} servers, or the longest document's KV rows plus its first shard)")
     batch = PlacedBatch(counts, lens, int(num_servers), cost, mode, int(min_shard), window, keep_activations, cap)
     bound = load_bound(batch.lens_arr, batch.S, batch.min_shard, window)
-    target = (1.0 + epsilon) * bound.level
-    best = Greedy(batch, (1.0 + epsilon) * bound.mean)
-    best.run()
-    if best.max_load() > target and target > best.limit:
-        again = Greedy(batch, target)
-        again.run()
-        if again.max_load() < best.max_load():
-            best = again
-    if best.max_load() > target:
-        best.settle(target)
-    if best.max_load() > max(target, (1.0 + _MATERIAL) * bound.level) and cap is None:
-        best = _fallback(batch, best, target, cost, mode, keep_activations, target / 2)
-    tasks = best.task_array()
 
     def make(tasks):
         return Plan._trusted(counts=batch.counts, doc_lens=batch.lens_arr, num_servers=batch.S, mode=mode,
                              cost=cost, task_array=tasks, epsilon=float(epsilon),
                              min_shard=batch.min_shard, keep_activations=keep_activations, window=window)
-    if model is not None:
-        tasks = _refine(tasks, batch, model, epsilon, window, make)
+
+    def flop(eps: float) -> np.ndarray:
+        return _flop_tasks(batch, bound, eps, cost, mode, keep_activations, cap)
+    tasks = flop(epsilon) if model is None else _time_plan(batch, model, epsilon, window, make, flop)
     plan = make(tasks)
     if partial_kv and (window is None or window >= int(lens.max(initial=0))):
         split = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,

@@ -35,7 +35,7 @@ import numpy as np
 from .checks import is_int
 from .cost import CostModel, causal_pairs
 
-__all__ = ["ProfileTable"]
+__all__ = ["ProfileTable", "read_profile_dir"]
 
 _JSON_KEYS = ("q_lens", "kv_lens", "latency_s", "meta")
 
@@ -377,3 +377,25 @@ class ProfileTable:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+def read_profile_dir(directory) -> tuple["ProfileTable", "ProfileTable"]:
+    """The ``(forward, backward)`` tables of an attention profile folder: ``forward.json`` and
+    ``backward.json``, each :class:`ProfileTable` JSON (``bench/gpu_kernels.py --sections profile``
+    writes them; ``distca_sim/data/profiles/`` ships measured ones).
+
+    Raises:
+        ValueError: a missing file or an invalid table (the message names the folder and file).
+    """
+    folder = Path(directory)
+    tables = []
+    for kind in ("forward", "backward"):
+        path = folder / f"{kind}.json"
+        if not path.is_file():
+            raise ValueError(f"attention profile {folder}: no {kind}.json there (expected "
+                             f"forward.json and backward.json, ProfileTable JSON)")
+        try:
+            tables.append(ProfileTable.from_json(path))
+        except ValueError as exc:
+            raise ValueError(f"attention profile {folder}: {kind}.json: {exc}") from None
+    return tables[0], tables[1]

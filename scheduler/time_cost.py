@@ -36,7 +36,7 @@ import numpy as np
 
 from .bound import _pieces as most_pieces
 from .cost import CostModel, causal_pairs, window_kv_start
-from .profile import ProfileTable, _work_np
+from .profile import ProfileTable, _work_np, read_profile_dir
 
 __all__ = ["TimeBound", "TimeModel", "MIN_SHARD_FRACTION", "TILE_ROWS"]
 
@@ -211,8 +211,9 @@ class TimeModel:
         document's head–tail shards faster than the whole causal document: on the shipped
         tables ``ρ`` is 0.81-0.93 over even cuts into 2-64 bands of 1K-256K-token documents
         (``tests/unit/test_time_planner.py`` checks ``ρ >= 0.8``), so a time plan may end below
-        ``level_s``. The planner's target ``(1 + ε) · level_s`` is a stop rule in these seconds;
-        what is guaranteed is stated against the FLOP plan (:mod:`scheduler.time_refine`).
+        ``level_s``. The planner aims at ``level_s`` and accepts a plan within ``(1 + ε) · level_s``
+        (:func:`scheduler.plan_batch`); what is guaranteed is stated against the FLOP plans
+        (:mod:`scheduler.time_refine`).
         Plus ``call_s`` (the most loaded server runs a call). ``whole``: the documents'
         :meth:`whole_seconds` when the caller has them already.
         """
@@ -271,22 +272,12 @@ class TimeModel:
         folder = Path(directory).expanduser().resolve()
         if not folder.is_dir():
             raise ValueError(f"attention profile {directory!r}: not a folder")
-        stamps = []
-        for kind in ("forward", "backward"):
-            path = folder / f"{kind}.json"
-            if not path.is_file():
-                raise ValueError(f"attention profile {directory!r}: no {kind}.json there (expected "
-                                 f"forward.json and backward.json, ProfileTable JSON)")
-            stamps.append(path.stat().st_mtime_ns)
-        return _load(str(folder), tuple(stamps), float(task_s), float(call_s))
+        stamps = tuple((folder / f"{kind}.json").stat().st_mtime_ns if (folder / f"{kind}.json").is_file() else -1
+                       for kind in ("forward", "backward"))  # a missing file: read_profile_dir names it
+        return _load(str(folder), stamps, float(task_s), float(call_s))
 
 
 @lru_cache(maxsize=16)
 def _load(folder: str, stamps: tuple, task_s: float, call_s: float) -> TimeModel:
-    tables = []
-    for kind in ("forward", "backward"):
-        try:
-            tables.append(ProfileTable.from_json(Path(folder) / f"{kind}.json"))
-        except ValueError as exc:
-            raise ValueError(f"attention profile {folder}: {kind}.json: {exc}") from None
-    return TimeModel(tables[0], tables[1], task_s, call_s)
+    forward, backward = read_profile_dir(folder)
+    return TimeModel(forward, backward, task_s, call_s)

@@ -1,16 +1,28 @@
 """The time refinement of :func:`scheduler.plan_batch`: balance predicted seconds (DistCA §4.2).
 
 With a :class:`~scheduler.time_cost.TimeModel`, the planner first plans in causal pairs (the FLOP
-greedy of :mod:`scheduler.planner`), then :func:`refine_time` moves head–tail bands (the
-vocabulary of :mod:`scheduler.planner`) from the servers with the most predicted seconds to
-those with the least, in rounds, all of it vectorised numpy:
+greedy of :mod:`scheduler.planner`, aimed at the level: ε = 0), then :func:`refine_time` moves
+head–tail bands (the vocabulary of :mod:`scheduler.planner`) from the servers with the most
+predicted seconds to those with the least, in rounds, all of it vectorised numpy. Its target,
+``T`` below, is the level itself, ``level_s = max(mean_s, piece_s)`` seconds
+(:meth:`~scheduler.time_cost.TimeModel.bound`); the planner's ε bounds what it accepts
+(``scheduler.planner._time_plan``: a plan above ``(1 + ε) · level_s`` is a miss, and then the
+FLOP plan at ε is refined as well and the lower kept).
 
-1. Every server above the target ``T_s`` (seconds), most loaded first, is paired with one of
+Why the level and not ``(1 + ε) · level_s``: on the measured H200 tables (``bench/time_planner.py``,
+32 cells, TP 8 × 8-64 servers) a plan left at ``1.05 · level_s`` is the step's most loaded rank
+5% above the mean, which WLB-ideal beats in 21 of 32 cells; aimed at the level the plans end at
+1.000-1.009 × the mean and beat it in all 32. Refining the FLOP plan at ε = 0.05 towards the
+level instead gets stuck (1.05 in some 512K cells: with 8 servers every destination holds another
+band of the long documents) and moves up to 2.9× its bytes; the FLOP plan at ε = 0, 1.00-1.03 ×
+the mean in seconds, is a start the refinement finishes in 1-2 rounds.
+
+1. Every server above the target ``T`` (seconds), most loaded first, is paired with one of
    the least loaded servers (``i``-th most loaded with ``i``-th least loaded; a server is in at
    most one pair per round, so the moves of a round are independent).
 2. For each pair ``(src, dst)`` the candidates are ``src``'s :data:`_ITEMS` bands with the most
    seconds and the two whose seconds are nearest above and below what ``src`` must shed to reach
-   ``T_s`` (a whole document that just finishes it). A candidate moves the *inner* ``k`` folded positions ``[b - k, b)`` of
+   ``T`` (a whole document that just finishes it). A candidate moves the *inner* ``k`` folded positions ``[b - k, b)`` of
    band ``[a, b)`` to ``dst``, which either holds no band of that document (it gets band
    ``[b - k, b)``) or holds the band just inside, ``[b, y)`` (it widens to ``[b - k, y)``); any
    other ``dst`` would hold two bands of one document, and is skipped. ``k`` is the whole band,
@@ -20,30 +32,32 @@ those with the least, in rounds, all of it vectorised numpy:
    grow towards the centre), so ``k`` is found in two exact steps: a first guess from the band's
    own seconds per position, then a secant step from the *measured* seconds the guess moves off
    ``src`` and adds to ``dst`` (each side's seconds per position at the guess); each step tries the
-   cut that balances the pair and the one that just brings ``src`` to ``T_s``, besides the whole
+   cut that balances the pair and the one that just brings ``src`` to ``T``, besides the whole
    band. Every tried ``k`` is priced exactly with the table
    (:meth:`~scheduler.time_cost.TimeModel.band_seconds`): ``Δsrc = t(a, b) - t(a, b - k)``,
    ``Δdst = t(b - k, y) - t(b, y)`` (``t(b, b) = 0``). Of a candidate's tries the narrowest that
-   brings both servers within ``T_s`` is kept (fewest bytes), else the lowest ``max(src', dst')``.
+   brings both servers within ``T`` is kept (fewest bytes), else the lowest ``max(src', dst')``.
 4. A move's *efficiency* is seconds moved per byte: ``Δsrc / V``, ``V`` the bytes it adds to the
    step as in the FLOP greedy (the moved Q rows off their rank, and the KV rows ``dst`` lacks,
    less those ``src`` no longer needs; ``V <= 0`` ranks first). Per pair the chosen move is the
-   most efficient of those that bring both servers within ``T_s``; failing that, the one with the
+   most efficient of those that bring both servers within ``T``; failing that, the one with the
    lowest ``max(src', dst')``.
 5. A move is applied only if ``max(src', dst') < src`` (its source's seconds before it).
 
-Stops when no server is above ``T_s``, a round applies no move, or after :data:`_ROUNDS` rounds.
+Stops when no server is above ``T``, a round applies no move, or after :data:`_ROUNDS` rounds.
 
 **Guarantee.** Every applied move leaves both servers it touches below its source's seconds before
 it, which is at most the plan's most loaded server, and leaves every other server as it was; so the
-predicted maximum never rises, and the refined plan's most loaded server holds at most the FLOP
-plan's predicted maximum. Each move must clear its source's seconds by a relative margin of
+predicted maximum never rises, and the refined plan's most loaded server holds at most the
+predicted maximum of the FLOP plan it was given. Each move must clear its source's seconds by a relative margin of
 :data:`_MARGIN`, far above float64 rounding, so the bound holds however the seconds are summed
 (:meth:`TimeModel.server_seconds` sums per task); :func:`refine_time` also compares the refined
 maximum with the FLOP plan's at the end and returns the FLOP plan if it were not lower.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,30 +94,43 @@ def _find(keys: np.ndarray, order: np.ndarray, sorted_keys: np.ndarray, want: np
     return np.where(sorted_keys[i] == want, order[i], -1)
 
 
+class Refined(NamedTuple):
+    """What :func:`refine_time` returns (seconds: predicted, summed per band in this module's order).
+
+    Attributes:
+        tasks: int64 [m, 7], the refined task array in canonical order (the given array itself
+            when nothing moved, or when the refined maximum is not below the start's).
+        level_s: ``max(mean_s, piece_s)`` as :meth:`TimeModel.bound` computes it; the target.
+        start_max_s: the given plan's most loaded server.
+        max_s: ``tasks``' most loaded server (``start_max_s`` when ``tasks`` is the given array).
+    """
+
+    tasks: np.ndarray
+    level_s: float
+    start_max_s: float
+    max_s: float
+
+
 def refine_time(tasks: np.ndarray, *, counts: np.ndarray, lens: np.ndarray, num_servers: int, inplace: bool,
-                model: TimeModel, epsilon: float, min_shard: int, window: int | None,
-                q_bytes: int, kv_bytes: int) -> tuple[np.ndarray, float]:
-    """The refined task array (module doc) and the level ``max(mean_s, piece_s)`` in seconds.
+                model: TimeModel, min_shard: int, window: int | None, q_bytes: int, kv_bytes: int) -> Refined:
+    """The refined plan (module doc), aimed at the level: target ``T_s = level_s`` seconds.
 
     Args:
         tasks: int64 [n, 7], a plan's task array in canonical order (server, rank, doc, q_start),
             each document on a server as one head–tail band (no key splits).
         counts: int64 [ranks], documents per rank; lens: int64 [documents], their lengths.
         num_servers: servers; inplace: server ``r`` holds rank ``r``'s rows for free.
-        model: the time model; epsilon: ε, the target is ``T_s = (1 + ε) · level``.
+        model: the time model.
         min_shard: the shortest shard of a split document, tokens; window: the mask's window.
         q_bytes, kv_bytes: bytes a step moves per query row and per KV row
             (:meth:`~scheduler.cost.CostModel.step_row_bytes`).
 
     Returns:
-        ``(task_array, level_s)``: int64 [m, 7] in canonical order, a valid plan covering every
-        pair exactly once (``tasks`` itself when nothing moved, or when, summed in this module's
-        order, the refined maximum is not below the FLOP plan's); ``level_s`` as
-        :meth:`TimeModel.bound` computes it.
+        :class:`Refined`; its ``tasks`` a valid plan covering every pair exactly once.
     """
     S, ms = int(num_servers), int(min_shard)
     if not len(tasks):
-        return tasks, 0.0
+        return Refined(tasks, 0.0, 0.0, 0.0)
     starts = np.cumsum(counts) - counts
     gid = starts[tasks[:, 1]] + tasks[:, 2]
     rank_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
@@ -118,7 +145,7 @@ def refine_time(tasks: np.ndarray, *, counts: np.ndarray, lens: np.ndarray, num_
     if cut.any():
         whole[cut] = model.whole_seconds(lens[cut], window)
     level = model.bound(lens, S, ms, window, whole=whole).level_s
-    target_s = (1.0 + epsilon) * level
+    target_s = level
     q_move = q_bytes if inplace else 0  # dedicated: Q rows cross the network wherever they go
     width = int(lens.max()) + 1
     N = len(lens)
@@ -199,9 +226,10 @@ def refine_time(tasks: np.ndarray, *, counts: np.ndarray, lens: np.ndarray, num_
                            ((srv, add_srv), (g, add_g), (a, add_a), (b, add_b), (t, add_t)))
         cnt = np.bincount(srv, minlength=S)
         st = np.bincount(srv, t, minlength=S) + model.call_s * (cnt > 0)
-    if not moved_any or st.max() > first_max:
-        return tasks, level
-    return _task_array(srv, g, a, b, lens, counts, rank_of, window), level
+    top = float(st.max())
+    if not moved_any or top > first_max:
+        return Refined(tasks, level, float(first_max), float(first_max))
+    return Refined(_task_array(srv, g, a, b, lens, counts, rank_of, window), level, float(first_max), top)
 
 
 def _choose(model, window, ms, target_s, q_move, kv_bytes, inplace, rank_of, cnt, st,

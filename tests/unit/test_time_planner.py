@@ -2,7 +2,8 @@
 
 Seeded random batches (odd lengths, 1-token documents, empty ranks, both modes, windows): every
 plan is a valid Plan covering every pair exactly once, its predicted most loaded server is at or
-below the FLOP plan's, no time model gives today's plan; bad tables and settings raise ValueError
+below the FLOP plan it refines (the FLOP planner's at ε = 0) and at or below ``max((1 + ε) · level_s,
+the FLOP plan's at ε)``, no time model gives today's plan; bad tables and settings raise ValueError
 naming the value; the min_shard rule. Nothing here depends on timing.
 """
 
@@ -70,47 +71,98 @@ def check_pairs(plan: Plan) -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def seconds(plan: Plan) -> float:
+    """The plan's predicted most loaded server, seconds."""
+    return float(MODEL.server_seconds(plan.task_array, plan.num_servers, plan.window).max())
+
+
+def level_s(plan: Plan) -> float:
+    return MODEL.bound(plan.doc_lens_flat, plan.num_servers, plan.min_shard, plan.window).level_s
+
+
+def keeps_the_guarantee(lens, servers, **kw) -> tuple[Plan, Plan]:
+    """The time plan and the FLOP plan at the same ε; asserts the guarantee (scheduler.planner
+    ``_time_plan``): at most the FLOP plan at ε = 0 (the one it refines), and at most
+    ``max((1 + ε) · level_s, the FLOP plan's at ε)`` (within float rounding of the sums' order)."""
+    timed = plan_batch(lens, servers, time_model=MODEL, **kw)
+    flop = plan_batch(lens, servers, **kw)
+    flop0 = plan_batch(lens, servers, **dict(kw, epsilon=0.0))
+    assert seconds(timed) <= seconds(flop0)
+    assert seconds(timed) <= max((1 + kw["epsilon"]) * level_s(timed), seconds(flop)) * (1 + 1e-9)
+    return timed, flop
+
+
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("mode", ["inplace", "dedicated"])
-def test_random_batches_valid_and_never_slower(seed, mode):
+def test_random_batches_valid_and_keep_the_guarantee(seed, mode):
     rng = random.Random(seed * 2 + (mode == "dedicated"))
     b = random_batch(rng, mode, window_choices=(None, None, 64, 1024))
     kw = dict(cost=COST, epsilon=b["epsilon"], mode=mode, min_shard=b["min_shard"], window=b["window"])
-    flop = plan_batch(b["lens"], b["servers"], **kw)
-    timed = plan_batch(b["lens"], b["servers"], time_model=MODEL, **kw)
-    assert timed.min_shard == b["min_shard"]
+    timed, _ = keeps_the_guarantee(b["lens"], b["servers"], **kw)
+    assert timed.min_shard == b["min_shard"] and timed.epsilon == b["epsilon"]
     revalidated(timed)
     check_pairs(timed)
-    S, w = b["servers"], b["window"]
-    assert MODEL.server_seconds(timed.task_array, S, w).max() <= MODEL.server_seconds(flop.task_array, S, w).max()
+
+
+def test_random_batches_rarely_above_the_flop_plan_at_eps():
+    """Measured, not guaranteed: the time plan at ε is at or below the FLOP plan at ε on all but
+    one of these 80 batches (seed 33, dedicated: 5 servers, 8 documents; the time plan ends at
+    0.98 · level_s, inside its tolerance, the FLOP plan at 0.95 · level_s: the level is not a lower
+    bound, TimeModel.bound)."""
+    above = []
+    for seed in range(40):
+        for mode in ("inplace", "dedicated"):
+            rng = random.Random(seed * 2 + (mode == "dedicated"))
+            b = random_batch(rng, mode, window_choices=(None, None, 64, 1024))
+            kw = dict(cost=COST, epsilon=b["epsilon"], mode=mode, min_shard=b["min_shard"], window=b["window"])
+            if seconds(plan_batch(b["lens"], b["servers"], time_model=MODEL, **kw)) > seconds(
+                    plan_batch(b["lens"], b["servers"], **kw)):
+                above.append((seed, mode))
+    assert above == [(33, "dedicated")]
 
 
 @pytest.mark.parametrize("dataset", ["pretrain", "prolong"])
 @pytest.mark.parametrize("mode", ["inplace", "dedicated"])
-def test_trace_batches_reach_the_time_target(dataset, mode):
+def test_trace_batches_reach_the_level(dataset, mode):
+    """The default ε: the time planner aims at the level and lands within 2.5% of it on these
+    batches (1.007-1.024; the FLOP planner at ε = 0.05: 1.05-1.09), below the FLOP plan at ε."""
     from distca_sim.workloads import sample_batch
     batch = sample_batch(dataset, 32, 131072, seed=1, step=0)
     servers = 32 if mode == "inplace" else 24
-    flop = plan_batch(batch, servers, cost=COST, mode=mode)
-    timed = plan_batch(batch, servers, cost=COST, mode=mode, time_model=MODEL)
+    timed, flop = keeps_the_guarantee(batch, servers, cost=COST, mode=mode, epsilon=PlanConfig.epsilon)
     revalidated(timed)
     check_pairs(timed)
-    level = MODEL.bound(timed.doc_lens_flat, servers, timed.min_shard).level_s
-    t_flop = MODEL.server_seconds(flop.task_array, servers).max()
-    t_time = MODEL.server_seconds(timed.task_array, servers).max()
-    assert t_time <= t_flop
-    assert t_time <= 1.05 * level * (1 + 1e-12) or t_time < t_flop
+    assert seconds(timed) <= seconds(flop)
+    assert seconds(timed) <= 1.03 * level_s(timed)
+
+
+def test_a_miss_refines_the_flop_plan_at_eps_too(monkeypatch):
+    """ε bounds what the time planner accepts: above (1 + ε) · level_s (three equal unsplittable
+    documents on two servers: the best plan is 4/3 of the level) it refines the FLOP plan at ε as
+    well; within it, the FLOP plan at ε = 0 alone."""
+    import scheduler.planner as planner
+    asked = []
+    real = planner._flop_tasks
+    monkeypatch.setattr(planner, "_flop_tasks", lambda batch, bound, eps, *a: asked.append(eps) or real(batch, bound, eps, *a))
+    timed, flop = keeps_the_guarantee([[200, 200, 200]], 2, cost=COST, mode="dedicated", epsilon=0.05, min_shard=128)
+    assert asked[:2] == [0.0, 0.05] and seconds(timed) <= seconds(flop)
+    asked.clear()
+    plan_batch(sample_trace(), 8, cost=COST, epsilon=0.05, time_model=MODEL)
+    assert asked == [0.0]
+
+
+def sample_trace():
+    from distca_sim.workloads import sample_batch
+    return sample_batch("pretrain", 8, 131072, seed=2, step=0)
 
 
 def test_partial_kv_and_held_cap_keep_the_guarantee():
     rng = random.Random(7)
     lens = [[rng.randint(1, 30000) for _ in range(6)] for _ in range(6)]
     for kw in (dict(partial_kv=True), dict(max_held_bytes_per_server=10**12)):
-        flop = plan_batch(lens, 6, cost=COST, min_shard=128, **kw)
-        timed = plan_batch(lens, 6, cost=COST, min_shard=128, time_model=MODEL, **kw)
+        timed, _ = keeps_the_guarantee(lens, 6, cost=COST, min_shard=128, epsilon=0.05, **kw)
         revalidated(timed)
         check_pairs(timed)
-        assert MODEL.server_seconds(timed.task_array, 6).max() <= MODEL.server_seconds(flop.task_array, 6).max()
 
 
 def test_no_time_model_is_todays_plan():
@@ -239,16 +291,17 @@ def test_attn_profile_travels_in_the_config_and_the_flag():
 
 
 def test_refinement_moves_work_on_most_random_batches():
-    """The property tests above are not vacuous: the time plan differs from the FLOP plan on
-    most of their batches (64 of the 80 at the time of writing)."""
+    """The property tests above are not vacuous: the time plan differs from the FLOP plan at ε = 0
+    (the one it refines) on most of their batches."""
     moved = 0
     for seed in range(20):
         for mode in ("inplace", "dedicated"):
             rng = random.Random(seed * 2 + (mode == "dedicated"))
             b = random_batch(rng, mode, window_choices=(None, None, 64, 1024))
             kw = dict(cost=COST, epsilon=b["epsilon"], mode=mode, min_shard=b["min_shard"], window=b["window"])
-            moved += plan_batch(b["lens"], b["servers"], **kw) != plan_batch(b["lens"], b["servers"],
-                                                                             time_model=MODEL, **kw)
+            flop0 = plan_batch(b["lens"], b["servers"], **dict(kw, epsilon=0.0))
+            timed = plan_batch(b["lens"], b["servers"], time_model=MODEL, **kw)
+            moved += not np.array_equal(flop0.task_array, timed.task_array)
     assert moved >= 20
 
 
