@@ -22,6 +22,11 @@ Columns (Q+K+V = the bytes of the three input tensors):
   of every thread), as a multiple of Q+K+V: buffers the client keeps between steps count, and so
   do outputs and gradients (alive at the end).
 - ``ms``: median wall time of the step (no instrumentation), ``--repeats`` runs after a warm-up.
+  On this CPU it is mostly the copies themselves; on a GPU the copies are asynchronous kernels
+  and the host's time is the launches, so:
+- ``launches``: tensor operations of the step that would launch a device kernel (every aten op
+  dispatched in every thread but views, reshapes and allocations), the host-time measure that
+  carries over to a GPU.
 - ``... before``: the same configuration measured in the same run on an earlier checkout of distca
   (``--before-tree``), in a fresh process; ``ms vs before`` is the ratio of the times.
 
@@ -109,6 +114,17 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+# ops that launch no device kernel: views, metadata and allocations (everything else counts as a launch)
+_NO_LAUNCH = {
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "view_as", "slice", "select", "narrow",
+    "as_strided", "expand", "alias", "detach", "t", "transpose", "permute", "unsqueeze", "squeeze",
+    "split", "split_with_sizes", "unbind", "empty", "empty_like", "new_empty", "empty_strided",
+    "new_empty_strided", "lift_fresh", "_to_copy_noop", "is_same_size", "sym_size", "sym_stride",
+    "sym_numel", "sym_storage_offset",
+    "contiguous",  # composite: the copy it makes, if any, is counted as copy_/clone
+    "item",  # only of distca's round tensor, which lives on the CPU by design (no device sync)
+}
+
 # op -> which argument holds the bytes written (None: the output)
 _COPY_OPS = {
     aten.index_select: None, aten.cat: None, aten.clone: None, aten._to_copy: None,
@@ -142,13 +158,21 @@ class CopyCounter(TorchDispatchMode):
         super().__init__()
         self.lock = threading.Lock()
         self.copied = 0
+        self.launches = 0
         self.by_op: dict[str, int] = {}
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "distca":  # distca's custom ops: count the operations their body runs
+            body = torch._library.custom_ops.OPDEFS[func.name()]._init_fn
+            with self:
+                return body(*args, **kwargs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
+        if packet.__name__ not in _NO_LAUNCH:
+            with self.lock:
+                self.launches += 1
         if packet in _COPY_OPS:
             where = _COPY_OPS[packet]
             if "out" in kwargs:
@@ -235,6 +259,7 @@ def measure(attn, q, k, v, dout, repeats: int, base: int | None = None) -> dict:
         restore_threads()
     return {"copied_x_qkv": counter.copied / qkv, "peak_x_qkv": (counter.peak - base) / qkv,
             "ms": statistics.median(times) * 1e3, "copied_by_op": dict(sorted(counter.by_op.items())),
+            "launches": counter.launches,
             "qkv_bytes": qkv}
 
 
@@ -308,12 +333,15 @@ def main(argv=None) -> int:
         if args.before_tree is not None and mode != "varlen_attention":
             old = run_before(args.before_tree, cfg)
             row.update(ms_before=old["ms"], copied_before=old["copied_x_qkv"],
-                       peak_before=old["peak_x_qkv"], ms_vs_before=row["ms"] / old["ms"])
+                       peak_before=old["peak_x_qkv"], ms_vs_before=row["ms"] / old["ms"],
+                       launches_before=old["launches"],
+                       launches_vs_before=row["launches"] / old["launches"] if old["launches"] else None)
         rows.append(row)
         print(f"  T={total} {mode} S={servers}: copied {row['copied_x_qkv']:.2f}x, "
-              f"peak {row['peak_x_qkv']:.2f}x, {row['ms']:.2f} ms"
+              f"peak {row['peak_x_qkv']:.2f}x, {row['ms']:.2f} ms, {row['launches']} launches"
               + (f" (before: {row['copied_before']:.2f}x, {row['peak_before']:.2f}x, "
-                 f"{row['ms_before']:.2f} ms)" if "ms_before" in row else ""), flush=True)
+                 f"{row['ms_before']:.2f} ms, {row['launches_before']} launches)" if "ms_before" in row else ""),
+              flush=True)
     varlen = {r["tokens"]: r for r in rows if r["mode"] == "varlen_attention"}
     for r in rows:
         if r["mode"] != "varlen_attention":
@@ -324,16 +352,17 @@ def main(argv=None) -> int:
         print(f"\ndata path per forward+backward step ({args.label}), Q+K+V multiples; kernel stubbed; "
               f"hq={HQ} hkv={args.heads_kv} d={D} {str(DTYPE).removeprefix('torch.')}")
         print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} "
-              f"{'vs varlen':>9} {'copied before':>13} {'peak before':>11} {'ms before':>9} "
-              f"{'ms vs before':>12}")
+              f"{'vs varlen':>9} {'launches':>8} {'copied before':>13} {'peak before':>11} {'ms before':>9} "
+              f"{'ms vs before':>12} {'launches before':>15} {'launches vs before':>18}")
         for r in rows:
             def opt(key, fmt):
                 return format(r[key], fmt) if key in r else "-"
             print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
                   f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} "
-                  f"{opt('ms_vs_varlen', '.1f'):>9} {opt('copied_before', '.2f'):>13} "
+                  f"{opt('ms_vs_varlen', '.1f'):>9} {r['launches']:>8} {opt('copied_before', '.2f'):>13} "
                   f"{opt('peak_before', '.2f'):>11} {opt('ms_before', '.2f'):>9} "
-                  f"{opt('ms_vs_before', '.2f'):>12}")
+                  f"{opt('ms_vs_before', '.2f'):>12} {opt('launches_before', 'd'):>15} "
+                  f"{opt('launches_vs_before', '.2f'):>18}")
 
     runs = [r for r in rows if r["mode"] != "varlen_attention"]
     worst = max(runs, key=lambda r: r["copied_x_qkv"])
@@ -342,7 +371,9 @@ def main(argv=None) -> int:
     compared = [r for r in runs if "ms_vs_before" in r]
     if compared:
         headline.append(f"time vs the earlier data path: {min(r['ms_vs_before'] for r in compared):.2f}"
-                        f"-{max(r['ms_vs_before'] for r in compared):.2f}x")
+                        f"-{max(r['ms_vs_before'] for r in compared):.2f}x; launches: "
+                        f"{min(r['launches_vs_before'] or 1 for r in compared):.2f}"
+                        f"-{max(r['launches_vs_before'] or 1 for r in compared):.2f}x")
     finish(table, headline, elapsed, args.json,
            {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv,
                                            "head_dim": D, "dtype": str(DTYPE)}, "rows": rows})
