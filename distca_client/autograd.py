@@ -11,6 +11,7 @@ small tensor owns (the op's third output), and autograd saves that tensor.
 from __future__ import annotations
 
 import itertools
+import struct
 import weakref
 
 import torch
@@ -94,9 +95,8 @@ class Round(bytearray):
 
     def tensor(self) -> torch.Tensor:
         """An int64 ``[1]`` CPU tensor holding :attr:`id`, whose storage owns this round."""
-        t = torch.frombuffer(self, dtype=torch.int64)
-        t[0] = self.id
-        return t
+        struct.pack_into("=q", self, 0, self.id)  # the bytes themselves: no tensor operation
+        return torch.frombuffer(self, dtype=torch.int64)
 
     @staticmethod
     def of(t: torch.Tensor) -> "Round":
