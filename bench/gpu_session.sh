@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
-# The GPU session of issue 10, stage by stage: run from the repository root on the lent GPU machine
-# (the device tool copies the working tree there and collects $OUT). No Ray, no network: the
-# machine's python3 has torch, triton, numpy, msgpack, pytest, hypothesis and matplotlib; nvshmem4py
-# travels as a wheel in .whl/ (ignored by git; see /work/.library/device/README.md) and is
-# installed into /tmp/site first when present (.whl/extra/cuda_core-*.whl too, only if the image's
-# cuda.core is older than nvshmem4py needs).
+# The GPU session of issues 10 and 22, stage by stage: run from the repository root on the lent GPU
+# machine (the device tool copies the working tree there and collects $OUT). No network: the
+# machine's python3 has torch, triton, numpy, msgpack, pytest, hypothesis, matplotlib, transformers,
+# pandas, pyarrow; nvshmem4py and Ray travel as wheels in .whl/ (ignored by git: add /.whl/ to
+# .git/info/exclude; see /work/.library/device/README.md) and are installed into /tmp/site first
+# when present (.whl/extra/cuda_core-*.whl too, only if the image's cuda.core is older than
+# nvshmem4py needs). Ray Train (the `train` stage) also imports pydantic and colorful, which the
+# image lacks; build everything with, from the project root on the development machine:
+#   bash ../shared/gpu/carry_wheels.sh .whl pydantic==2.14.4 pydantic-core==2.50.5 \
+#       annotated-types==0.8.0 typing-inspection==0.4.5 colorful==0.5.8
 #
 #   bash bench/gpu_session.sh                     # all stages below, in this order
 #   bash bench/gpu_session.sh env ktests kernels  # some of them
 #
 # Stages (each under its own time limit; one failing does not stop the next):
+#   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
+#              CUDA client runs under it; reported either way, stopped afterwards (issue 22)
 #   env        the device, torch, distca's backends, nvshmem4py's version
 #   ktests     the gpu-marked kernel tests (torch_varlen / flash_attn against the references)
 #   kernels    bench/gpu_kernels.py (fused shards, distca overhead, a measured ProfileTable)
 #   ntests     the nvshmem-marked tests (the exchange against LocalTransport, attend over NVSHMEM
 #              against the float64 reference, a dead or departed PE)
 #   transport  bench/transport.py --transport nvshmem (against NCCL, or a device copy on one GPU)
+#   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
+#              scheduler actor and 2 in-place clients sharing the GPU, NVSHMEM, a 23 M-parameter
+#              Llama in bf16, 16K tokens per rank, 20 steps with distca and again with local
+#              attention; fails unless the first 10 losses agree to bf16 rounding. TRAIN_LIMIT
+#              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
 # most, two folders deep): session.log (every stage's output), kernels.json, kernels.png,
-# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json.
+# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, train.json (loss
+# agreement, step time and tokens/s of both runs: train_loss_max_rel_diff_10_steps,
+# train_tokens_per_s_distca, train_tokens_per_s_local, ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
 # (committed; .gitignore keeps that folder) and try
 #   distca simulate --gpu h200 --attn-profile bench/results/gpu/<slug>/kernels_profile/llama3-8b-tp8
 # Dry run on a CPU machine: PYTHON=.venv/bin/python GPU_KERNELS_ARGS="--device cpu --quick" \
 #   OUT=/tmp/x bash bench/gpu_session.sh env ktests kernels
+# and of the train stage (the same code path on the CPU, shared-memory transport, a tiny model):
+#   PYTHON=.venv/bin/python OUT=/tmp/x TRAIN_ARGS="--device cpu --transport shm --dtype float32 \
+#   --layers 2 --hidden 64 --heads 4 --kv-heads 2 --context 512 --steps 3 --min-shard 32" \
+#   bash bench/gpu_session.sh mps train
 # Exit status: 1 if any stage failed (the log says why), else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,10 +99,78 @@ print("distca backends on cuda:", available_backends("cuda"), "nvshmem available
 EOF
 }
 
+# Whether the MPS control daemon starts here and a CUDA client runs under it. Its pipe and log
+# folders are private to this stage (CUDA_MPS_PIPE_DIRECTORY), so no other stage's process connects
+# to it; it is stopped (quit) before the stage ends.
+mps_check() {
+    if ! command -v nvidia-cuda-mps-control >/dev/null; then
+        echo "mps: nvidia-cuda-mps-control is not on PATH: MPS cannot be used here"
+        return 0
+    fi
+    local dir=/tmp/distca_mps rc
+    mkdir -p "$dir/pipe" "$dir/log"
+    export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe" CUDA_MPS_LOG_DIRECTORY="$dir/log"
+    timeout 20 nvidia-cuda-mps-control -d
+    rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "mps: nvidia-cuda-mps-control -d failed (exit status $rc): MPS is not available here"
+    else
+        sleep 1
+        echo "mps: the control daemon started"
+        timeout 60 "$PY" -c '
+import torch
+x = torch.arange(4.0, device="cuda")
+print("mps: a CUDA client ran under it:", (x * 2).sum().item() == 12.0, torch.cuda.get_device_name(0))'
+        echo "mps: client exit status $? (124: it hung)"
+        echo get_server_list | timeout 10 nvidia-cuda-mps-control | sed 's/^/mps: server /'
+        echo quit | timeout 20 nvidia-cuda-mps-control
+        sleep 1
+        pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null  # -f: the names exceed 15 characters
+        case $? in
+            0) echo "mps: an MPS daemon is STILL RUNNING after quit:"; pgrep -af 'nvidia-cuda-mps-(control|server)' ;;
+            1) echo "mps: stopped" ;;
+            *) echo "mps: quit sent; whether it stopped is unknown (no pgrep)" ;;
+        esac
+    fi
+    tail -n 20 "$dir/log/control.log" 2>/dev/null | sed 's/^/mps: control.log: /'
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    return 0
+}
+
+# `make demo-gpu`'s run, its run folders outside $OUT (Ray Train checkpoints are large and many), its
+# summary and loss plot into $OUT. SIGINT at the limit: the command's own cleanup stops the Ray
+# instance it started (no `ray stop`, which would end every Ray process of the machine).
+train_run() {
+    local runs=/tmp/distca_train_runs args rc
+    args=$(sed -n 's/^DEMO_GPU_ARGS := //p' Makefile)
+    if [ -z "$args" ]; then
+        echo "train: no DEMO_GPU_ARGS line in the Makefile"
+        return 2
+    fi
+    if ! "$PY" -c 'import ray.train.torch, transformers' 2>&1 | tail -n 3; then
+        echo "train: Ray Train or transformers cannot be imported (carry Ray and the wheels the header names)"
+        return 2
+    fi
+    rm -rf "$runs"
+    # shellcheck disable=SC2086
+    timeout -s INT -k 30 "${TRAIN_LIMIT:-240}" "$PY" examples/train_llama.py $args --runs-dir "$runs" \
+        --summary-json "$OUT/train.json" ${TRAIN_ARGS:-}
+    rc=$?
+    cp "$runs/demo-gpu/loss.png" "$OUT/train_loss.png" 2>/dev/null
+    [ -f "$OUT/train.json" ] && "$PY" -c '
+import json, sys
+s = json.load(open(sys.argv[1]))
+keys = [k for k in s if k.startswith(("train_loss_max_rel", "train_tokens_per_s", "train_step_time_s",
+                                       "train_loss_rtol"))]
+print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$OUT/train.json"
+    return $rc
+}
+
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- env ktests kernels ntests transport
+[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport train
 for s in "$@"; do
     case "$s" in
+        mps) stage mps 90 mps_check ;;
         env) stage env 60 env_info ;;
         ktests) stage ktests 120 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py ;;
         # GPU_KERNELS_ARGS: e.g. "--device cpu --quick" for a dry run anywhere, or fewer repeats
@@ -97,7 +182,8 @@ for s in "$@"; do
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
                        --max-size 1GiB --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
-        *) echo "unknown stage $s (env, ktests, kernels, ntests, transport)" >&2; status=1 ;;
+        train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, train)" >&2; status=1 ;;
     esac
 done
 exit $status

@@ -28,6 +28,7 @@ import torch
 
 from scheduler.config import JobConfig, PlanConfig
 
+import llama_device
 from llama_data import VOCAB_SIZE, PackedStream, collate, load_corpus
 from llama_report import imbalance, rank_flops
 
@@ -65,6 +66,11 @@ class TrainConfig:
     resume: bool = False
     save_every: int = 0                # also save a checkpoint every N steps (0: only at the end)
     log_every: int = 1
+    # Where and how the workers compute (llama_device): the defaults are the CPU demo's.
+    device: str = "cpu"                # "cpu", or "cuda" (the workers share the GPU: gpus_per_worker)
+    dtype: str = "float32"             # "float32", or "bfloat16" (autocast; float32 weights and AdamW)
+    transport: str = "torch_dist"      # the distca job's transport (JobConfig.transport)
+    gpus_per_worker: float | None = None  # cuda: each worker's num_gpus (None: an equal share of one)
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +78,7 @@ class TrainConfig:
 
     def job_config(self) -> JobConfig:
         """The distca job's settings (``distca_server.launch(config=...)``)."""
-        return JobConfig(servers=self.servers,
+        return JobConfig(servers=self.servers, transport=self.transport,
                          plan=PlanConfig(mode=self.mode, epsilon=self.epsilon, min_shard=self.min_shard))
 
     @property
@@ -106,6 +112,7 @@ class TrainConfig:
             problems.append(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.save_every < 0:
             problems.append(f"save_every={self.save_every} (must be >= 0)")
+        problems += llama_device.config_problems(self)
         if problems:
             raise ValueError("train config: " + "; ".join(problems))
 
@@ -179,12 +186,13 @@ def train_loop(config: dict) -> None:
     checkpoint = train.get_checkpoint()  # the run's latest, when Ray Train restores a run
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            saved = torch.load(Path(d) / MODEL_FILE, weights_only=True)
+            saved = torch.load(Path(d) / MODEL_FILE, weights_only=True, map_location="cpu")
             state = read_state(d)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         start, history = state["step"], state["steps"]
-    ddp = prepare_model(model)  # DDP: gradients are averaged over the workers during backward
+    device = llama_device.worker_device(cfg)
+    ddp = prepare_model(model)  # on the worker's device; DDP averages gradients during backward
 
     stream = PackedStream(load_corpus(cfg.data), cfg.context, cfg.seed)
     if rank == 0 and progress is not None:
@@ -193,15 +201,20 @@ def train_loop(config: dict) -> None:
         t0 = time.perf_counter()
         chunks = stream.batch(step, world)
         tokens, doc_lens = chunks[rank]
-        loss = ddp(**collate(tokens, doc_lens)).loss  # mean over this rank's predicted bytes
+        batch = llama_device.to_device(collate(tokens, doc_lens), device)
+        with llama_device.autocast(cfg, device):
+            loss = ddp(**batch).loss  # mean over this rank's predicted bytes (float32)
+        llama_device.synchronize(device)  # a GPU's phases: timed when done, not when queued
         t1 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss.backward()
+        llama_device.synchronize(device)
         t2 = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
         opt.step()
+        llama_device.synchronize(device)
         t3 = time.perf_counter()
         # The scheduler's plan holds every rank's documents: this rank's are at its Train rank.
         plan_ok = client is None or client.last_plan.doc_lens_per_rank[rank] == doc_lens
@@ -212,6 +225,7 @@ def train_loop(config: dict) -> None:
             ranks = torch.stack(gathered).tolist()
             record = step_record(cfg, step, job, [c[1] for c in chunks], ranks, grad_norm.item(),
                                  time.perf_counter() - t0)
+            record["transport_used"] = llama_device.transport_used(client)  # rank 0's
             history.append(record)
             if progress is not None:
                 progress.put(record)

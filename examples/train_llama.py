@@ -12,6 +12,8 @@ for comparison: the losses agree step for step, which the demo checks.
     python examples/train_llama.py                          # the demo: distca, then local
     python examples/train_llama.py --mode dedicated --servers 3 --steps 300 --name long
     python examples/train_llama.py --data corpus.jsonl --context 4096 --layers 6 --hidden 256
+    python examples/train_llama.py --device cuda --dtype bfloat16 --transport nvshmem ...  # one GPU
+                                                            # (make demo-gpu; see llama_device.py)
 
 Writes ``runs/<name>/``: ``metrics.json``, ``loss.png``, ``balance.png`` and ``train/``, the run's
 Ray Train storage (its checkpoints: model and optimizer state, metrics so far; ``--resume``
@@ -41,19 +43,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # distca itself when it is not pip-installed.
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 import llama_data  # noqa: E402
+import llama_device  # noqa: E402
 import llama_report  # noqa: E402
 import llama_worker  # noqa: E402
 from llama_data import VOCAB_SIZE, PackedStream, load_corpus  # noqa: E402
-from llama_report import (format_step, loss_agreement, plot_balance, plot_loss,  # noqa: E402
-                          runs_to_compare, summary_table)
+from llama_report import (agree_rtol, format_step, loss_agreement, plot_balance, plot_loss,  # noqa: E402
+                          runs_to_compare, summary_table, train_summary)
 from llama_worker import MODEL_FILE, TrainConfig, read_state  # noqa: E402
 
 # Ray Train's storage inside a run folder; a fresh run empties it (Ray Train would restore from it).
 TRAIN_DIR = "train"
 
 
-def _ensure_ray() -> bool:
-    """Start a local Ray instance unless one is up (a test's, or the caller's); True if started."""
+def _ensure_ray(num_gpus: int | None = None) -> bool:
+    """Start a local Ray instance unless one is up (a test's, or the caller's); True if started.
+    ``num_gpus``: the GPUs it offers (None: Ray's own count)."""
     if ray.is_initialized():
         return False
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -61,6 +65,7 @@ def _ensure_ray() -> bool:
     # terminal shows the progress bar and the step lines only.
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, namespace="distca",
              object_store_memory=200 * 2**20, log_to_driver=False, logging_level=logging.WARNING,
+             **({} if num_gpus is None else {"num_gpus": num_gpus}),
              runtime_env={"env_vars": {"PYTHONPATH": path}})  # workers import distca from here
     return True
 
@@ -68,7 +73,7 @@ def _ensure_ray() -> bool:
 def _ship_code_to_workers() -> None:
     """Send this example's modules to Ray workers by value, so workers of a Ray instance someone
     else started need no PYTHONPATH entry for ``examples/``."""
-    for module in (llama_data, llama_report, llama_worker):
+    for module in (llama_data, llama_device, llama_report, llama_worker):
         ray.cloudpickle.register_pickle_by_value(module)
 
 
@@ -159,26 +164,31 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     corpus = load_corpus(cfg.data)
     job = f"llama-{cfg.name}" if cfg.attention == "distca" else None
 
-    started_ray = _ensure_ray()
+    started_ray = _ensure_ray(_gpus_here(cfg))
     _ship_code_to_workers()
     launched, steps = None, None
     wall0 = time.perf_counter()
     try:
+        llama_device.check_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
         if job is not None:
             # Handles must stay referenced: with detached=False the actors live as long as they do.
-            # num_cpus=0: servers and Train workers share a small machine.
-            launched = launch(name=job, config=cfg.job_config(), detached=False, server_options={"num_cpus": 0})
+            # num_cpus=0: servers and Train workers share a small machine (on a GPU, a share of it).
+            launched = launch(name=job, config=cfg.job_config(), detached=False,
+                              server_options=llama_device.server_options(cfg))
         steps = Queue(actor_options={"num_cpus": 0})
         # Ray Train gives its workers 60 s to start (import torch and transformers, join the gloo
         # group); a busy 2-core machine can take longer. The controller reads it from here.
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
         cpus = ray.cluster_resources().get("CPU", 1.0)
+        # A share of a CPU each, so W workers fit beside the servers (torch threads: --threads);
+        # with --device cuda also a share of the GPU.
+        use_gpu, resources = llama_device.worker_resources(cfg, cpus)
+        torch_config = llama_device.torch_config(cfg)
         trainer = TorchTrainer(
             llama_worker.train_loop,
             train_loop_config={"cfg": asdict(cfg), "job": job, "progress": steps},
-            # A share of a CPU each, so W workers fit beside the servers (torch threads: --threads).
-            scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
-                                         resources_per_worker={"CPU": min(1.0, cpus / (2 * cfg.workers))}),
+            **({} if torch_config is None else {"torch_config": torch_config}),
+            scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=use_gpu, resources_per_worker=resources),
             run_config=RunConfig(name=TRAIN_DIR, storage_path=str(run_dir.resolve()),
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)))
         result = _fit(trainer, steps, cfg, progress)
@@ -191,7 +201,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             ray.shutdown()
     wall = time.perf_counter() - wall0
 
-    final = torch.load(Path(result.checkpoint.path) / MODEL_FILE, weights_only=True)["model"]
+    final = torch.load(Path(result.checkpoint.path) / MODEL_FILE, weights_only=True, map_location="cpu")["model"]
     history = read_state(result.checkpoint.path)["steps"]
     metrics = {
         "name": cfg.name, "attention": cfg.attention,
@@ -214,8 +224,24 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return dict(metrics, model_state=final, checkpoint=result.checkpoint.path)
 
 
+def _gpus_here(cfg: TrainConfig) -> int | None:
+    """The GPUs a Ray instance this command starts should offer: torch's count for a GPU run (Ray
+    then needs no detection of its own), None (Ray's default) on the CPU."""
+    return torch.cuda.device_count() if cfg.device == "cuda" else None
+
+
 # ---- command line --------------------------------------------------------------------------------
 def parse_args(argv=None) -> tuple[TrainConfig, bool]:
+    """The run's config, and whether a local-attention run follows it (``--compare-local``).
+
+    Raises:
+        ValueError: a bad setting, naming its value (SystemExit for argparse's own errors).
+    """
+    return parse_command_line(argv)[:2]
+
+
+def parse_command_line(argv=None) -> tuple[TrainConfig, bool, str | None]:
+    """:func:`parse_args`, plus ``--summary-json`` (None when not given)."""
     d = TrainConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -248,20 +274,33 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     ap.add_argument("--save-every", type=int, default=d.save_every,
                     help="also checkpoint every N steps (0: only at the end)")
     ap.add_argument("--log-every", type=int, default=d.log_every, help="print a step line every N steps")
+    ap.add_argument("--device", default=d.device, help="cpu, or cuda: the workers share the GPU "
+                    "(--gpus-per-worker each)")
+    ap.add_argument("--dtype", default=d.dtype, help="float32, or bfloat16: autocast forward, float32 "
+                    "weights and AdamW; the distca-vs-local tolerance follows it")
+    ap.add_argument("--transport", default=d.transport, help="the distca job's transport: torch_dist, "
+                    "shm (CPU tensors, one node) or nvshmem (CUDA tensors)")
+    ap.add_argument("--gpus-per-worker", type=float, default=d.gpus_per_worker,
+                    help="with --device cuda: each worker's num_gpus (default: an equal share of one GPU)")
+    ap.add_argument("--summary-json", default=None, help="also write the distca-vs-local summary here "
+                    "(loss agreement, step time, tokens/s)")
     a = ap.parse_args(argv)
     cfg = TrainConfig(**{k: getattr(a, k) for k in asdict(d)})
-    return cfg, a.compare_local and cfg.attention == "distca"
+    cfg.validate()  # a bad value is named before Ray starts
+    return cfg, a.compare_local and cfg.attention == "distca", a.summary_json
 
 
 def main(argv=None, *, progress: bool = True) -> dict:
     """Train as the command line says; returns ``{run name: train()'s result}``.
 
     Raises:
-        SystemExit(1): the distca and local runs disagree beyond float32 rounding.
+        ValueError: a bad setting (naming it), before anything starts.
+        SystemExit(1): the distca and local runs disagree beyond the rounding of ``--dtype``
+            (:func:`llama_report.agree_rtol`).
     """
-    cfg, compare = parse_args(argv)
+    cfg, compare, summary_json = parse_command_line(argv)
     configs = [cfg] + ([replace(cfg, name=cfg.name + "-local", attention="local")] if compare else [])
-    started_ray = _ensure_ray()  # one Ray instance for both runs
+    started_ray = _ensure_ray(_gpus_here(cfg))  # one Ray instance for both runs
     try:
         results = {}
         for c in configs:
@@ -276,15 +315,20 @@ def main(argv=None, *, progress: bool = True) -> dict:
     print(summary_table(runs))
     agreement = None
     if len(runs) == 2:
-        agreement = loss_agreement(runs[0]["steps"], runs[1]["steps"])
-        verdict = ("they agree to float32 rounding" if agreement["agree"] else
-                   f"they DISAGREE beyond float32 rounding (tolerance {llama_report.AGREE_RTOL:.0e})")
+        agreement = loss_agreement(runs[0]["steps"], runs[1]["steps"], agree_rtol(cfg.dtype))
+        verdict = (f"they agree to {cfg.dtype} rounding" if agreement["agree"] else
+                   f"they DISAGREE beyond {cfg.dtype} rounding (tolerance {agreement['rtol']:.1e})")
         print(f"\nloss distca vs local: largest relative difference {agreement['max_rel_first']:.1e} over "
               f"the first {agreement['first']} steps: {verdict}\n(largest absolute difference over all "
               f"{agreement['steps']} steps {agreement['max_abs_all']:.1e}: like any two kernels' rounding, "
               f"it grows slowly as training goes on)")
     print(f"\nwrote {', '.join(str(c.run_dir) for c in configs)}: metrics.json, loss.png, "
           + ("balance.png, " if cfg.attention == "distca" else "") + f"{TRAIN_DIR}/ (Ray Train checkpoints)")
+    if summary_json is not None:
+        summary = train_summary(runs, agreement, device=llama_device.device_name())
+        Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_json).write_text(json.dumps(summary, indent=1))
+        print(f"wrote {summary_json}")
     if agreement is not None and not agreement["agree"]:
         raise SystemExit(1)
     return results

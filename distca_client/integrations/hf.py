@@ -119,8 +119,9 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
             ``window``.
 
     Returns:
-        (out [B, S, H_q, D] in query's dtype, None): the layout transformers' flash and sdpa
-        attentions return.
+        (out [B, S, H_q, D] in query's dtype, or the autocast dtype under autocast, as
+        transformers' sdpa and flash attentions cast q, k, v to it; None): the layout
+        transformers' flash and sdpa attentions return.
 
     Raises:
         ValueError: features distca does not serve (dropout > 0, softcap, attention sinks,
@@ -145,6 +146,13 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
     if problems:
         raise ValueError("distca attention: " + "; ".join(problems))
 
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind):
+        # As transformers' sdpa and flash attentions do: under autocast RoPE multiplies the low-
+        # precision projections by float32 cos/sin, so q and k (and v) arrive in float32, where
+        # GPU FlashAttention kernels refuse and a backend would fall back to the O(S²) reference.
+        dtype = torch.get_autocast_dtype(kind)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     if torch.compiler.is_compiling():  # found when the compiled code runs: see document_lengths_op
         doc_lens = torch.ops.distca.hf_document_lengths(position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                                         attention_mask, batch, seq, module.training)

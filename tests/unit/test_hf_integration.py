@@ -222,3 +222,27 @@ def test_padding_between_real_tokens_is_refused():
         _model("llama", "distca")(input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match="4-D attention_mask"):
         hf.document_lengths(1, 4, None, None, None, torch.ones(1, 1, 4, 4, dtype=torch.bool), training=False)
+
+
+def test_attention_runs_in_the_autocast_dtype_under_autocast():
+    """RoPE hands float32 q, k, v to attention under bf16 autocast; the adapter casts them back to
+    the autocast dtype (as transformers' sdpa and flash attentions do), and gradients flow."""
+    seen = []
+
+    def spy(q, k, v, doc_lens, softmax_scale=None, window=None):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return q.new_zeros(q.shape) + q.sum() * 0
+
+    class Module(torch.nn.Module):
+        is_causal = True
+        training = True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = hf.attention_forward(spy, Module(), q, k, v, None, position_ids=pos)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32
+    hf.attention_forward(spy, Module(), q, k, v, None, position_ids=pos)
+    assert seen[-1] == (torch.float32,) * 3  # no autocast: untouched
