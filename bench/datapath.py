@@ -356,7 +356,7 @@ def main(argv=None) -> int:
               f"{'ms vs before':>12} {'launches before':>15} {'launches vs before':>18}")
         for r in rows:
             def opt(key, fmt):
-                return format(r[key], fmt) if key in r else "-"
+                return format(r[key], fmt) if r.get(key) is not None else "-"
             print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
                   f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} "
                   f"{opt('ms_vs_varlen', '.1f'):>9} {r['launches']:>8} {opt('copied_before', '.2f'):>13} "
