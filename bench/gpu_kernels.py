@@ -415,8 +415,9 @@ def parse_args(argv):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test): seconds")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--backend", default="auto", help="distca backend name (auto: torch_varlen or "
-                                                     "flash_attn on CUDA, torch_cpu on CPU)")
+    p.add_argument("--backend", default="auto", help="distca backend name, e.g. cudnn or torch_varlen "
+                                                     "(auto: cudnn, flash_attn or torch_varlen on CUDA, "
+                                                     "torch_cpu on CPU)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs (default 3, quick 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median (default 10, quick 5)")

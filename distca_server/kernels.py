@@ -56,10 +56,11 @@ import torch
 from scheduler.cost import window_arg
 
 from .dtypes import accumulation_dtype
+from .kernels_cudnn import CudnnKernels
 
 __all__ = [
     "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
-    "FlashAttnBackend", "BACKENDS", "get_backend", "available_backends", "check_backend_name",
+    "FlashAttnBackend", "CudnnBackend", "BACKENDS", "get_backend", "available_backends", "check_backend_name",
 ]
 
 _NEG_INF = float("-inf")
@@ -652,13 +653,18 @@ class FlashAttnBackend(_BandedKernel, AttentionBackend):
         return dq, dk, dv
 
 
+class CudnnBackend(CudnnKernels, _BandedKernel, AttentionBackend):
+    """cuDNN fused attention via ``nvidia-cudnn-frontend`` (sm90+; :mod:`distca_server.kernels_cudnn`)."""
+
+
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (FlashAttnBackend(), TorchVarlenBackend(), TorchCPUBackend(), ReferenceBackend())
+    b.name: b for b in (CudnnBackend(), FlashAttnBackend(), TorchVarlenBackend(), TorchCPUBackend(),
+                        ReferenceBackend())
 }
 
 # "auto" never picks `reference`: its O(Lq * Lk) memory would turn a long document into an OOM
 # rather than a clear error. Force it by name.
-_AUTO_ORDER = {"cuda": ("flash_attn", "torch_varlen"), "cpu": ("torch_cpu",)}
+_AUTO_ORDER = {"cuda": ("cudnn", "flash_attn", "torch_varlen"), "cpu": ("torch_cpu",)}  # cudnn: sm90+ only
 
 
 def available_backends(device) -> list[str]:
@@ -698,9 +704,10 @@ def check_backend_name(name, device=None) -> str:
 def get_backend(name: str, device) -> AttentionBackend:
     """The backend called `name` for tensors on `device`.
 
-    `name` is one of "auto", "reference", "torch_cpu", "torch_varlen", "flash_attn". "auto" picks
-    flash_attn, then torch_varlen on CUDA, and torch_cpu on CPU. Raises ValueError, listing the
-    backends available on `device`, for an unknown name or one that cannot run there.
+    `name` is one of "auto", "reference", "torch_cpu", "torch_varlen", "flash_attn", "cudnn". "auto"
+    picks cudnn (sm90+, package installed), then flash_attn, then torch_varlen on CUDA, and
+    torch_cpu on CPU. Raises ValueError, listing the backends available on `device`, for an
+    unknown name or one that cannot run there.
     """
     device = torch.device(device)
     available = available_backends(device)
