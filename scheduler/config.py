@@ -46,6 +46,18 @@ MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
 # min_shard when neither the caller nor a time model chooses one: a FlashAttention tile (DistCA §3).
 DEFAULT_MIN_SHARD = 128
+# The symmetric heap (transports shm and nvshmem): its default size and the alignment its arrays
+# need (distca_server.transport.base.ALIGN, repeated here: this module imports no torch).
+DEFAULT_HEAP_BYTES = 1 << 30
+HEAP_ALIGN = 256
+
+
+def _heap_bytes(name: str, value) -> int:
+    value = positive_int(name, value)
+    if value % HEAP_ALIGN:
+        raise ValueError(f"{name} must be a multiple of {HEAP_ALIGN} bytes, got {value} "
+                         f"({value % HEAP_ALIGN} over {value - value % HEAP_ALIGN})")
+    return value
 
 
 class ConfigError(ValueError):
@@ -216,7 +228,8 @@ class JobConfig:
             :data:`~scheduler.checks.TRANSPORTS`; ``backend`` not a non-empty str (whether this
             install can run it is checked where it runs); ``timeout_s``, ``failure_grace_s`` or
             ``start_timeout_s`` not a finite number > 0; ``server_restarts`` or
-            ``scheduler_restarts`` not an int >= -1.
+            ``scheduler_restarts`` not an int >= -1; ``heap_bytes`` not a positive int multiple of
+            :data:`HEAP_ALIGN` (256 bytes).
     """
 
     plan: PlanConfig = field(default_factory=_job_plan, metadata=_meta(
@@ -245,6 +258,10 @@ class JobConfig:
         "the most documents one client may report for one batch", "documents"))
     max_report_tokens: int = field(default=MAX_REPORT_TOKENS, metadata=_meta(
         "the most tokens one client may report for one batch", "tokens"))
+    heap_bytes: int = field(default=DEFAULT_HEAP_BYTES, metadata=_meta(
+        "symmetric heap per participant of the shm and nvshmem transports (arena for the exchange's "
+        "tables and buffers; nvshmem reserves it on the GPU once per process, shm as a sparse file); "
+        "a multiple of 256. World rank 0's value is used by the whole group", "bytes"))
 
     def __post_init__(self):
         problems = [] if isinstance(self.plan, PlanConfig) else [
@@ -254,7 +271,7 @@ class JobConfig:
             ("timeout_s", finite_positive), ("failure_grace_s", finite_positive),
             ("start_timeout_s", finite_positive), ("server_restarts", _restarts),
             ("scheduler_restarts", _restarts), ("max_report_docs", positive_int),
-            ("max_report_tokens", positive_int)))[0]
+            ("max_report_tokens", positive_int), ("heap_bytes", _heap_bytes)))[0]
         if problems:
             raise ConfigError("JobConfig", problems)
 
@@ -427,5 +444,5 @@ def legacy_job_config(entry: str, config, given: dict) -> JobConfig:
         raise ConfigError(entry, exc.problems) from None
 
 
-__all__ = ["ConfigError", "DEFAULT_MIN_SHARD", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
+__all__ = ["ConfigError", "DEFAULT_HEAP_BYTES", "DEFAULT_MIN_SHARD", "HEAP_ALIGN", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
            "PlanConfig", "differences", "legacy_fields", "legacy_job_config", "render", "warn_deprecated"]

@@ -12,7 +12,12 @@ it as the epoch's *bootstrap value* (``SchedulerActor.publish_bootstrap``); the 
   (:func:`heap_prefix`); rank 0 removes them as soon as every member attached (its first exchange
   completed: :meth:`Group.settled`) or when it leaves, and :func:`remove_heaps` sweeps what a
   rank 0 that died before either left behind (the next epoch's rank 0, and ``shutdown``);
-- ``nvshmem``: the bytes of an NVSHMEM unique id (CUDA tensors; nvshmem4py installed).
+- ``nvshmem``: ``{"uid", "heap_bytes", "reuse"}``, an NVSHMEM unique id (CUDA tensors; nvshmem4py
+  installed). NVSHMEM starts once per process and its heap is reused by the later epochs of the same
+  world (:mod:`~distca_server.transport.nvshmem`).
+
+``shm`` and ``nvshmem`` size their symmetric heap with the job's ``JobConfig.heap_bytes`` as world
+rank 0 knows it (the others take rank 0's from the bootstrap value).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from scheduler.checks import check_transport
 
 from ..errors import DistCAError
-from ..transport.shm import HEAP_PREFIX, destroy_heap, heap_root, join_shm
+from ..transport.shm import DEFAULT_HEAP_BYTES, HEAP_PREFIX, destroy_heap, heap_root, join_shm
 from ..transport.torch_dist import join_group
 
 def heap_prefix(job: str, epoch: int | None = None) -> str:
@@ -75,7 +80,7 @@ class Group:
 
 def join_epoch(kind: str, *, job: str, epoch: int, rank: int, world_size: int, host: str,
                timeout_s: float, device: torch.device, publish: Callable[[object], None],
-               lookup: Callable[[], object]) -> Group:
+               lookup: Callable[[], object], heap_bytes: int | None = None) -> Group:
     """Form (or join) group epoch ``epoch`` as world rank ``rank`` with transport ``kind``.
 
     Args:
@@ -85,6 +90,8 @@ def join_epoch(kind: str, *, job: str, epoch: int, rank: int, world_size: int, h
         device: where the member's tensors live.
         publish: rank 0 hands the epoch's bootstrap value (msgpack data) to the scheduler.
         lookup: the others get it (raising ``DistCAError`` when none comes in time).
+        heap_bytes: the symmetric heap per participant of ``shm`` and ``nvshmem``, in bytes (the
+            job's ``JobConfig.heap_bytes``; None: the default, 1 GiB). Only world rank 0's counts.
 
     Raises:
         DistCAError: the group could not be formed within ``timeout_s``, or the transport cannot
@@ -93,6 +100,7 @@ def join_epoch(kind: str, *, job: str, epoch: int, rank: int, world_size: int, h
     """
     device = torch.device(device)
     check_transport(kind)
+    heap_bytes = DEFAULT_HEAP_BYTES if heap_bytes is None else heap_bytes
     if kind == "torch_dist":
         transport = join_group(epoch=epoch, rank=rank, world_size=world_size, host=host, timeout_s=timeout_s,
                                device=device, publish=lambda h, p: publish([h, p]),
@@ -104,12 +112,12 @@ def join_epoch(kind: str, *, job: str, epoch: int, rank: int, world_size: int, h
         if rank == 0:
             remove_heaps(job, below_epoch=epoch)  # a rank 0 that died before removing its heap's files
         transport = join_shm(rank=rank, world_size=world_size, timeout_s=timeout_s, publish=publish,
-                             lookup=lookup, epoch=epoch, prefix=heap_prefix(job, epoch))
+                             lookup=lookup, epoch=epoch, prefix=heap_prefix(job, epoch), heap_bytes=heap_bytes)
         return Group(transport, kind, transport.heap.handle if rank == 0 else None)
     if kind == "nvshmem":
         if device.type != "cuda":
             raise DistCAError(f"transport 'nvshmem' moves CUDA tensors, not {device.type} (group epoch {epoch})")
         from ..transport.nvshmem import join_nvshmem  # imports nothing of NVSHMEM until a heap is made
         transport = join_nvshmem(rank=rank, world_size=world_size, timeout_s=timeout_s, publish=publish,
-                                 lookup=lambda: bytes(lookup()), device=device, epoch=epoch)
+                                 lookup=lookup, device=device, epoch=epoch, heap_bytes=heap_bytes)
         return Group(transport, kind)

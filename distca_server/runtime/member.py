@@ -137,11 +137,15 @@ class GroupMember:
         watch: start a thread per joined epoch that long-polls the scheduler (clients); a
             dedicated server polls from its own control loop instead.
         job: the job's name (names its shared-memory heaps).
+        heap_bytes: the job's ``JobConfig.heap_bytes`` (the symmetric heap of ``shm`` and
+            ``nvshmem``, bytes) when this member knows it (a client); None: the default. Only a
+            group's world rank 0 (a client) needs it: the others take rank 0's.
     """
 
     def __init__(self, scheduler, host: str, timeout_s: float, who: str, *, watch: bool = True,
-                 job: str = "default"):
+                 job: str = "default", heap_bytes: int | None = None):
         self.scheduler, self.host, self.timeout_s, self.who, self.job = scheduler, host, timeout_s, who, job
+        self.heap_bytes = heap_bytes
         self.transport = None  # the current epoch's Transport endpoint, None while in no group
         self._group: Group | None = None
         self.epoch: int | None = None  # the last epoch joined (or tried); kept after leaving
@@ -192,7 +196,7 @@ class GroupMember:
                 transport, job=self.job, epoch=epoch, rank=world_rank, world_size=world_size,
                 host=self.host, timeout_s=self.timeout_s, device=torch.device(device),
                 publish=lambda value: ask(self.scheduler.publish_bootstrap.remote(epoch, value), self.timeout_s),
-                lookup=lambda: self._lookup(epoch))
+                lookup=lambda: self._lookup(epoch), heap_bytes=self.heap_bytes)
             self.transport = self._group.transport
         except DistCAError as exc:
             raise self.fail(step, f"joining group epoch {epoch}", str(exc)) from None

@@ -154,7 +154,9 @@ class RayClientRuntime(Runtime):
                                  f"(given != the job's, set once at launch): {'; '.join(differ)}")
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
-        self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}", job=name)
+        heap_bytes = (cfg.get("config") or {}).get("heap_bytes")  # the job's symmetric heap (world rank 0 uses it)
+        self.member = GroupMember(self.scheduler, self.node, self.timeout_s, f"rank {self.rank}", job=name,
+                                  heap_bytes=heap_bytes)
         self.member.scheduler_incarnation = cfg["scheduler"]
         self._needs_register = False
         self._rounds = RoundQueue(f"distca-client-{self.rank}")

@@ -5,25 +5,50 @@ itself (offsets, credits, growth, failure) is in :mod:`.symmetric`, tested on CP
 nvshmem4py and cuda.core are imported only when a heap is made: importing this module (or
 distca_server) on a CPU install needs neither.
 
-Memory: one symmetric allocation per PE at start, ``heap_bytes`` of arena followed by the signal
-words; the transport carves its arrays from the arena by agreement, so no NVSHMEM allocation (a
-collective) happens after start. The words are assumed zero in freshly mapped heap memory
-(``test_transport_nvshmem`` checks it): zeroing them after the allocation could erase a fast
-peer's first signal, and a barrier to prevent that would be a collective.
+Lifecycle (one :class:`NvshmemRuntime` per process, :func:`runtime`):
+
+- **Started once.** The first group epoch starts NVSHMEM (``nvshmem.core.init``, uid bootstrap) and
+  makes the process's one symmetric allocation: ``heap_bytes`` of arena (the job's
+  ``JobConfig.heap_bytes``, as world rank 0 publishes it) followed by the signal words. NVSHMEM's
+  documentation makes a second ``nvshmem_init`` in one program undefined behaviour, and its
+  ``finalize`` is collective (an implicit barrier over every PE), so NVSHMEM is never started twice
+  and never finalized between epochs.
+- **Reused across group epochs** of the same world: a later epoch whose world rank 0 still holds
+  the runtime publishes the same unique id with ``reuse``; every member that holds that world at
+  the same rank takes a new :class:`.symmetric.HeapLease` of the heap (generation = the group
+  epoch: signal values carry it, so the words never need to start at zero, and late writes of the
+  old epoch are ignored). An epoch that needs another world (a different size, membership or rank,
+  a process that never joined it) or a bigger heap than the world's fails with
+  :class:`DistCAError` naming why; NVSHMEM cannot add or remove PEs of a running world, so the job
+  must restart those processes (Ray restarts actors; a fresh process starts a fresh world).
+- **Finalized at exit** (``atexit``): freeing the heap and ``nvshmem.core.finalize`` run on the host
+  thread with a bounded wait (the last group's timeout), so a dead peer (the barrier never
+  completes) delays exit by at most that long instead of hanging it.
+- **One host thread.** Every NVSHMEM host call (unique id, init, allocation, puts, signals, quiet,
+  free, finalize) runs on the runtime's :class:`HostThread`, whichever thread (the rounds thread, the
+  caller's) drives the exchange. Puts and signals are queued without waiting (their order is the
+  queue's); :meth:`~.symmetric.SymmetricHeap.quiet` waits for them. The stream work that feeds them
+  (joining the caller's stream, copying host rows to the device) runs on the calling thread, where
+  the caller's current stream is known.
+
+Memory: the words are assumed zero in freshly mapped heap memory only for the first generation
+(``test_transport_nvshmem`` checks it); later generations read whatever the earlier ones left.
 
 Operations are host-initiated and stream-ordered (``*_on_stream``) on a communication stream that
 first waits for the caller's stream (where the rows to send were produced); waits poll the signal
 words with a device-to-host copy on a separate stream, so a dead peer costs a timeout, never a hung
 stream. Only point-to-point RMA is used: several PEs may share one GPU without MPS.
 
-Bootstrap: world rank 0 makes an NVSHMEM unique id (:func:`unique_id`), the scheduler hands its
-bytes to the others with the group epoch (in tests a ``torch.multiprocessing`` queue does), and
-every PE calls :func:`join_nvshmem`.
+Bootstrap: world rank 0 publishes ``{"uid": bytes, "heap_bytes": int, "reuse": bool}`` (or
+``{"error": str}`` when it cannot take part), the scheduler hands it to the others with the group
+epoch (in tests a ``torch.multiprocessing`` queue does), and every PE calls :func:`join_nvshmem`.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 from typing import Callable
 
@@ -32,9 +57,11 @@ import torch
 
 from ..errors import DistCAError
 from .base import aligned
-from .symmetric import SymmetricTransport, signal_words, table_bytes
+from .host_thread import HostBoundHeap, HostThread
+from .symmetric import ReusableHeap, SymmetricTransport, signal_words, table_bytes
 
 DEFAULT_HEAP_BYTES = 1 << 30
+FINALIZE_TIMEOUT_S = 60.0  # finalize's bound at exit before any group set one
 
 
 def _modules():
@@ -58,9 +85,9 @@ def available() -> bool:
 
 
 def unique_id() -> bytes:
-    """A fresh NVSHMEM unique id (on world rank 0), as bytes to hand to the other PEs."""
-    core, _, _ = _modules()
-    return _uid_bytes(core.get_unique_id())
+    """A fresh NVSHMEM unique id (on world rank 0), as bytes to hand to the other PEs. Runs on
+    the process's NVSHMEM host thread."""
+    return runtime().host.call(Nvshmem4py().unique_id, what="get_unique_id")
 
 
 def _uid_bytes(uid) -> bytes:
@@ -75,61 +102,44 @@ def _uid_from(data: bytes):
 
 
 class NvshmemHeap:
-    """This PE's endpoint of an NVSHMEM heap (see :class:`.symmetric.SymmetricHeap`).
+    """This PE's endpoint of the NVSHMEM heap (see :class:`.symmetric.SymmetricHeap`), over the
+    process's one symmetric allocation ``whole`` (arena, then the signal words). Its NVSHMEM calls
+    (``put``, ``put_signal``, ``signal``, ``quiet``) must run on the process's :class:`HostThread`
+    (:class:`HostBoundHeap` sees to it); :meth:`stage` runs on the calling thread.
 
     Args:
-        uid: the unique id's bytes from :func:`unique_id` (the same on every PE).
+        whole: the uint8 symmetric tensor of ``heap_bytes + 8 * signal_words(world_size)`` bytes.
         rank, world_size: this PE and the number of PEs.
-        heap_bytes: arena bytes per PE (NVSHMEM_SYMMETRIC_SIZE is set to hold it, the signal
-            words and NVSHMEM's own state, unless already set).
+        heap_bytes: arena bytes (a multiple of 256).
         device: this PE's CUDA device (several PEs may share one).
-
-    Raises:
-        ValueError: bad rank or sizes.
-        nvshmem.core.NvshmemError: NVSHMEM failed to start.
+        bindings: ``nvshmem.bindings``.
     """
 
-    def __init__(self, uid: bytes, rank: int, world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES,
-                 device: torch.device | str = "cuda"):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range [0, {world_size})")
-        if heap_bytes <= table_bytes(world_size):
-            raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables, "
-                             f"got {heap_bytes}")
-        core, bindings, Device = _modules()
-        self._core, self._bindings = core, bindings
+    def __init__(self, whole: torch.Tensor, rank: int, world_size: int, heap_bytes: int,
+                 device: torch.device, bindings):
+        self._bindings = bindings
         words = signal_words(world_size)
-        heap_bytes = aligned(heap_bytes)
-        # NVSHMEM reserves its symmetric heap at init (1 GiB unless told): room for ours, plus
-        # NVSHMEM's own symmetric state. An explicit NVSHMEM_SYMMETRIC_SIZE wins.
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + 8 * words + (64 << 20)))
-        device = torch.device(device)
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-        dev = Device(device.index)
-        dev.set_current()
-        core.init(device=dev, uid=_uid_from(uid), rank=rank, nranks=world_size, initializer_method="uid")
         self.rank, self.world_size, self.device = rank, world_size, device
-        # One collective allocation, now: the arena, then the signal words.
-        self._whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))
-        self.arena = self._whole[:heap_bytes]
-        self._words = self._whole[heap_bytes:].view(torch.int64)
+        self._whole = whole
+        self.arena = whole[:heap_bytes]
+        self._words = whole[heap_bytes:heap_bytes + 8 * words].view(torch.int64)
         self._sig_at = self._words.data_ptr()
         self._set = int(getattr(bindings.Signal_op, "SIGNAL_SET"))
         self._stream = torch.cuda.Stream(device)  # puts and signals
         self._poll = torch.cuda.Stream(device)  # reading our own words and tables
         self._host = torch.empty(words, dtype=torch.int64, pin_memory=True)
-        self._dirty: set[int] = set()  # peers with puts since their last signal
+        self._dirty: set[int] = set()  # peers with puts since their last signal (host thread only)
         self._joined = False
 
-    def _on_stream(self) -> int:
+    # ---- the calling thread: stream work that must see the caller's current stream -------------
+    def stage(self, src: torch.Tensor | None) -> torch.Tensor | None:
+        """Order the communication stream after the caller's (once per quiet) and return ``src``
+        as contiguous device bytes, kept from the allocator until the put has run (None: a signal)."""
         if not self._joined:  # rows to send were produced on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             self._joined = True
-        return self._stream.cuda_stream
-
-    def _source(self, src: torch.Tensor) -> torch.Tensor:
+        if src is None:
+            return None
         src = src.reshape(-1).contiguous()
         if src.device != self.device:  # tables are built on the host
             with torch.cuda.stream(self._stream):
@@ -137,31 +147,44 @@ class NvshmemHeap:
         src.record_stream(self._stream)  # not reused by the allocator before the put has run
         return src
 
+    # ---- the host thread: NVSHMEM calls ---------------------------------------------------------
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
         n = src.numel()
         if n == 0:
             return
-        stream = self._on_stream()
-        src = self._source(src)
-        self._bindings.putmem_on_stream(self.arena.data_ptr() + offset, src.data_ptr(), n, pe, stream)
+        self._bindings.putmem_on_stream(self.arena.data_ptr() + offset, src.data_ptr(), n, pe,
+                                        self._stream.cuda_stream)
         self._dirty.add(pe)
 
-    def put_signal(self, pe: int, offset: int, src: torch.Tensor, slot: int, value: int) -> None:
-        stream = self._on_stream()
-        if pe in self._dirty:  # earlier puts to pe must land before this signal does
-            self._bindings.quiet_on_stream(stream)
+    def _fence(self, pe: int) -> None:
+        if pe in self._dirty:  # earlier puts to pe must land before its signal does
+            self._bindings.quiet_on_stream(self._stream.cuda_stream)
             self._dirty.clear()
-        src = self._source(src)
+
+    def put_signal(self, pe: int, offset: int, src: torch.Tensor, slot: int, value: int) -> None:
+        self._fence(pe)
         self._bindings.putmem_signal_on_stream(self.arena.data_ptr() + offset, src.data_ptr(), src.numel(),
-                                               self._sig_at + 8 * slot, int(value), self._set, pe, stream)
+                                               self._sig_at + 8 * slot, int(value), self._set, pe,
+                                               self._stream.cuda_stream)
 
     def signal(self, pe: int, slot: int, value: int) -> None:
-        stream = self._on_stream()
-        if pe in self._dirty:
-            self._bindings.quiet_on_stream(stream)
-            self._dirty.clear()
-        self._bindings.signal_op_on_stream(self._sig_at + 8 * slot, int(value), self._set, pe, stream)
+        self._fence(pe)
+        self._bindings.signal_op_on_stream(self._sig_at + 8 * slot, int(value), self._set, pe,
+                                           self._stream.cuda_stream)
 
+    def quiet(self) -> None:
+        if self._joined:
+            self._bindings.quiet_on_stream(self._stream.cuda_stream)
+            self._stream.synchronize()
+            self._dirty.clear()
+            self._joined = False
+
+    def close(self) -> None:
+        """Stop using the heap for now (it stays allocated for the next group epoch; the runtime
+        frees it at exit)."""
+        self._stream.synchronize()
+
+    # ---- this PE's own memory: no NVSHMEM call ---------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)  # on the caller's stream, like the rows it produced
 
@@ -182,44 +205,248 @@ class NvshmemHeap:
         # (a poll is one small device-to-host copy).
         time.sleep(min(seconds, 5e-5))
 
-    def quiet(self) -> None:
-        if self._joined:
-            self._bindings.quiet_on_stream(self._stream.cuda_stream)
-            self._stream.synchronize()
-            self._dirty.clear()
-            self._joined = False
-
-    def close(self) -> None:
-        """Stop using the heap. NVSHMEM's own teardown (``finalize``) is collective and would hang
-        on a dead peer, so it is left to :meth:`finalize`, called when every PE is known alive."""
-        self._stream.synchronize()
-
     def finalize(self) -> None:
-        """Free the heap and finalize NVSHMEM (collective: every PE calls it)."""
-        self._core.interop.torch.free_tensor(self._whole)
-        self._core.finalize()
+        """Free the heap and finalize NVSHMEM now (collective: every PE calls it; see
+        :meth:`NvshmemRuntime.finalize`)."""
+        runtime().finalize()
 
 
-def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[bytes], None],
-                 lookup: Callable[[], bytes], heap_bytes: int = DEFAULT_HEAP_BYTES,
+class Nvshmem4py:
+    """The NVSHMEM calls an :class:`NvshmemRuntime` makes, through nvshmem4py (each runs on the
+    host thread). Tests of the lifecycle pass a fake with the same three methods."""
+
+    def unique_id(self) -> bytes:
+        core, _, _ = _modules()
+        return _uid_bytes(core.get_unique_id())
+
+    def start(self, uid: bytes, rank: int, world_size: int, heap_bytes: int, device) -> NvshmemHeap:
+        """``nvshmem.core.init`` (uid bootstrap) on ``device`` and the one symmetric allocation
+        (collective). NVSHMEM_SYMMETRIC_SIZE is set to hold it plus NVSHMEM's own state, unless
+        already set.
+
+        Raises:
+            nvshmem.core.NvshmemError: NVSHMEM failed to start.
+        """
+        core, bindings, Device = _modules()
+        words = signal_words(world_size)
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + 8 * words + (64 << 20)))
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # on the host thread, which makes every later call
+        dev = Device(device.index)
+        dev.set_current()
+        core.init(device=dev, uid=_uid_from(uid), rank=rank, nranks=world_size, initializer_method="uid")
+        whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))
+        return NvshmemHeap(whole, rank, world_size, heap_bytes, device, bindings)
+
+    def finalize(self, heap: NvshmemHeap) -> None:
+        """Free the heap and finalize NVSHMEM (collective)."""
+        core, _, _ = _modules()
+        heap._stream.synchronize()
+        core.interop.torch.free_tensor(heap._whole)
+        core.finalize()
+
+
+class NvshmemRuntime:
+    """A process's NVSHMEM: started by the first group epoch, reused by the later ones of the same
+    world, finalized at exit (see the module docstring).
+
+    Args:
+        driver: the NVSHMEM calls (default :class:`Nvshmem4py`).
+        host: the thread they run on (default: a new :class:`HostThread`).
+        register_exit: finalize at interpreter exit (``atexit``) once started.
+
+    Attributes:
+        state: ``"idle"`` (not started), ``"running"``, ``"failed"`` (a start failed or is stuck:
+            NVSHMEM cannot be started again in this process) or ``"finalized"``.
+        uid, rank, world_size, heap_bytes: the running world's unique id, this PE, its size and
+            arena bytes.
+        starts, finalizes: how often NVSHMEM was started and finalized (at most once each).
+    """
+
+    def __init__(self, driver=None, host: HostThread | None = None, register_exit: bool = True):
+        self.driver = Nvshmem4py() if driver is None else driver
+        self.host = HostThread() if host is None else host
+        self.state, self.why = "idle", ""
+        self.uid: bytes | None = None
+        self.rank = self.world_size = self.heap_bytes = None
+        self.heap: ReusableHeap | None = None
+        self.timeout_s = FINALIZE_TIMEOUT_S
+        self.starts = self.finalizes = 0
+        self._register_exit = register_exit
+        self._lock = threading.Lock()
+
+    def _unusable(self) -> str | None:
+        if self.state == "failed":
+            return f"NVSHMEM failed to start in this process earlier ({self.why}) and cannot be started again"
+        if self.state == "finalized":
+            return ("NVSHMEM was finalized in this process; a second nvshmem_init in one program is "
+                    "undefined behaviour, so it is not started again")
+        return None
+
+    def join(self, *, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
+             lookup: Callable[[], object], heap_bytes: int = DEFAULT_HEAP_BYTES,
+             device: torch.device | str = "cuda", epoch: int = 0) -> SymmetricTransport:
+        """This PE's transport of group epoch ``epoch`` (see :func:`join_nvshmem`).
+
+        Raises:
+            ValueError: bad rank, world size or heap size.
+            DistCAError: NVSHMEM could not start within ``timeout_s`` seconds, or the epoch needs
+                another world or a bigger heap than the one this process runs (the message says
+                which), or ``epoch`` is not above the previous epoch on this heap.
+        """
+        world_size, rank, heap_bytes = int(world_size), int(rank), aligned(heap_bytes)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range [0, {world_size})")
+        where = f"NVSHMEM group epoch {epoch}, rank {rank} of {world_size}"
+        with self._lock:
+            if rank == 0:
+                _check_heap_bytes(heap_bytes, world_size)  # before anything is published
+                value = self._offer(world_size, heap_bytes, where, publish)
+            else:
+                value = lookup()
+                if isinstance(value, (bytes, bytearray)):  # a bare unique id: a fresh world
+                    value = {"uid": bytes(value), "heap_bytes": heap_bytes, "reuse": False}
+                if "error" in value:
+                    raise DistCAError(f"{where}: world rank 0 cannot form the group: {value['error']}")
+            uid, heap_bytes = bytes(value["uid"]), int(value["heap_bytes"])
+            _check_heap_bytes(heap_bytes, world_size)
+            if self.state == "idle":
+                if value.get("reuse"):
+                    raise DistCAError(f"{where}: world rank 0 reuses a running NVSHMEM world this process "
+                                      f"never joined; NVSHMEM cannot add a PE to a running world, so world "
+                                      f"rank 0's process must restart for a new world to start")
+                self._start(uid, rank, world_size, heap_bytes, device, timeout_s, where)
+            elif self._unusable() is not None:
+                raise DistCAError(f"{where}: {self._unusable()}")
+            elif (uid, rank, world_size) != (self.uid, self.rank, self.world_size):
+                raise DistCAError(f"{where}: this process runs NVSHMEM as PE {self.rank} of another world "
+                                  f"of {self.world_size}, and NVSHMEM cannot be started twice in one "
+                                  f"process; the group's processes must restart to form a new world")
+            self.timeout_s = float(timeout_s)
+            try:
+                lease = self.heap.lease(int(epoch))
+            except ValueError as exc:
+                raise DistCAError(f"{where}: cannot reuse the heap: {exc}") from None
+        return SymmetricTransport(lease, timeout_s=timeout_s, epoch=epoch)
+
+    def _offer(self, world_size: int, heap_bytes: int, where: str, publish) -> dict:
+        """World rank 0: the bootstrap value (published): a fresh unique id, or the running world's."""
+        problem = self._unusable()
+        if problem is None and self.state == "running":
+            if self.rank != 0 or self.world_size != world_size:
+                problem = (f"this process runs NVSHMEM as PE {self.rank} of a world of {self.world_size}, "
+                           f"not PE 0 of {world_size}; NVSHMEM cannot be started twice in one process, so "
+                           f"the group's processes must restart to form a new world")
+            elif heap_bytes > self.heap_bytes:
+                problem = (f"the group asks for a {heap_bytes}-byte heap, the running NVSHMEM world has "
+                           f"{self.heap_bytes} bytes, and it can grow only by restarting its processes")
+        if problem is not None:
+            try:
+                publish({"error": problem})  # the others fail at once instead of at their timeout
+            except Exception:  # noqa: BLE001 - the error below is what matters
+                pass
+            raise DistCAError(f"{where}: {problem}")
+        if self.state == "running":
+            value = {"uid": self.uid, "heap_bytes": self.heap_bytes, "reuse": True}
+        else:
+            try:
+                uid = self.host.call(self.driver.unique_id, what="get_unique_id")
+            except ImportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NvshmemError and friends, reported as one kind
+                raise DistCAError(f"could not make an NVSHMEM unique id for {where}: {_first_line(exc)}") from None
+            value = {"uid": uid, "heap_bytes": heap_bytes, "reuse": False}
+        publish(value)
+        return value
+
+    def _start(self, uid, rank, world_size, heap_bytes, device, timeout_s, where) -> None:
+        try:
+            heap = self.host.call(self.driver.start, uid, rank, world_size, heap_bytes, device,
+                                  timeout_s=timeout_s, what="init")
+        except ImportError:
+            raise  # nvshmem4py is not installed: nothing was started
+        except Exception as exc:  # noqa: BLE001 - NvshmemError and friends, reported as one kind
+            why = _first_line(exc)
+            self.state, self.why = "failed", why
+            raise DistCAError(f"could not start NVSHMEM for {where}: {why}") from None
+        self.state, self.starts = "running", self.starts + 1
+        self.uid, self.rank, self.world_size, self.heap_bytes = uid, rank, world_size, heap_bytes
+        self.heap = ReusableHeap(HostBoundHeap(heap, self.host, timeout_s))
+        if self._register_exit:
+            atexit.register(self.finalize)
+
+    def finalize(self, timeout_s: float | None = None) -> bool:
+        """Free the heap and finalize NVSHMEM (collective: every PE of the world must call it; the
+        leases end). Waits at most ``timeout_s`` seconds (default: the last group's timeout): with
+        a dead peer the barrier never completes, and the host thread is left stuck (it is a daemon
+        thread, so the process still exits). Called at exit; later calls do nothing.
+
+        Returns:
+            whether NVSHMEM was finalized.
+        """
+        with self._lock:
+            if self.state != "running":
+                return False
+            self.state = "finalized"
+            heap, self.heap = self.heap, None
+        try:
+            heap.close()  # ends the lease; the endpoint's stream is drained
+        except Exception:  # noqa: BLE001 - the host thread may be stuck already
+            return False
+        try:
+            self.host.call(self.driver.finalize, heap.heap.heap,
+                           timeout_s=self.timeout_s if timeout_s is None else timeout_s, what="finalize")
+        except Exception:  # noqa: BLE001 - at exit: a peer may be gone; nothing else to do
+            return False
+        self.finalizes += 1
+        return True
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def _check_heap_bytes(heap_bytes: int, world_size: int) -> None:
+    if heap_bytes <= table_bytes(world_size):
+        raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables of "
+                         f"{world_size} PEs, got {heap_bytes}")
+
+
+_RUNTIME: NvshmemRuntime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def runtime() -> NvshmemRuntime:
+    """The process's :class:`NvshmemRuntime` (made on first use; starts nothing)."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = NvshmemRuntime()
+        return _RUNTIME
+
+
+def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
+                 lookup: Callable[[], object], heap_bytes: int = DEFAULT_HEAP_BYTES,
                  device: torch.device | str = "cuda", epoch: int = 0) -> SymmetricTransport:
-    """Form (or join) an NVSHMEM group: rank 0 makes the unique id and ``publish``-es its bytes, the
-    others ``lookup()`` them (through the scheduler, with the group epoch); every PE starts NVSHMEM.
+    """Form (or join) an NVSHMEM group epoch through the process's :func:`runtime`.
+
+    World rank 0 publishes ``{"uid", "heap_bytes", "reuse"}``: a fresh unique id and its
+    ``heap_bytes`` (arena bytes per PE, rounded up to 256) when this process has not started
+    NVSHMEM, else the running world's (the heap is reused); the others ``lookup()`` it (through the
+    scheduler, with the group epoch) and start NVSHMEM or reuse theirs. The transport's signals
+    carry ``epoch`` as their generation, so epochs on one heap must increase.
 
     Raises:
-        DistCAError: NVSHMEM could not start (the message carries NVSHMEM's).
+        ValueError: bad rank or sizes.
+        DistCAError: NVSHMEM could not start (the message carries NVSHMEM's) within
+            ``timeout_s`` seconds, or this epoch needs another world or a bigger heap than the
+            process runs (NVSHMEM is started at most once per process).
     """
-    try:
-        if rank == 0:
-            uid = unique_id()
-            publish(uid)
-        else:
-            uid = lookup()
-        heap = NvshmemHeap(uid, rank, world_size, heap_bytes, device)
-    except ImportError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - NvshmemError and friends, reported as one kind
-        why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        raise DistCAError(f"could not start NVSHMEM for group epoch {epoch} as rank {rank} of "
-                          f"{world_size}: {why}") from None
-    return SymmetricTransport(heap, timeout_s=timeout_s, epoch=epoch)
+    return runtime().join(rank=rank, world_size=world_size, timeout_s=timeout_s, publish=publish,
+                          lookup=lookup, heap_bytes=heap_bytes, device=device, epoch=epoch)
+
+
+__all__ = ["DEFAULT_HEAP_BYTES", "HostBoundHeap", "HostThread", "Nvshmem4py", "NvshmemHeap",
+           "NvshmemRuntime", "available", "join_nvshmem", "runtime", "unique_id"]

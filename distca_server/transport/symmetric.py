@@ -7,7 +7,13 @@ shared memory between the processes of one host (the pure-torch reference, and a
 CPU transport); :mod:`.nvshmem` with NVSHMEM symmetric GPU memory.
 
 One exchange, number ``n`` (counted by every PE; the signals carry it, so rounds never mix and no
-signal word is ever reset):
+signal word is ever reset). Every value a transport writes into a signal word carries its
+*generation* (the group epoch, by default) in the high 32 bits, ``seq = generation << 32 | n``, so a
+heap can be reused by the transports of successive group epochs (:class:`ReusableHeap`) without
+ever assuming its words start at zero: a word from an older generation (a peer of the old epoch
+that still writes late) is below every ``seq`` of the new one and is ignored, ABORT words count only
+for their own generation, and a word from a newer generation says that peer has moved on (the
+waiting PE fails with :class:`DistCAError` at once):
 
 1. **Announce.** Each receiver ``R`` puts into every sender ``S``'s *inbox* row ``R``: where in
    ``R``'s arena ``S``'s slice of every segment goes and how many bytes ``R`` expects, plus the
@@ -22,7 +28,8 @@ signal word is ever reset):
    ``DATA[S] = n`` (a put-with-signal: the signal lands after the data). A size mismatch fails the
    exchange with ``ValueError`` on both ends (``S`` sends its true sizes instead of rows; ``R``
    compares them with its own) and aborts the group.
-4. **Wait.** ``R`` waits until ``DATA[S] >= n`` for every peer and copies staged segments out.
+4. **Wait.** ``R`` waits until ``DATA[S] >= n`` (of its generation) for every peer and copies
+   staged segments out.
 
 Own split (a rank to itself) is a local copy. No step needs a collective or a barrier: on one GPU
 shared by several PEs without MPS, NVSHMEM allows point-to-point RMA only.
@@ -60,10 +67,14 @@ MAX_WISHES = 8  # growth requests one announce carries (more wait for the next e
 # Signal words, per source PE: slot(kind, src) = kind * world_size + src.
 ANNOUNCE, DATA, ABORT = 0, 1, 2
 SIGNAL_KINDS = 3
-# What a PE's ABORT word says about it.
+# What a PE's ABORT word says about it (the low bits; the high bits hold the generation).
 CLOSED, TIMED_OUT, MISMATCH = 1, 2, 3
+MOVED_ON = 4  # not written: a peer with a word of a newer generation has left for a later epoch
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
-        MISMATCH: "found a size mismatch"}
+        MISMATCH: "found a size mismatch", MOVED_ON: "moved on to a later group epoch"}
+GEN_SHIFT = 32  # signal value = generation << GEN_SHIFT | exchange number (or ABORT code)
+_LOW = (1 << GEN_SHIFT) - 1
+MAX_GENERATION = (1 << 31) - 1  # keeps every value a positive int64
 # Inbox row (int64): seq, segments, wishes, (key id, bytes) per wish, (where, offset, bytes) per segment.
 _ROW = 3 + 2 * MAX_WISHES + 3 * MAX_SEGMENTS
 # Report row (int64): seq, segments, bytes per segment.
@@ -179,11 +190,28 @@ class SymmetricTransport:
 
     Args:
         heap: this PE's heap endpoint; the transport owns it from now on (``close`` closes it).
-        timeout_s: deadline of an exchange unless ``exchange`` is given another.
+            A :class:`HeapLease` (a reused heap) is closed, not the heap under it.
+        timeout_s: deadline of an exchange, in seconds, unless ``exchange`` is given another.
         epoch: the group epoch, named in errors.
+        generation: carried in the high bits of every signal value this transport writes
+            (default: ``epoch``; a :class:`HeapLease`'s own). Transports that share a heap one after
+            another must use increasing generations, and every PE of a group the same one.
+
+    Raises:
+        ValueError: ``generation`` not an int in ``[0, MAX_GENERATION]``, or not the lease's.
     """
 
-    def __init__(self, heap: SymmetricHeap, timeout_s: float = 60.0, epoch: int = 0):
+    def __init__(self, heap: SymmetricHeap, timeout_s: float = 60.0, epoch: int = 0,
+                 generation: int | None = None):
+        leased = getattr(heap, "generation", None) if isinstance(heap, HeapLease) else None
+        if generation is None:
+            generation = epoch if leased is None else leased
+        if isinstance(generation, bool) or not isinstance(generation, int) or not 0 <= generation <= MAX_GENERATION:
+            raise ValueError(f"generation must be an int in [0, {MAX_GENERATION}], got {generation!r}")
+        if leased is not None and generation != leased:
+            raise ValueError(f"generation {generation} differs from the heap lease's {leased}")
+        self.generation = int(generation)
+        self._base = self.generation << GEN_SHIFT
         self.heap = heap
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
         self.timeout_s, self.epoch = float(timeout_s), epoch
@@ -290,7 +318,7 @@ class SymmetricTransport:
             self._broken = why
         for pe in self._peers():
             try:
-                self.heap.signal(pe, self._slot(ABORT, self.rank), code)
+                self.heap.signal(pe, self._slot(ABORT, self.rank), self._base | code)
             except Exception:  # noqa: BLE001 - a dead peer's memory may be unreachable
                 pass
         try:
@@ -300,12 +328,22 @@ class SymmetricTransport:
 
     def _aborted_by(self, sig: np.ndarray, pending) -> tuple[int, int] | None:
         """The first peer whose ABORT word ends this wait: any that timed out or found a mismatch,
-        or one we still wait for that left."""
+        or one we still wait for that left or moved on to a later generation (any of its words
+        newer than ours). ABORT words of older generations are ignored."""
         for pe in self._peers():
-            code = int(sig[self._slot(ABORT, pe)])
-            if code in (TIMED_OUT, MISMATCH) or (code == CLOSED and pe in pending):
+            word = int(sig[self._slot(ABORT, pe)])
+            code = word & _LOW if word >> GEN_SHIFT == self.generation else 0
+            if pe in pending and any(int(sig[self._slot(k, pe)]) >> GEN_SHIFT > self.generation
+                                     for k in range(SIGNAL_KINDS)):
+                code = MOVED_ON
+            if code in (TIMED_OUT, MISMATCH) or (code in (CLOSED, MOVED_ON) and pe in pending):
                 return pe, code
         return None
+
+    def _landed(self, word: int, seq: int) -> bool:
+        """Whether a signal word says exchange ``seq`` of this generation has reached us (a word of
+        an older generation never does; a newer one is caught by :meth:`_aborted_by`)."""
+        return word >> GEN_SHIFT == self.generation and word >= seq
 
     def _wait(self, kind: int, seq: int, deadline: float, what: str, arrived=None, report=None) -> None:
         """Wait until every peer's ``kind`` signal reaches ``seq``; ``arrived(pe)`` runs for each
@@ -317,7 +355,7 @@ class SymmetricTransport:
         while True:
             sig = self.heap.signals()
             for pe in sorted(pending):
-                if int(sig[self._slot(kind, pe)]) >= seq:
+                if self._landed(int(sig[self._slot(kind, pe)]), seq):
                     pending.discard(pe)
                     if arrived is not None:
                         arrived(pe)
@@ -329,18 +367,18 @@ class SymmetricTransport:
                 # more, so a peer's sizes row is checked (ValueError) before its abort is reported.
                 sig = self.heap.signals()
                 for pe in sorted(pending):
-                    if arrived is not None and int(sig[self._slot(kind, pe)]) >= seq:
+                    if arrived is not None and self._landed(int(sig[self._slot(kind, pe)]), seq):
                         arrived(pe)
                 for pe in self._peers():
-                    if report is not None and int(sig[self._slot(DATA, pe)]) >= seq:
+                    if report is not None and self._landed(int(sig[self._slot(DATA, pe)]), seq):
                         report(pe)
                 pe, code = hit
                 self._broken = f"participant {pe} {_WHY.get(code, f'aborted ({code})')}"
-                raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}) aborted "
+                raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}) aborted "
                                   f"on participant {self.rank}: {self._broken}")
             if time.monotonic() > deadline:
                 self._abort(TIMED_OUT, "timed out")
-                raise DistCAError(f"all-to-all {what} (exchange {seq}, group epoch {self.epoch}): "
+                raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}): "
                                   f"participant {self.rank} did not hear from participants "
                                   f"{sorted(pending)} within the deadline")
             # Until a peer's signal may have landed (heaps that can be woken return at once) or
@@ -376,12 +414,15 @@ class SymmetricTransport:
         ss = [[int(x) for x in sp] for sp in send_splits]
         rs = [[int(x) for x in sp] for sp in recv_splits]
         nseg = len(send)
+        if self._seq >= _LOW:
+            raise DistCAError(f"participant {me}: group epoch {self.epoch} ran {_LOW} exchanges, the most "
+                              f"one generation numbers; form a new group epoch")
         self._seq += 1
-        seq = self._seq
+        seq = self._base | self._seq
         hit = self._aborted_by(heap.signals(), set(self._peers()))
         if hit is not None:  # a peer left or failed since the last exchange: nothing will answer
             self._broken = f"participant {hit[0]} {_WHY.get(hit[1], 'aborted')}"
-            raise DistCAError(f"all-to-all (exchange {seq}, group epoch {self.epoch}) on participant "
+            raise DistCAError(f"all-to-all (exchange {seq & _LOW}, group epoch {self.epoch}) on participant "
                               f"{me}: {self._broken}")
         for s in range(nseg):
             if ss[s][me] != rs[s][me]:
@@ -420,7 +461,7 @@ class SymmetricTransport:
             if rep[0] != seq or sent != expect:
                 self._abort(MISMATCH, f"size mismatch with participant {pe}")
                 raise ValueError(f"participant {me}: participant {pe} sent segment bytes {sent} in "
-                                 f"exchange {rep[0]}, participant {me} expects {expect} in exchange {seq}")
+                                 f"exchange {rep[0] & _LOW}, participant {me} expects {expect} in exchange {seq & _LOW}")
 
         self._wait(ANNOUNCE, seq, deadline, "announce", report=check_report)
         inbox = heap.read(self._inbox_at, P * _ROW * 8).view(torch.int64).view(P, _ROW).numpy()
@@ -431,7 +472,7 @@ class SymmetricTransport:
             if int(inbox[pe, 0]) != seq:
                 self._abort(MISMATCH, "out of step")
                 raise DistCAError(f"participant {me}: participant {pe} announced exchange "
-                                  f"{int(inbox[pe, 0])} during exchange {seq} (out of step)")
+                                  f"{int(inbox[pe, 0]) & _LOW} during exchange {seq & _LOW} (out of step)")
             nw = int(inbox[pe, 2])
             requests.append({int(inbox[pe, 3 + 2 * i]): int(inbox[pe, 4 + 2 * i]) for i in range(nw)})
         self._grow(requests)
@@ -492,7 +533,7 @@ class SymmetricTransport:
         # A PE that aborted has told its peers why already; CLOSED would hide a timeout from them.
         for pe in self._peers() if self._broken is None else []:
             try:
-                self.heap.signal(pe, self._slot(ABORT, self.rank), CLOSED)
+                self.heap.signal(pe, self._slot(ABORT, self.rank), self._base | CLOSED)
             except Exception:  # noqa: BLE001 - a peer's memory may be gone already
                 pass
         try:
@@ -501,4 +542,7 @@ class SymmetricTransport:
             self.heap.close()
 
 
-__all__ = ["ALIGN", "SymmetricHeap", "SymmetricTransport", "key_id", "signal_words", "table_bytes"]
+from .heap_lease import HeapLease, ReusableHeap  # noqa: E402  (they need SymmetricHeap, MAX_GENERATION)
+
+__all__ = ["ALIGN", "GEN_SHIFT", "HeapLease", "MAX_GENERATION", "ReusableHeap", "SymmetricHeap",
+           "SymmetricTransport", "key_id", "signal_words", "table_bytes"]
