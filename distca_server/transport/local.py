@@ -114,7 +114,7 @@ class LocalTransport:
         g, me, P = self.group, self.rank, self.world_size
         try:
             for s, (buf, expect) in enumerate(zip(recv, recv_splits)):
-                pos = 0
+                blocks = []
                 for src in range(P):
                     sends, splits, offs = g._slots[src]
                     if s >= len(sends):
@@ -125,8 +125,12 @@ class LocalTransport:
                         raise ValueError(f"participant {me}: segment {s} from participant {src} has "
                                          f"{n} bytes, expected {int(expect[src])}")
                     if n:
-                        buf[pos:pos + n].copy_(sends[s][offs[s][me]:offs[s][me] + n])
-                    pos += n
+                        blocks.append(sends[s][offs[s][me]:offs[s][me] + n])
+                # one copy operation per segment, whatever the number of senders (one launch on a GPU)
+                if len(blocks) == 1:
+                    buf[:blocks[0].numel()].copy_(blocks[0])
+                elif blocks:
+                    torch.cat(blocks, out=buf[:sum(b.numel() for b in blocks)])
         except ValueError as exc:
             g.abort(me, str(exc))
             raise
