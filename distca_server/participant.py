@@ -187,8 +187,9 @@ class Participant:
         return found
 
     def _round(self, transport, kind: RoundKind, local, compute):
-        """Run one round (a generator: it yields each exchange's handle, see :func:`drive`); returns ``(results from the other servers, own server's results)`` on a
-        client (each ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
+        """Run one round (a generator: it yields each exchange's handle, see :func:`drive`); returns
+        ``(results from the other servers, own server's results)`` on a client (each
+        ``{name: tensor}``, the first laid out server by server), else ``(None, None)``."""
         t0 = time.perf_counter()
         shape = self.layout(kind)
         names, merged, back = shape.names, shape.merged, shape.back

@@ -35,7 +35,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
-from .time_cost import TimeModel
+from .time_cost import TILE_ROWS, TimeModel
 from .checks import (MODES, TRANSPORTS, at_least, boolean, check_mode, check_transport, finite_nonnegative,
                      finite_positive, positive_int)
 
@@ -45,9 +45,10 @@ from .checks import (MODES, TRANSPORTS, at_least, boolean, check_mode, check_tra
 MAX_REPORT_DOCS = 1 << 16
 MAX_REPORT_TOKENS = 1 << 24
 # min_shard when neither the caller nor a time model chooses one: a FlashAttention tile (DistCA §3).
-DEFAULT_MIN_SHARD = 128
-# The symmetric heap (transports shm and nvshmem): its default size and the alignment its arrays
-# need (distca_server.transport.base.ALIGN, repeated here: this module imports no torch).
+DEFAULT_MIN_SHARD = TILE_ROWS
+# The symmetric heap (transports shm and nvshmem): its default size (sparse on shm: only written
+# pages use memory), and the alignment of segment starts in every transport buffer (any element
+# size, and GPU vector loads; distca_server.transport.base.ALIGN).
 DEFAULT_HEAP_BYTES = 1 << 30
 HEAP_ALIGN = 256
 

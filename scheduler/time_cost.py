@@ -25,7 +25,6 @@ balances these seconds (:mod:`scheduler.time_refine`). Pure Python + numpy (no t
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .bound import _pieces as most_pieces
+from .checks import finite_nonnegative
 from .cost import CostModel, causal_pairs, window_kv_start
 from .profile import ProfileTable, _work_np, read_profile_dir
 
@@ -44,15 +44,6 @@ __all__ = ["TimeBound", "TimeModel", "MIN_SHARD_FRACTION", "TILE_ROWS"]
 # (128 rows, DistCA §3) whose shard runs at this fraction of the best throughput the table shows.
 TILE_ROWS = 128
 MIN_SHARD_FRACTION = 0.65
-
-
-def _seconds_arg(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"TimeModel: {name} must be a finite number >= 0 (seconds), got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"TimeModel: {name} must be a finite number >= 0 (seconds), got {value!r}")
-    return value
 
 
 class TimeBound(NamedTuple):
@@ -98,8 +89,8 @@ class TimeModel:
             table = getattr(self, name)
             if not isinstance(table, ProfileTable):
                 raise ValueError(f"TimeModel: {name} must be a ProfileTable, got {type(table).__name__} {table!r}")
-        object.__setattr__(self, "task_s", _seconds_arg("task_s", self.task_s))
-        object.__setattr__(self, "call_s", _seconds_arg("call_s", self.call_s))
+        for name in ("task_s", "call_s"):
+            object.__setattr__(self, name, finite_nonnegative(f"TimeModel: {name} (seconds)", getattr(self, name)))
         fc, bc = self.forward.meta.get("cost"), self.backward.meta.get("cost")
         if fc is not None and bc is not None and fc != bc:
             raise ValueError(f"TimeModel: the forward table was measured for the attention shape {fc}, "

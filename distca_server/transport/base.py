@@ -19,8 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-# Segment starts in a buffer are aligned to this many bytes (any element size, and GPU vector loads).
-ALIGN = 256
+from scheduler.config import HEAP_ALIGN as ALIGN  # noqa: F401  (one definition, in the torch-free config)
 
 
 def aligned(nbytes: int) -> int:

@@ -45,8 +45,11 @@ class LocalGroup:
         key = (rank, str(torch.device(device)))
         with self._lock:
             if key not in self._endpoints:
-                self._endpoints[key] = LocalTransport(self, rank, device)
+                self._endpoints[key] = self._endpoint_class()(self, rank, device)
             return self._endpoints[key]
+
+    def _endpoint_class(self) -> type:
+        return LocalTransport
 
     def abort(self, rank: int, reason: str) -> None:
         """Mark ``rank`` as failed and wake every peer waiting on it."""
@@ -160,13 +163,8 @@ class LockstepGroup(LocalGroup):
         super().__init__(world_size, timeout_s=timeout_s)  # nobody waits: kept for the factory's signature
         self._entered = [0] * world_size
 
-    def endpoint(self, rank: int, device="cpu") -> "LockstepTransport":
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
-        key = (rank, str(torch.device(device)))
-        if key not in self._endpoints:
-            self._endpoints[key] = LockstepTransport(self, rank, device)
-        return self._endpoints[key]
+    def _endpoint_class(self) -> type:
+        return LockstepTransport
 
     def abort(self, rank: int, reason: str) -> None:
         self._failed[rank] = reason

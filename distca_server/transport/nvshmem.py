@@ -55,12 +55,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from scheduler.config import DEFAULT_HEAP_BYTES
+
 from ..errors import DistCAError
 from .base import aligned
 from .host_thread import HostBoundHeap, HostThread
-from .symmetric import ReusableHeap, SymmetricTransport, signal_words, table_bytes
-
-DEFAULT_HEAP_BYTES = 1 << 30
+from .symmetric import ReusableHeap, SymmetricTransport, check_heap_bytes, signal_words
 FINALIZE_TIMEOUT_S = 60.0  # finalize's bound at exit before any group set one
 
 
@@ -302,7 +302,7 @@ class NvshmemRuntime:
         where = f"NVSHMEM group epoch {epoch}, rank {rank} of {world_size}"
         with self._lock:
             if rank == 0:
-                _check_heap_bytes(heap_bytes, world_size)  # before anything is published
+                check_heap_bytes(heap_bytes, world_size)  # before anything is published
                 value = self._offer(world_size, heap_bytes, where, publish)
             else:
                 value = lookup()
@@ -311,7 +311,7 @@ class NvshmemRuntime:
                 if "error" in value:
                     raise DistCAError(f"{where}: world rank 0 cannot form the group: {value['error']}")
             uid, heap_bytes = bytes(value["uid"]), int(value["heap_bytes"])
-            _check_heap_bytes(heap_bytes, world_size)
+            check_heap_bytes(heap_bytes, world_size)
             if self.state == "idle":
                 if value.get("reuse"):
                     raise DistCAError(f"{where}: world rank 0 reuses a running NVSHMEM world this process "
@@ -406,12 +406,6 @@ class NvshmemRuntime:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-
-
-def _check_heap_bytes(heap_bytes: int, world_size: int) -> None:
-    if heap_bytes <= table_bytes(world_size):
-        raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables of "
-                         f"{world_size} PEs, got {heap_bytes}")
 
 
 _RUNTIME: NvshmemRuntime | None = None

@@ -34,10 +34,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import DistCAError
-from .symmetric import SymmetricTransport, signal_words, table_bytes
+from scheduler.config import DEFAULT_HEAP_BYTES
 
-DEFAULT_HEAP_BYTES = 1 << 30  # sparse: only written pages use memory
+from ..errors import DistCAError
+from .symmetric import SymmetricTransport, check_heap_bytes, signal_words
 HEAP_PREFIX = "distca-heap-"  # every heap directory's name starts so
 
 
@@ -60,9 +60,7 @@ def create_heap(world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES, root: str
     world_size, heap_bytes = int(world_size), int(heap_bytes)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if heap_bytes <= table_bytes(world_size):
-        raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables of "
-                         f"{world_size} PEs, got {heap_bytes}")
+    check_heap_bytes(heap_bytes, world_size)
     path = tempfile.mkdtemp(prefix=prefix, dir=heap_root() if root is None else root)
     for pe in range(world_size):
         for name, size in ((f"pe{pe}.arena", heap_bytes), (f"pe{pe}.signals", 8 * signal_words(world_size))):

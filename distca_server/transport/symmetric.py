@@ -95,6 +95,14 @@ def table_bytes(world_size: int) -> int:
     return aligned(world_size * _ROW * 8) + aligned(world_size * _REPORT * 8)
 
 
+def check_heap_bytes(heap_bytes: int, world_size: int) -> None:
+    """Raise ValueError unless an arena of ``heap_bytes`` per PE holds more than the tables of
+    ``world_size`` PEs (:func:`table_bytes`)."""
+    if heap_bytes <= table_bytes(world_size):
+        raise ValueError(f"heap_bytes must exceed the {table_bytes(world_size)} bytes of tables of "
+                         f"{world_size} PEs, got {heap_bytes}")
+
+
 class SymmetricHeap(Protocol):
     """One PE's endpoint of a symmetric heap.
 
@@ -545,4 +553,4 @@ class SymmetricTransport:
 from .heap_lease import HeapLease, ReusableHeap  # noqa: E402  (they need SymmetricHeap, MAX_GENERATION)
 
 __all__ = ["ALIGN", "GEN_SHIFT", "HeapLease", "MAX_GENERATION", "ReusableHeap", "SymmetricHeap",
-           "SymmetricTransport", "key_id", "signal_words", "table_bytes"]
+           "SymmetricTransport", "check_heap_bytes", "key_id", "signal_words", "table_bytes"]

@@ -476,7 +476,7 @@ atexit.register(rt.finalize)
 # ---- JobConfig.heap_bytes ---------------------------------------------------------------------------
 def test_heap_bytes_is_a_validated_job_field_flag_and_documented():
     assert JobConfig().heap_bytes == DEFAULT_HEAP_BYTES == 1 << 30
-    assert HEAP_ALIGN == ALIGN  # the config (no torch) repeats the transports' alignment
+    assert HEAP_ALIGN == ALIGN  # the transports take their alignment from the config (no torch)
     assert JobConfig(heap_bytes=np.int64(1 << 20)).heap_bytes == 1 << 20
     for bad, why in ((0, "positive int"), (-256, "positive int"), (1000, "multiple of 256 bytes, got 1000"),
                      (1.5, "positive int"), ("1G", "positive int"), (True, "positive int")):

@@ -241,7 +241,7 @@ def test_min_shard_choice():
 def test_bad_time_models_name_the_value(tmp_path):
     with pytest.raises(ValueError, match="forward must be a ProfileTable, got str"):
         TimeModel("nope", MODEL.backward)
-    with pytest.raises(ValueError, match=r"task_s must be a finite number >= 0 \(seconds\), got -1"):
+    with pytest.raises(ValueError, match=r"task_s \(seconds\) must be a finite number >= 0, got -1"):
         TimeModel(MODEL.forward, MODEL.backward, task_s=-1)
     with pytest.raises(ValueError, match="call_s .* got nan"):
         TimeModel(MODEL.forward, MODEL.backward, call_s=float("nan"))
@@ -320,3 +320,17 @@ def test_simulator_runs_both_planners():
     with pytest.raises(ValueError, match="planner must be 'flops', 'time' or 'both', got 'fast'"):
         simulate("llama3-8b", gpu, ParallelConfig.from_gpus(64, tp=8), Workload("pretrain", 131072),
                  systems=("distca",), planner="fast")
+
+
+def test_band_kv_rows_array_is_band_kv_rows_elementwise():
+    """The time refinement's vectorised KV-row count equals the greedy's scalar one."""
+    from scheduler.bands import band_kv_rows, band_kv_rows_array
+    rng = np.random.default_rng(7)
+    for window in (1, 3, 64, 1000):
+        l = rng.integers(1, 400, 300)
+        c = (l + 1) // 2
+        a = (rng.random(300) * c).astype(np.int64)
+        b = a + 1 + (rng.random(300) * (c - a)).astype(np.int64)
+        b = np.minimum(b, c)
+        want = [band_kv_rows(int(x), int(y), int(z), window) for x, y, z in zip(l, a, b)]
+        assert band_kv_rows_array(l, a, b, window).tolist() == want
