@@ -38,7 +38,7 @@ import numpy as np
 
 from scheduler import plan_batch
 from scheduler.baselines import capped_lpt
-from scheduler.config import DEFAULT_MIN_SHARD
+from scheduler.config import resolve_min_shard
 from scheduler.cost import RoundKind
 from scheduler.time_cost import TimeModel
 
@@ -106,9 +106,7 @@ class Context:
     def plan_min_shard(self, time_planner: bool) -> int:
         """The planner's ``min_shard``: the one given, else 128 tokens for the FLOP planner and
         the table's choice for the time planner (:meth:`TimeModel.choose_min_shard`)."""
-        if self.min_shard is not None:
-            return self.min_shard
-        return self.time_model().choose_min_shard() if time_planner else DEFAULT_MIN_SHARD
+        return resolve_min_shard(self.min_shard, self.time_model() if time_planner else None)
 
     def doc_attention(self, lens) -> tuple[float, float]:
         """Forward and backward seconds of whole documents run locally (one fused call)."""

@@ -53,6 +53,14 @@ DEFAULT_HEAP_BYTES = 1 << 30
 HEAP_ALIGN = 256
 
 
+def resolve_min_shard(min_shard: int | None, time_model: TimeModel | None) -> int:
+    """The ``min_shard`` a plan uses, tokens: the one given, else with a time model its
+    :meth:`~scheduler.time_cost.TimeModel.choose_min_shard`, else :data:`DEFAULT_MIN_SHARD`."""
+    if min_shard is not None:
+        return min_shard
+    return DEFAULT_MIN_SHARD if time_model is None else time_model.choose_min_shard()
+
+
 def _heap_bytes(name: str, value) -> int:
     value = positive_int(name, value)
     if value % HEAP_ALIGN:
@@ -197,12 +205,11 @@ class PlanConfig:
         return None if self.attn_profile is None else TimeModel.from_dir(self.attn_profile)
 
     def resolved_min_shard(self, time_model: TimeModel | None = None) -> int:
-        """``min_shard``, or when None: ``time_model.choose_min_shard()`` with a time model (the
-        one given, else :meth:`time_model`), else :data:`DEFAULT_MIN_SHARD` (128 tokens)."""
-        if self.min_shard is not None:
-            return self.min_shard
-        model = time_model if time_model is not None else self.time_model()
-        return DEFAULT_MIN_SHARD if model is None else model.choose_min_shard()
+        """:func:`resolve_min_shard` of ``min_shard`` and the time model (the one given, else
+        :meth:`time_model`)."""
+        if time_model is None and self.min_shard is None:
+            time_model = self.time_model()
+        return resolve_min_shard(self.min_shard, time_model)
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanConfig":
@@ -445,5 +452,5 @@ def legacy_job_config(entry: str, config, given: dict) -> JobConfig:
         raise ConfigError(entry, exc.problems) from None
 
 
-__all__ = ["ConfigError", "DEFAULT_HEAP_BYTES", "DEFAULT_MIN_SHARD", "HEAP_ALIGN", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
+__all__ = ["ConfigError", "DEFAULT_HEAP_BYTES", "DEFAULT_MIN_SHARD", "resolve_min_shard", "HEAP_ALIGN", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
            "PlanConfig", "differences", "legacy_fields", "legacy_job_config", "render", "warn_deprecated"]
