@@ -132,7 +132,7 @@ def test_a_peer_that_moved_on_fails_the_old_epoch_at_once():
     P = 2
     handle = create_heap(P, heap_bytes=4 << 20)
     try:
-        old0 = SymmetricTransport(ReusableHeap(ShmHeap(handle, 0)).lease(1), timeout_s=10, epoch=1)
+        old0 = SymmetricTransport(ReusableHeap(ShmHeap(handle, 0)).lease(1), timeout_s=60, epoch=1)
         new1 = SymmetricTransport(ReusableHeap(ShmHeap(handle, 1)).lease(2), timeout_s=1, epoch=2)
         z = torch.zeros(0, dtype=torch.uint8)
         t = threading.Thread(target=lambda: pytest.raises(DistCAError, new1.exchange, [z], [[0, 0]], [z], [[0, 0]]))
@@ -140,7 +140,8 @@ def test_a_peer_that_moved_on_fails_the_old_epoch_at_once():
         start = time.monotonic()
         with pytest.raises(DistCAError, match="participant 1 moved on to a later group epoch"):
             old0.exchange([z], [[0, 0]], [z], [[0, 0]])
-        assert time.monotonic() - start < 2.0
+        # at once, not at old0's own 60 s deadline (a loaded machine may take seconds to get there)
+        assert time.monotonic() - start < 30.0
         t.join(5)
     finally:
         destroy_heap(handle)
@@ -270,7 +271,7 @@ def test_host_thread_bounds_a_stuck_call_and_fails_later_ones_at_once():
     start = time.monotonic()
     with pytest.raises(DistCAError, match="NVSHMEM init did not return within 0.2 s"):
         host.call(release.wait, timeout_s=0.2, what="init")
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 10.0  # bounded by its timeout: release is never set
     with pytest.raises(DistCAError, match="stuck in init"):
         host.call(lambda: 1, timeout_s=5)
     with pytest.raises(DistCAError, match="stuck in init"):
