@@ -186,6 +186,14 @@ class Participant:
             found = self._layouts[kind] = comm_layout(self.rows, kind, self.fmt.row_bytes, self.keep_activations)
         return found
 
+    def _route(self, kind: RoundKind, which: str) -> tuple:
+        """The route of this plan's ``which`` exchange of rounds of ``kind`` (the same on every
+        participant): every such exchange moves the same sizes into the same buffers, so a
+        transport that can (:mod:`~distca_server.transport.routed`) drives it from the device
+        once installed."""
+        f = self.fmt
+        return (self.part.plan_id, kind.value, which, str(f.dtype), f.num_heads_q, f.num_heads_kv, f.head_dim)
+
     def _round(self, transport, kind: RoundKind, local, compute):
         """Run one round (a generator: it yields each exchange's handle, see :func:`drive`); returns
         ``(results from the other servers, own server's results)`` on a client (each
@@ -193,8 +201,11 @@ class Participant:
         t0 = time.perf_counter()
         shape = self.layout(kind)
         names, merged, back = shape.names, shape.merged, shape.back
-        # Tensors the kernel can read where they are (rows all home, in order, row-contiguous).
-        home = self.inputs_home and all(local[n].is_contiguous() for n in names)
+        # Tensors the kernel reads where they are (rows all home, in order; made row-contiguous, so
+        # that the buffers' layout, and with it the exchanges' route, depends on the plan alone).
+        home = self.inputs_home
+        if home and not all(x.is_contiguous() for x in local.values()):  # rare: a copy, as a gather would be
+            local = {n: x.contiguous() for n, x in local.items()}
         heads = [0] * len(names) if home else shape.heads.tolist()
         # Two transport buffers per participant, reused by every round: "client" holds the rows a
         # client sends, then the results it receives back (the send is complete by then);
@@ -216,7 +227,8 @@ class Participant:
         # through a transport, so every split is 0 and the exchange would only check that.
         alone = self.part.num_participants == 1
         if not alone:
-            yield transport.exchange(send, shape.send_splits, recv, shape.recv_splits)
+            yield transport.exchange(send, shape.send_splits, recv, shape.recv_splits,
+                                     route=self._route(kind, "dispatch"))
         t2 = time.perf_counter()
         self.timings["pack"] += t1 - t0
         self.timings["all_to_all"] += t2 - t1
@@ -240,7 +252,8 @@ class Participant:
             ret_send = [torch.empty(0, dtype=torch.uint8, device=self.device)] * len(back)
         _, ret_recv = self._segments("client", transport, [0] * len(back), shape.ret_recv_sizes)
         if not alone:
-            yield transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits)
+            yield transport.exchange(ret_send, shape.ret_send_splits, ret_recv, shape.ret_recv_splits,
+                                     route=self._route(kind, "return"))
         self.timings["all_to_all"] += time.perf_counter() - t2
         if self.rank is None:
             return None, None

@@ -151,7 +151,7 @@ def synchronize(device: torch.device) -> None:
 
 def transport_used(client) -> str | None:
     """What moved this distca client's rows in its current group epoch: the transport's class and,
-    for a symmetric heap, the heap's (``"SymmetricTransport/ShmHeap"``; NVSHMEM's heap, reused across
+    for a symmetric heap, the heap's (``"RoutedTransport/ShmHeap"``; NVSHMEM's heap, reused across
     group epochs, shows as ``".../HeapLease"``);
     None without a client or group. Read from the client's runtime: a diagnostic for the run's
     metrics, so a test or a GPU session can see which transport really ran."""

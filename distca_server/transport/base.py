@@ -53,7 +53,7 @@ class Transport(Protocol):
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> "ExchangeHandle":
+                 timeout_s: float | None = None, route=None) -> "ExchangeHandle":
         """Segment-wise ragged all-to-all, started; collective: every participant calls it once
         per exchange with the same number of segments. All segments move in one operation; the
         ``recv`` segments hold the data once the returned handle's ``wait()`` has returned (a
@@ -67,6 +67,10 @@ class Transport(Protocol):
             recv: per segment, uint8 [sum(recv_splits[s])]: filled with the bytes from 0..P-1.
             recv_splits: per segment, ``world_size`` byte counts expected from each participant.
             timeout_s: overrides the transport's deadline (servers wait longer for a header).
+            route: a hashable naming an exchange that repeats with the same sizes into the same
+                receive buffers (every participant passes the same one for the same exchange;
+                e.g. a plan's dispatch of one round kind), or None. A transport may use it to skip
+                re-agreeing on offsets (:mod:`.routed`: device-driven exchanges); others ignore it.
 
         Raises:
             ValueError: bad splits or buffers, or a peer sent a different size than expected

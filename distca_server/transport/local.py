@@ -139,7 +139,7 @@ class LocalTransport:
             raise
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits, recv: Sequence[torch.Tensor],
-                 recv_splits, timeout_s: float | None = None) -> ExchangeHandle:
+                 recv_splits, timeout_s: float | None = None, route=None) -> ExchangeHandle:
         g, me = self.group, self.rank
         self._deposit(send, send_splits, recv, recv_splits)
         g._wait(me, "deposit")
@@ -177,7 +177,8 @@ class LockstepGroup(LocalGroup):
 class LockstepTransport(LocalTransport):
     """One participant's endpoint of a :class:`LockstepGroup`."""
 
-    def exchange(self, send, send_splits, recv, recv_splits, timeout_s: float | None = None) -> "_Collect":
+    def exchange(self, send, send_splits, recv, recv_splits, timeout_s: float | None = None,
+                 route=None) -> "_Collect":
         g, me = self.group, self.rank
         self._deposit(send, send_splits, recv, recv_splits)
         g._entered[me] += 1

@@ -37,7 +37,8 @@ import torch
 from scheduler.config import DEFAULT_HEAP_BYTES
 
 from ..errors import DistCAError
-from .symmetric import SymmetricTransport, check_heap_bytes, signal_words
+from .routed import RoutedTransport
+from .symmetric import check_heap_bytes, signal_words
 HEAP_PREFIX = "distca-heap-"  # every heap directory's name starts so
 
 
@@ -126,8 +127,8 @@ class ShmHeap:
         self._ring(pe)
 
     def _ring(self, pe: int) -> None:
-        try:
-            os.write(self._rings[pe], b"\0")
+        try:  # our own bell too: a word this PE sets for itself (a watchdog's abort) wakes its waiter
+            os.write(self._bell if pe == self.rank else self._rings[pe], b"\0")
         except (OSError, KeyError):  # full (it reads its words before it blocks), or closed
             pass
 
@@ -163,7 +164,7 @@ class ShmHeap:
 
 def join_shm(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
              lookup: Callable[[], dict], heap_bytes: int = DEFAULT_HEAP_BYTES,
-             epoch: int = 0, prefix: str = HEAP_PREFIX) -> SymmetricTransport:
+             epoch: int = 0, prefix: str = HEAP_PREFIX) -> RoutedTransport:
     """Form (or join) a shared-memory group: rank 0 creates the heap (its directory named
     ``prefix`` + a random suffix) and ``publish``-es its handle, the others ``lookup()`` it (e.g.
     through the scheduler, with the group epoch). Rank 0 removes the heap's files when it closes,
@@ -186,4 +187,4 @@ def join_shm(*, rank: int, world_size: int, timeout_s: float, publish: Callable[
     except (OSError, ValueError, KeyError) as exc:
         raise DistCAError(f"could not join shared-memory group epoch {epoch} as rank {rank} of "
                           f"{world_size}: {exc}") from None
-    return SymmetricTransport(heap, timeout_s=timeout_s, epoch=epoch)
+    return RoutedTransport(heap, timeout_s=timeout_s, epoch=epoch)

@@ -70,15 +70,22 @@ SIGNAL_KINDS = 3
 # What a PE's ABORT word says about it (the low bits; the high bits hold the generation).
 CLOSED, TIMED_OUT, MISMATCH = 1, 2, 3
 MOVED_ON = 4  # not written: a peer with a word of a newer generation has left for a later epoch
+PEER_FAILED = 5  # gave up its exchange because another peer failed (fails only those waiting on it)
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
+        PEER_FAILED: "gave up after another participant failed",
         MISMATCH: "found a size mismatch", MOVED_ON: "moved on to a later group epoch"}
 GEN_SHIFT = 32  # signal value = generation << GEN_SHIFT | exchange number (or ABORT code)
 _LOW = (1 << GEN_SHIFT) - 1
 MAX_GENERATION = (1 << 31) - 1  # keeps every value a positive int64
-# Inbox row (int64): seq, segments, wishes, (key id, bytes) per wish, (where, offset, bytes) per segment.
-_ROW = 3 + 2 * MAX_WISHES + 3 * MAX_SEGMENTS
-# Report row (int64): seq, segments, bytes per segment.
-_REPORT = 2 + MAX_SEGMENTS
+# Inbox row (int64): seq, segments, wishes, route, direct, (key id, bytes) per wish, (where, offset,
+# bytes) per segment. ``route`` is the exchange's route id (0: none) and ``direct`` whether every
+# receive segment of the announcing PE lies in its arena (both decide whether a route is installed,
+# :mod:`.routed`).
+_SEQ, _NSEG, _NWISH, _ROUTE, _DIRECT, _WISH = range(6)
+_SEGS = _WISH + 2 * MAX_WISHES
+_ROW = _SEGS + 3 * MAX_SEGMENTS
+# Report row (int64): seq, segments, route, bytes per segment.
+_REPORT = 3 + MAX_SEGMENTS
 # Where an announced offset points: into the arena, or into the staging array (STAGED) or a key's
 # array (its id, >= 2) as they are after this exchange's growth.
 DIRECT, STAGED = 0, 1
@@ -232,6 +239,7 @@ class SymmetricTransport:
         self._wishes: dict[int, int] = {}  # key id -> bytes asked of `buffer` beyond its array
         self._private: dict[int, torch.Tensor] = {}  # key id -> memory lent until the array grows
         self._seq = 0
+        self._growths = 0  # times any array grew (the same on every PE: growth is agreed)
         self._broken: str | None = None
         self._closed = False
 
@@ -246,6 +254,8 @@ class SymmetricTransport:
         if gens and gens[-1][1] >= nbytes:
             off = gens[-1][0]
             return self.heap.arena[off:off + nbytes]
+        if nbytes == 0:  # nothing to grow for (a wish would keep every route from installing)
+            return self.heap.arena[:0]
         self._wishes[kid] = max(self._wishes.get(kid, 0), nbytes)
         private = self._private.get(kid)
         if private is None or private.numel() < nbytes:
@@ -283,6 +293,7 @@ class SymmetricTransport:
                     f"no room for {size} bytes of {name} (holds "
                     f"{self.symmetric_bytes()} bytes in arrays); make the heap larger")
             gens.append((off, size))
+            self._growths += 1
 
     def _recv_layout(self, recv: Sequence[torch.Tensor], growing):
         """Per segment ``(where, base)``: DIRECT with the arena offset of ``recv[s]``; a key id in
@@ -336,8 +347,10 @@ class SymmetricTransport:
 
     def _aborted_by(self, sig: np.ndarray, pending) -> tuple[int, int] | None:
         """The first peer whose ABORT word ends this wait: any that timed out or found a mismatch,
-        or one we still wait for that left or moved on to a later generation (any of its words
-        newer than ours). ABORT words of older generations are ignored."""
+        or one we still wait for that left, moved on to a later generation (any of its words
+        newer than ours) or gave up after another failed; a cause before a consequence
+        (PEER_FAILED last). ABORT words of older generations are ignored."""
+        echo = None
         for pe in self._peers():
             word = int(sig[self._slot(ABORT, pe)])
             code = word & _LOW if word >> GEN_SHIFT == self.generation else 0
@@ -346,12 +359,14 @@ class SymmetricTransport:
                 code = MOVED_ON
             if code in (TIMED_OUT, MISMATCH) or (code in (CLOSED, MOVED_ON) and pe in pending):
                 return pe, code
-        return None
+            if code == PEER_FAILED and pe in pending and echo is None:
+                echo = pe, code
+        return echo
 
     def _landed(self, word: int, seq: int) -> bool:
         """Whether a signal word says exchange ``seq`` of this generation has reached us (a word of
         an older generation never does; a newer one is caught by :meth:`_aborted_by`)."""
-        return word >> GEN_SHIFT == self.generation and word >= seq
+        return word >> GEN_SHIFT == self.generation and word >= seq and word & _LOW != _LOW
 
     def _wait(self, kind: int, seq: int, deadline: float, what: str, arrived=None, report=None) -> None:
         """Wait until every peer's ``kind`` signal reaches ``seq``; ``arrived(pe)`` runs for each
@@ -396,9 +411,11 @@ class SymmetricTransport:
     # ---- the exchange -----------------------------------------------------------------------------
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> ExchangeHandle:
+                 timeout_s: float | None = None, route=None) -> ExchangeHandle:
         """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`), complete when it
-        returns :data:`~.base.DONE`: the host drives every step of the one-sided protocol.
+        returns :data:`~.base.DONE`: the host drives every step of the one-sided protocol
+        (``route`` is ignored here: :class:`.routed.RoutedTransport` drives installed routes from
+        the device).
 
         Raises:
             ValueError: bad splits or buffers, more than ``MAX_SEGMENTS`` segments, or a peer sends
@@ -410,7 +427,10 @@ class SymmetricTransport:
         self._exchange(send, send_splits, recv, recv_splits, timeout_s)
         return DONE
 
-    def _exchange(self, send, send_splits, recv, recv_splits, timeout_s) -> None:
+    def _exchange(self, send, send_splits, recv, recv_splits, timeout_s, route: int = 0) -> None:
+        """The host-driven exchange. ``route`` (an id every PE passes for the same exchange, 0 for
+        none): when every PE names the same one, receives straight into its arena and no array
+        grows, :meth:`_install` is told the offsets it wrote to, for later exchanges of the route."""
         P, me, heap = self.world_size, self.rank, self.heap
         check_exchange(send, send_splits, recv, recv_splits, P, me)
         if len(send) > MAX_SEGMENTS:
@@ -449,10 +469,11 @@ class SymmetricTransport:
             prefix[s, 1:] = np.cumsum(rs[s])
         # (numpy, not torch, for these small rows: this is per-exchange overhead.)
         rows = np.zeros((P, _ROW), dtype=np.int64)
-        rows[:, :3] = (seq, nseg, len(wishes))
+        direct = all(where == DIRECT for where, _ in layout) and not wishes
+        rows[:, :_WISH] = (seq, nseg, len(wishes), route, direct)
         for i, (kid, n) in enumerate(sorted(wishes.items())):
-            rows[:, 3 + 2 * i:5 + 2 * i] = (kid, n)
-        segs = rows[:, 3 + 2 * MAX_WISHES:3 + 2 * MAX_WISHES + 3 * nseg].reshape(P, nseg, 3)
+            rows[:, _WISH + 2 * i:_WISH + 2 + 2 * i] = (kid, n)
+        segs = rows[:, _SEGS:_SEGS + 3 * nseg].reshape(P, nseg, 3)
         segs[:, :, 0] = [where for where, _ in layout]
         segs[:, :, 1] = (np.array([base for _, base in layout])[:, None] + prefix[:, :P]).T
         segs[:, :, 2] = np.array(rs).T
@@ -464,7 +485,7 @@ class SymmetricTransport:
         # A peer's sizes row tells what it sent (checked in step 4, or when a peer aborts).
         def check_report(pe: int) -> None:
             rep = heap.read(self._report_at + pe * _REPORT * 8, _REPORT * 8).view(torch.int64).tolist()
-            sent = rep[2:2 + int(rep[1])]
+            sent = rep[3:3 + int(rep[1])]
             expect = [rs[s][pe] for s in range(nseg)]
             if rep[0] != seq or sent != expect:
                 self._abort(MISMATCH, f"size mismatch with participant {pe}")
@@ -481,9 +502,15 @@ class SymmetricTransport:
                 self._abort(MISMATCH, "out of step")
                 raise DistCAError(f"participant {me}: participant {pe} announced exchange "
                                   f"{int(inbox[pe, 0]) & _LOW} during exchange {seq & _LOW} (out of step)")
-            nw = int(inbox[pe, 2])
-            requests.append({int(inbox[pe, 3 + 2 * i]): int(inbox[pe, 4 + 2 * i]) for i in range(nw)})
+            nw = int(inbox[pe, _NWISH])
+            requests.append({int(inbox[pe, _WISH + 2 * i]): int(inbox[pe, _WISH + 1 + 2 * i]) for i in range(nw)})
+        growths = self._growths
         self._grow(requests)
+        # The route is installed when every PE named it, receives in place, and nothing grew (a
+        # grown array moves the buffers later exchanges of the route receive into).
+        install = (route != 0 and direct and growths == self._growths
+                   and all(int(inbox[pe, _ROUTE]) == route and int(inbox[pe, _DIRECT]) for pe in self._peers()))
+        puts: dict[int, list[tuple[int, int]]] = {}  # peer -> (arena offset, bytes) per segment
         for kid in wishes:
             self._wishes.pop(kid, None)
             self._private.pop(kid, None)  # the caller's views keep it alive as long as they need
@@ -496,20 +523,22 @@ class SymmetricTransport:
         mismatches = []
         for pe in self._peers():
             row = inbox[pe]
-            theirs = [int(row[3 + 2 * MAX_WISHES + 3 * s + 2]) for s in range(int(row[1]))]
+            theirs = [int(row[_SEGS + 3 * s + 2]) for s in range(int(row[_NSEG]))]
             mine = [ss[s][pe] for s in range(nseg)]
             if theirs == mine:
+                puts[pe] = []
                 for s in range(nseg):
                     n = mine[s]
+                    where, off = (int(x) for x in row[_SEGS + 3 * s:][:2])
+                    puts[pe].append((at[where] + off, n))
                     if n:
-                        where, off = (int(x) for x in row[3 + 2 * MAX_WISHES + 3 * s:][:2])
                         a = int(send_at[s][pe])
                         heap.put(pe, at[where] + off, send[s][a:a + n])
             else:
                 mismatches.append(f"participant {me} sends participant {pe} segment bytes {mine}, "
                                   f"participant {pe} expects {theirs}")
             report = np.zeros(_REPORT, dtype=np.int64)
-            report[:2 + nseg] = [seq, nseg] + mine
+            report[:3 + nseg] = [seq, nseg, route] + mine
             heap.put_signal(pe, self._report_at + me * _REPORT * 8,
                             torch.from_numpy(report).view(torch.uint8), self._slot(DATA, me), seq)
         for s in range(nseg):  # own split: a local copy
@@ -532,7 +561,13 @@ class SymmetricTransport:
                         src = at[where] + base + b
                         heap.copy(recv[s][b:b + n], heap.arena[src:src + n])
         self.bytes_sent += sum(sum(sp) - sp[me] for sp in ss)
+        if install:
+            self._install(route, ss, rs, recv, puts)
 
+    def _install(self, route: int, send_splits, recv_splits, recv, puts) -> None:
+        """Called after a host-driven exchange of ``route`` that every PE can repeat without
+        announcing (see :meth:`_exchange`): ``puts[pe]`` is, per segment, the arena offset at which
+        this PE wrote its rows for ``pe`` and their bytes. The host-driven transport keeps nothing."""
     def close(self) -> None:
         """Leave the group: peers waiting on this PE fail with ``DistCAError``."""
         if self._closed:

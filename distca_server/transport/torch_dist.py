@@ -48,7 +48,7 @@ class TorchDistTransport:
 
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None) -> "_Pending":
+                 timeout_s: float | None = None, route=None) -> "_Pending":
         """All segments in one ragged ``alltoall_base`` (one collective per exchange), started;
         the handle's ``wait`` completes it. ``timeout_s`` overrides the transport's deadline
         (servers wait for the next round's header longer than for data inside a round).

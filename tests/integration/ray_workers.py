@@ -47,6 +47,11 @@ class TrainWorker:
         transport = self.client._runtime.member.transport
         return None if transport is None else type(transport).__name__
 
+    def device_exchanges(self) -> int | None:
+        """Exchanges of this client's group epoch that ran device-driven (a routed transport)."""
+        transport = self.client._runtime.member.transport
+        return getattr(transport, "device_exchanges", None)
+
     def scheduler_lost(self) -> bool:
         """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
         return self.client._runtime.member.scheduler_lost

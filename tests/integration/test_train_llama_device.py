@@ -82,7 +82,7 @@ def test_the_gpu_path_on_the_cpu_over_shared_memory(cpu_runs):
     assert distca["config"]["transport"] == "shm" and distca["config"]["device"] == "cpu"
 
     # the rows really went through the shared-memory heap, and some of them off-rank
-    assert {s["transport_used"] for s in distca["steps"]} == {"SymmetricTransport/ShmHeap"}
+    assert {s["transport_used"] for s in distca["steps"]} == {"RoutedTransport/ShmHeap"}
     assert {s["transport_used"] for s in local["steps"]} == {None}
     assert any(s["bytes"] > 0 for s in distca["steps"])
     assert all(s["plans_match_ranks"] for s in distca["steps"])
@@ -110,7 +110,7 @@ def test_bf16_autocast_moves_bf16_rows_and_is_judged_at_bf16_rounding(cpu_runs):
     distca, local = results["dev"], results["dev-local"]
     assert "they agree to bfloat16 rounding" in text
     assert summary["dtype"] == "bfloat16" and summary["train_loss_rtol"] == 2.0 ** -8 and summary["train_loss_agree"]
-    assert {s["transport_used"] for s in distca["steps"]} == {"SymmetricTransport/ShmHeap"}
+    assert {s["transport_used"] for s in distca["steps"]} == {"RoutedTransport/ShmHeap"}
     # Same data, same plans: each step moves the same rows, now 2-byte bf16 instead of float32
     # (the softmax statistics stay float32), so fewer bytes; parameters and AdamW stay float32.
     for a, b in zip(distca["steps"], f32["steps"], strict=True):

@@ -60,8 +60,10 @@ def _steps(workers, name, mode, transport):
             assert all(r["ok"] for r in results), results
             errors.append([r["error"] for r in results])
         kinds = ray.get([w.transport_kind.remote() for w in workers], timeout=30)
-        assert kinds == ["SymmetricTransport" if transport == "shm" else "TorchDistTransport"] * 2
+        assert kinds == ["RoutedTransport" if transport == "shm" else "TorchDistTransport"] * 2
         if transport == "shm":
+            # the plan's dispatch and return routes were installed and later rounds device-driven
+            assert all(n > 0 for n in ray.get([w.device_exchanges.remote() for w in workers], timeout=30))
             assert _heaps(name) == []  # removed by rank 0 once every member attached
         return errors
     finally:

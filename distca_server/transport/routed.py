@@ -1,0 +1,444 @@
+"""The device-driven exchange: once a *route* is installed, an exchange makes no blocking host
+call (issue 22 item 1).
+
+A route is an exchange that repeats: the same sizes to and from every peer, received into the
+same buffers (a plan's dispatch or return of one round kind; the participant names it, e.g.
+``(plan id, kind, "dispatch")``). Its first exchange runs the host-driven protocol of
+:mod:`.symmetric` (announce, agree on growth, put, wait), which tells every PE where its rows land
+in each peer's arena; when every PE named the same route, every PE received in place and no array
+grew, each PE keeps those offsets (:meth:`RoutedTransport._install`). Every later exchange of the
+route is queued on the PE's stream (:mod:`.pe_stream`) and the host returns at once:
+
+1. **Credit.** For each peer it receives from, ``signal(peer, ANNOUNCE[me], seq)``: queued after
+   everything this PE did before (the kernel that read the previous rows), it tells the peer its
+   buffers may be overwritten. No inbox row: the offsets are the route's.
+2. **Data.** For each peer it sends to: wait until ``ANNOUNCE[peer] >= seq`` (the peer's credit),
+   put the rows at the route's offsets, then put its report row (``nseg, route, bytes``) with
+   ``DATA[me] = seq`` (the signal lands after the data: release).
+3. **Own split**, a local copy; then wait until ``DATA[peer] >= seq`` for each peer it receives from.
+4. **Snapshot** of this PE's words and report table, then a marker: the handle's completion.
+
+Signal values carry the generation and ``seq`` as in :mod:`.symmetric`; ``seq`` counts host- and
+device-driven exchanges alike, so the two never mix.
+
+**Every wait is bounded.** A :class:`Watchdog` thread (it never blocks the thread that queues
+work) looks at the exchanges in flight every :data:`WATCH_POLL_S`. When one passes its deadline it
+names the peers whose words did not arrive, marks the group broken, sets ``ABORT[me] = TIMED_OUT``
+on every peer, and writes the abort value (``generation << 32 | 0xffffffff``) into this PE's own
+words (:meth:`~.pe_stream.PeStream.force`), so its stream drains. A PE only ever forces its own
+words: a peer's watchdog sees the ABORT word of a peer its exchange waits for (timed out, found a
+mismatch, left, or gave up on another) and expires its own exchange at once, telling those that
+wait on it (``PEER_FAILED``). Words a peer wrote are never overwritten, so a peer that delivered
+and then left is not taken for one that did not. A drained exchange fails when it is resolved
+(from its snapshot: a wait ended by the abort value, a peer's ABORT word, or a report row that
+does not match the route): :class:`~distca_server.errors.DistCAError` naming the silent peer, or
+``ValueError`` naming the sizes that differ. On the CPU, ``wait`` blocks until then: within the
+deadline plus :data:`GRACE_S`. On a GPU, ``wait`` orders the caller's stream after the exchange and
+returns; the failure is raised by the next call on the transport (``wait`` or ``exchange``).
+
+Limits (stated, not hidden): a put whose credit wait was ended by the abort value is skipped on
+the CPU; a GPU stream cannot skip a host-queued put, so there a failing group's peer may receive
+rows into a buffer it had not freed (it fails its next exchange). Exchanges of a route must pass
+the same sizes and the same receive buffers as the one that installed it: anything else is
+refused with ``ValueError`` before a byte moves and aborts the group, whose peers fail with
+``DistCAError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import DistCAError
+from .base import DONE, ExchangeHandle, check_exchange
+from .pe_stream import HostStream, PeStream
+from .symmetric import (_LOW, _REPORT, _WHY, ABORT, ANNOUNCE, DATA, GEN_SHIFT, MAX_SEGMENTS, MISMATCH, PEER_FAILED,
+                        TIMED_OUT, SymmetricTransport)
+
+GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
+MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
+WATCH_POLL_S = 0.05  # the watchdog's longest sleep while exchanges are in flight
+
+
+def route_id(route: Hashable) -> int:
+    """A positive int63 every process computes alike for ``route`` (from its ``repr``: Python's
+    own ``hash`` of a string differs between processes)."""
+    digest = hashlib.blake2b(repr(route).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1) or 1
+
+
+class _Route:
+    """What a PE keeps of an installed route: the sizes and receive buffers it was installed
+    with, where its rows go in each peer's arena, and its report rows."""
+
+    __slots__ = ("rid", "name", "send_splits", "recv_splits", "recv_ptrs", "puts", "reports", "send_to",
+                 "recv_from", "own", "growths", "sent")
+
+    def __init__(self, transport: "RoutedTransport", rid: int, name, ss, rs, recv, puts):
+        me = transport.rank
+        self.rid, self.name, self.growths = rid, name, transport._growths
+        self.send_splits, self.recv_splits = ss, rs
+        self.recv_ptrs = _pointers(recv)
+        nseg = len(ss)
+        self.send_to = [pe for pe in transport._peers() if any(ss[s][pe] for s in range(nseg))]
+        self.recv_from = [pe for pe in transport._peers() if any(rs[s][pe] for s in range(nseg))]
+        send_at = [np.concatenate([[0], np.cumsum(sp)]).tolist() for sp in ss]
+        recv_at = [np.concatenate([[0], np.cumsum(sp)]).tolist() for sp in rs]
+        # per peer: (segment, source offset, arena offset, bytes) of every non-empty slice
+        self.puts = {pe: [(s, send_at[s][pe], off, n) for s, (off, n) in enumerate(puts[pe]) if n]
+                     for pe in self.send_to}
+        self.own = [(s, send_at[s][me], recv_at[s][me], ss[s][me]) for s in range(nseg) if ss[s][me]]
+        self.reports = {}
+        for pe in self.send_to:
+            row = np.zeros(_REPORT, dtype=np.int64)
+            row[1:3 + nseg] = [nseg, rid] + [ss[s][pe] for s in range(nseg)]
+            self.reports[pe] = torch.from_numpy(row).view(torch.uint8).to(transport.device)
+        self.sent = sum(sum(sp) - sp[me] for sp in ss)
+
+
+def _pointers(bufs: Sequence[torch.Tensor]) -> list[int]:
+    return [b.data_ptr() if b.numel() else 0 for b in bufs]
+
+
+class _Entry:
+    """One device-driven exchange in flight."""
+
+    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "expired", "error", "resolved")
+
+    def __init__(self, seq: int, deadline: float, route: _Route, snapshot, marker):
+        self.seq, self.deadline, self.route, self.snapshot, self.marker = seq, deadline, route, snapshot, marker
+        self.expired: str | None = None  # why the watchdog ended its waits
+        self.error: BaseException | None = None
+        self.resolved = False
+
+
+class _Handle:
+    """The :class:`~.base.ExchangeHandle` of a device-driven exchange."""
+
+    __slots__ = ("_transport", "_entry")
+
+    def __init__(self, transport: "RoutedTransport", entry: _Entry):
+        self._transport, self._entry = transport, entry
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        self._transport._wait_entry(self._entry, timeout_s)
+
+
+class Watchdog:
+    """A daemon thread that bounds a transport's device-driven exchanges: it resolves those whose
+    marker passed and expires those past their deadline (:meth:`RoutedTransport._expire`)."""
+
+    def __init__(self, transport: "RoutedTransport"):
+        self._transport = transport
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"distca-watchdog-{transport.rank}", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        t = self._transport
+        while True:
+            with self._wake:
+                if self._stop:
+                    return
+                # Deadlines are seconds: looking every WATCH_POLL_S while anything is in flight
+                # keeps a failure within GRACE_S of its deadline; idle, it sleeps until poked.
+                self._wake.wait(WATCH_POLL_S if t._unresolved() else None)
+                if self._stop:
+                    return
+            now, words = time.monotonic(), None
+            for e in t._unresolved():
+                if e.marker.done():
+                    t._resolve(e)
+                elif e.expired is None and now >= e.deadline:
+                    t._expire(e)
+                elif e.expired is None:  # a peer this exchange waits on may have failed or left
+                    words = t.heap.signals() if words is None else words
+                    t._check_peers(e, words)
+
+
+class RoutedTransport(SymmetricTransport):
+    """A :class:`~.symmetric.SymmetricTransport` whose exchanges of an installed route are
+    device-driven (see the module docstring); exchanges without a route are host-driven.
+
+    Args:
+        heap, timeout_s, epoch, generation: as :class:`~.symmetric.SymmetricTransport`.
+        stream: the PE's :class:`~.pe_stream.PeStream`; default a :class:`~.pe_stream.HostStream`
+            on a CPU heap, the heap's ``stream_ops(abort_value)`` where it has one; without either,
+            routes are ignored and every exchange is host-driven.
+    """
+
+    def __init__(self, heap, timeout_s: float = 60.0, epoch: int = 0, generation: int | None = None,
+                 stream: PeStream | None = None):
+        super().__init__(heap, timeout_s=timeout_s, epoch=epoch, generation=generation)
+        self.abort_value = self._base | _LOW
+        self._stream = stream
+        self._routes: OrderedDict[int, _Route] = OrderedDict()
+        self._inflight: list[_Entry] = []
+        self._lock = threading.RLock()
+        self._watchdog: Watchdog | None = None
+        self._naming: Hashable | None = None  # the route of the host-driven exchange running now
+        self.device_exchanges = 0  # exchanges that ran device-driven (for tests and benchmarks)
+
+    # ---- the stream and the watchdog, made at the first device-driven exchange ----------------------
+    def _pe_stream(self) -> PeStream | None:
+        if self._stream is None:
+            make = getattr(self.heap, "stream_ops", None)
+            if make is not None:
+                self._stream = make(self.abort_value)
+            elif self.device.type == "cpu":
+                self._stream = HostStream(self.heap, self.abort_value, name=f"distca-pe-stream-{self.rank}")
+        return self._stream
+
+    def _watch(self) -> Watchdog:
+        if self._watchdog is None:
+            self._watchdog = Watchdog(self)
+        return self._watchdog
+
+    @property
+    def routes(self) -> list[Hashable]:
+        """The installed routes, least recently used first."""
+        return [r.name for r in self._routes.values()]
+
+    # ---- the exchange -----------------------------------------------------------------------------
+    def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
+                 recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
+                 timeout_s: float | None = None, route: Hashable | None = None) -> ExchangeHandle:
+        """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`).
+
+        Args:
+            route: names an exchange that repeats with the same sizes and receive buffers (every
+                PE passes the same for the same exchange). Its first exchange is host-driven and
+                installs it; later ones are device-driven and return at once.
+
+        Raises:
+            ValueError: as :meth:`.symmetric.SymmetricTransport.exchange`, or an exchange of an
+                installed route with other sizes or receive buffers than it was installed with
+                (the group is aborted).
+            DistCAError: as :meth:`.symmetric.SymmetricTransport.exchange`; from ``wait`` (CPU)
+                or the next call (GPU), a device-driven exchange that a peer failed or that
+                passed its deadline.
+        """
+        rid = route_id(route) if route is not None else 0
+        found = self._routes.get(rid) if rid else None
+        if found is not None and found.growths == self._growths and self._pe_stream() is not None:
+            self._routes.move_to_end(rid)
+            return self._device_exchange(found, send, send_splits, recv, recv_splits, timeout_s)
+        self._drain()  # the host-driven protocol reads and writes the words itself: the stream rests
+        self._naming = route
+        self._exchange(send, send_splits, recv, recv_splits, timeout_s,
+                       route=rid if self._pe_stream() is not None else 0)
+        return DONE
+
+    def _install(self, route: int, send_splits, recv_splits, recv, puts) -> None:
+        if len(send_splits) > MAX_SEGMENTS:
+            return
+        self._routes[route] = _Route(self, route, self._naming, send_splits, recv_splits, recv, puts)
+        self._routes.move_to_end(route)
+        while len(self._routes) > MAX_ROUTES:  # every PE installs and uses routes in the same order
+            self._routes.popitem(last=False)
+
+    def _device_exchange(self, r: _Route, send, send_splits, recv, recv_splits, timeout_s) -> _Handle:
+        P, me = self.world_size, self.rank
+        check_exchange(send, send_splits, recv, recv_splits, P, me)
+        self._settle()
+        if self._closed or self._broken is not None:
+            raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "
+                              f"{'closed' if self._closed else 'aborted: ' + self._broken}")
+        ss = [[int(x) for x in sp] for sp in send_splits]
+        rs = [[int(x) for x in sp] for sp in recv_splits]
+        if ss != r.send_splits or rs != r.recv_splits or _pointers(recv) != r.recv_ptrs:
+            what = ("receive buffers" if ss == r.send_splits and rs == r.recv_splits else
+                    f"sizes (send {ss}, receive {rs}; installed with send {r.send_splits}, receive "
+                    f"{r.recv_splits})")
+            self._abort(MISMATCH, f"route {r.name!r} misused")
+            raise ValueError(f"participant {me}: an exchange of route {r.name!r} has other {what} than the "
+                             f"exchange that installed it")
+        if self._seq >= _LOW - 1:
+            raise DistCAError(f"participant {me}: group epoch {self.epoch} ran {self._seq} exchanges, the most "
+                              f"one generation numbers; form a new group epoch")
+        self._seq += 1
+        seq = self._base | self._seq
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
+        st = self._stream
+        st.begin()
+        for pe in r.recv_from:  # 1. credit: our buffers may take this exchange's rows
+            st.signal(pe, self._slot(ANNOUNCE, me), seq)
+        for pe in r.send_to:  # 2. data, each peer once its credit came
+            credit = self._slot(ANNOUNCE, pe)
+            st.wait_ge(credit, seq)
+            for s, a, off, n in r.puts[pe]:
+                st.put(pe, off, send[s][a:a + n], credit=credit)
+            st.put_signal(pe, self._report_at + me * _REPORT * 8, r.reports[pe], self._slot(DATA, me), seq,
+                          credit=credit)
+        for s, a, b, n in r.own:  # 3. own split, then every peer's rows
+            st.copy(recv[s][b:b + n], send[s][a:a + n])
+        for pe in r.recv_from:
+            st.wait_ge(self._slot(DATA, pe), seq)
+        snapshot = st.snapshot(self._report_at, P * _REPORT * 8)  # 4. what the waits saw
+        entry = _Entry(seq, deadline, r, snapshot, st.mark())
+        with self._lock:
+            self._inflight.append(entry)
+        self._watch().poke()
+        self.bytes_sent += r.sent
+        self.device_exchanges += 1
+        return _Handle(self, entry)
+
+    # ---- completion and failure ------------------------------------------------------------------
+    def _unresolved(self) -> list[_Entry]:
+        with self._lock:
+            return [e for e in self._inflight if not e.resolved]
+
+    def _settle(self) -> None:
+        """Resolve the exchanges whose marker passed (never blocks) and forget resolved ones."""
+        with self._lock:
+            for e in self._inflight:
+                if not e.resolved and e.marker.done():
+                    self._resolve(e)
+            self._inflight = [e for e in self._inflight if not e.resolved]
+
+    def _wait_entry(self, e: _Entry, timeout_s: float | None) -> None:
+        st = self._stream
+        if not st.synchronous and not e.marker.done():
+            e.marker.join()  # the caller's stream waits; a failure surfaces at the next call
+            if self._broken is not None:
+                raise DistCAError(f"all-to-all on participant {self.rank} of group epoch {self.epoch}: the "
+                                  f"group is aborted: {self._broken}")
+            return
+        if not e.marker.done():
+            bound = max(0.0, e.deadline - time.monotonic()) + GRACE_S
+            if timeout_s is not None:
+                bound = min(bound, float(timeout_s))
+            if not e.marker.wait(bound):
+                self._expire(e, f"the exchange did not finish within {bound:.3g} s of its wait")
+                e.marker.wait(GRACE_S)
+        self._resolve(e)
+        if e.error is not None:
+            raise e.error
+
+    def _drain(self) -> None:
+        """Wait for every exchange in flight (bounded by its deadline and the watchdog), raising
+        the first failure."""
+        for e in self._unresolved():
+            self._wait_entry(e, None)
+        self._settle()
+
+    def _pending(self, e: _Entry, words) -> set[int]:
+        """The peers whose credit or rows exchange ``e`` still waits for, by ``words``."""
+        r, seq = e.route, e.seq
+        return ({pe for pe in r.recv_from if not self._landed(int(words[self._slot(DATA, pe)]), seq)}
+                | {pe for pe in r.send_to if not self._landed(int(words[self._slot(ANNOUNCE, pe)]), seq)})
+
+    def _check_peers(self, e: _Entry, words) -> None:
+        """Expire ``e`` at once when a peer it waits for aborted or left (its ABORT word), rather
+        than at the deadline: a peer's failure never writes into our other words."""
+        hit = self._aborted_by(words, self._pending(e, words))
+        if hit is not None:
+            self._expire(e, f"participant {hit[0]} {_WHY.get(hit[1], 'aborted')}", code=PEER_FAILED)
+
+    def _expire(self, e: _Entry, why: str | None = None, code: int = TIMED_OUT) -> None:
+        """End exchange ``e``'s waits: the watchdog at its deadline (``code`` TIMED_OUT: every
+        peer fails), on a peer's failure (PEER_FAILED: the peers waiting on this one fail), or a
+        wait that gave up."""
+        with self._lock:
+            if e.resolved or e.expired is not None:
+                return
+            words = self.heap.signals()
+            r, me = e.route, self.rank
+            # A peer we send to that gave its credit has entered the exchange: its rows may be held
+            # up by another peer. The others never showed up (as far as this PE can tell).
+            entered = {pe for pe in r.send_to if self._landed(int(words[self._slot(ANNOUNCE, pe)]), e.seq)}
+            missing = self._pending(e, words)
+            # Peers whose deadline passed as ours did have aborted too: alive, not silent.
+            gave_up = {pe for pe in missing if int(words[self._slot(ABORT, pe)]) >> GEN_SHIFT == self.generation
+                       and int(words[self._slot(ABORT, pe)]) & _LOW}
+            silent, held = sorted(missing - entered - gave_up), sorted((missing & entered) - gave_up)
+            e.expired = why or (f"participant {me} did not hear from participants {silent} within the deadline"
+                                + (f"; participants {held} entered the exchange but their rows did not come"
+                                   if held else "")
+                                + (f"; participants {sorted(gave_up)} gave up waiting too" if gave_up else ""))
+            self._abort(code, e.expired)
+            for pe in self._peers():  # our own waits end, whatever they wait on
+                for kind in (ANNOUNCE, DATA):
+                    self._stream.force(self._slot(kind, pe), self.abort_value)
+
+    def _resolve(self, e: _Entry) -> None:
+        """Decide, from the exchange's snapshot, whether it delivered (once its marker passed)."""
+        with self._lock:
+            if e.resolved:
+                return
+            e.resolved = True
+            r, seq, me = e.route, e.seq, self.rank
+            where = f"device-driven exchange {seq & _LOW} of route {r.name!r}, group epoch {self.epoch}"
+            error = getattr(self._stream, "error", None)
+            code = None  # what to tell the peers: nothing when they know already
+            if error is not None:
+                e.error, code = DistCAError(f"all-to-all ({where}) on participant {me}: the stream failed: "
+                                            f"{error}"), TIMED_OUT
+            elif e.expired is not None:
+                e.error = DistCAError(f"all-to-all ({where}): {e.expired}")  # _expire told them
+            else:
+                words, table = e.snapshot.value()
+                pending = self._pending(e, words)
+                hit = self._aborted_by(words, pending)
+                if hit is not None:  # the peer that aborted told everyone
+                    e.error = DistCAError(f"all-to-all ({where}) aborted on participant {me}: participant {hit[0]} "
+                                          f"{_WHY.get(hit[1], 'aborted')}")
+                elif pending:
+                    e.error, code = DistCAError(f"all-to-all ({where}) aborted on participant {me}: no rows from "
+                                                f"participants {sorted(pending)}"), TIMED_OUT
+                else:
+                    e.error = self._check_reports(r, table, where)
+                    code = MISMATCH if e.error is not None else None
+            if e.error is not None:
+                if self._broken is None:
+                    self._broken = str(e.error)
+                if code is not None:
+                    self._abort(code, str(e.error))
+
+    def _check_reports(self, r: _Route, table: np.ndarray, where: str) -> ValueError | None:
+        rows = table.reshape(self.world_size, _REPORT)
+        nseg = len(r.recv_splits)
+        for pe in r.recv_from:
+            rep = rows[pe]
+            expect = [r.recv_splits[s][pe] for s in range(nseg)]
+            sent = rep[3:3 + int(rep[1])].tolist() if 0 <= int(rep[1]) <= MAX_SEGMENTS else None
+            if int(rep[2]) != r.rid or sent != expect:
+                return ValueError(f"participant {self.rank} ({where}): participant {pe} sent segment bytes "
+                                  f"{sent} under another route, participant {self.rank} expects {expect}")
+        return None
+
+    def close(self) -> None:
+        """Leave the group: exchanges still in flight end now (their waits are forced), then as
+        :meth:`.symmetric.SymmetricTransport.close`."""
+        if self._closed:
+            return
+        for e in self._unresolved():
+            if not e.marker.done():
+                self._expire(e, f"participant {self.rank} closed the transport during the exchange")
+        if self._stream is not None:
+            for e in self._unresolved():
+                e.marker.wait(GRACE_S)
+            self._stream.close()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        super().close()
+
+
+__all__ = ["GRACE_S", "RoutedTransport", "Watchdog", "route_id"]

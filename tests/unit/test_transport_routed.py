@@ -1,0 +1,364 @@
+"""The device-driven exchange (transport/routed.py) over the CPU shared-memory heap, whose stream is
+a thread (transport/pe_stream.py HostStream): what CI can test of issue 22 item 1.
+
+- byte-for-byte what the in-process transport delivers, over random routes (zero-byte peers, own
+  splits, several segments), host-driven rounds in between, and arrays growing (which moves the
+  buffers: routes are installed again);
+- once a route is installed, ``exchange`` returns before any peer has entered the exchange;
+- the watchdog: a silent or dead peer fails the others with ``DistCAError`` naming it, after the
+  deadline and bounded; a peer that misuses a route is refused with ``ValueError`` and its peers
+  fail at once; a peer that closes fails the others; the next group epoch over the same heap is
+  exact.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from distca_server.errors import DistCAError
+from distca_server.transport.local import LocalGroup
+from distca_server.transport.routed import GRACE_S, RoutedTransport, route_id
+from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
+from distca_server.transport.symmetric import ReusableHeap
+
+SIZES = [0, 0, 1, 3, 64, 255, 1000, 4096]
+SLACK_S = 10.0  # what a loaded CI machine may add to a bound; the bound is the point, not its tightness
+
+
+def route_data(seed: int, P: int, scale: int = 1):
+    """A route's sizes ``splits[src][s][dst]`` (the same in every thread)."""
+    g = torch.Generator().manual_seed(seed)
+    nseg = int(torch.randint(1, 4, (1,), generator=g))
+    idx = torch.randint(0, len(SIZES), (P, nseg, P), generator=g)
+    return [[[SIZES[int(i)] * scale for i in idx[src, s]] for s in range(nseg)] for src in range(P)]
+
+
+def payload(src: int, splits, step: int) -> list[torch.Tensor]:
+    """What ``src`` sends in exchange ``step``: bytes that name the sender, segment and step."""
+    g = torch.Generator().manual_seed(1000 * step + src)
+    return [torch.randint(0, 256, (sum(row),), dtype=torch.uint8, generator=g) for row in splits[src]]
+
+
+def recv_splits(splits, me: int):
+    return [[splits[src][s][me] for src in range(len(splits))] for s in range(len(splits[0]))]
+
+
+def in_threads(P: int, fn) -> list:
+    result, errors = [None] * P, []
+
+    def one(r):
+        try:
+            result[r] = fn(r)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return result
+
+
+def schedule(P: int, steps: int, seed: int):
+    """``steps`` exchanges: mostly three repeating routes, sometimes an unrouted one, and a larger
+    route late (its buffers grow, so every installed route moves)."""
+    routes = {name: route_data(seed * 10 + i, P) for i, name in enumerate("abc")}
+    routes["big"] = route_data(seed * 10 + 9, P, scale=8)
+    plan = []
+    for step in range(steps):
+        name = "abc"[step % 3] if step % 7 != 5 else None
+        if step == steps // 2:
+            name = "big"
+        splits = routes[name] if name else route_data(seed * 100 + step, P)
+        plan.append((name, splits))
+    return plan
+
+
+def play(transport, plan, key_of=lambda name: f"recv-{name}"):
+    """Run ``plan`` on one endpoint; returns the received bytes of every exchange."""
+    me, out = transport.rank, []
+    for step, (name, splits) in enumerate(plan):
+        rs = recv_splits(splits, me)
+        recv = [transport.buffer(f"{key_of(name)}-{s}", sum(x)) for s, x in enumerate(rs)]
+        handle = transport.exchange(payload(me, splits, step), splits[me], recv, rs,
+                                    route=None if name is None else ("test", name))
+        handle.wait()
+        out.append([x.clone() for x in recv])
+    return out
+
+
+@pytest.fixture
+def heap():
+    made = []
+
+    def make(P, heap_bytes=16 << 20):
+        made.append(create_heap(P, heap_bytes))
+        return made[-1]
+    yield make
+    for h in made:
+        destroy_heap(h)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_routed_exchanges_equal_the_local_transport(heap, P):
+    plan = schedule(P, 24, seed=P)
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        got = in_threads(P, lambda r: play(ts[r], plan))
+        group = LocalGroup(P, timeout_s=60)
+        want = in_threads(P, lambda r: play(group.endpoint(r), plan))
+        for r in range(P):
+            for step in range(len(plan)):
+                for s, (a, b) in enumerate(zip(got[r][step], want[r][step])):
+                    assert torch.equal(a, b), f"participant {r} exchange {step} segment {s} ({plan[step][0]})"
+        # Exchanges of installed routes ran device-driven, on every PE alike (a growing array
+        # uninstalls every route: the unrouted exchanges' random sizes grow theirs now and then).
+        counts = {t.device_exchanges for t in ts}
+        assert len(counts) == 1 and counts.pop() >= 5, [t.device_exchanges for t in ts]
+        assert sorted(map(str, ts[0].routes)) == sorted(map(str, ts[1].routes))
+        # bytes_sent counts other participants' bytes, device-driven exchanges included.
+        assert ts[0].bytes_sent == sum(sum(row) - row[0] for _, sp in plan for row in sp[0])
+    finally:
+        for t in ts:
+            t.close()
+
+
+def installed(ts, name="r", splits=None, P=None):
+    """Run a route's exchanges until it is installed everywhere (growth, then install)."""
+    P = P or len(ts)
+    splits = splits or [[[64] * P] for _ in range(P)]
+    for _ in range(2):
+        in_threads(P, lambda r: play(ts[r], [(name, splits)]))
+    assert all(("test", name) in t.routes for t in ts)
+    return splits
+
+
+def test_a_route_is_installed_by_its_second_exchange_and_reinstalled_after_growth(heap):
+    P = 2
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        r = [[[64] * P] for _ in range(P)]
+        big = [[[5000] * P] for _ in range(P)]
+        # 1: the buffer grows; 2: installs; 3-6: device-driven; "big" grows another array, which
+        # uninstalls "r": 7 host-driven (installs again), 8-9 device-driven.
+        plan = [("r", r)] * 6 + [(None, big)] + [("r", r)] * 3
+        in_threads(P, lambda k: play(ts[k], plan))
+        assert [t.device_exchanges for t in ts] == [6, 6]
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_an_installed_route_returns_before_any_peer_enters(heap):
+    P = 2
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        splits = installed(ts)
+        rs = recv_splits(splits, 0)
+        bufs = [[t.buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(recv_splits(splits, t.rank))] for t in ts]
+        # Participant 0 starts and returns while participant 1 has not even called exchange: the
+        # host-driven protocol would block here until its deadline.
+        h0 = ts[0].exchange(payload(0, splits, 7), splits[0], bufs[0], rs, route=("test", "r"))
+        assert not h0._entry.marker.done()
+        h1 = ts[1].exchange(payload(1, splits, 7), splits[1], bufs[1], recv_splits(splits, 1), route=("test", "r"))
+        h0.wait()
+        h1.wait()
+        assert torch.equal(bufs[0][0][64:], payload(1, splits, 7)[0][:64])
+        assert torch.equal(bufs[1][0][:64], payload(0, splits, 7)[0][64:])
+        assert ts[0].device_exchanges == ts[1].device_exchanges == 1
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_silent_peer_fails_the_others_after_the_deadline_naming_it(heap):
+    P, timeout = 3, 1.0
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=timeout) for r in range(P)]
+    try:
+        splits = installed(ts)
+
+        def live(r):
+            rs = recv_splits(splits, r)
+            recv = [ts[r].buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(rs)]
+            t0 = time.monotonic()
+            handle = ts[r].exchange(payload(r, splits, 9), splits[r], recv, rs, route=("test", "r"))
+            returned = time.monotonic() - t0
+            with pytest.raises(DistCAError) as err:
+                handle.wait()
+            return returned, time.monotonic() - t0, str(err.value)
+        got = in_threads(2, live)  # participant 2 never enters
+        for r, (returned, elapsed, msg) in enumerate(got):
+            assert returned < timeout, "exchange itself must not wait for peers"
+            assert timeout <= elapsed < timeout + GRACE_S + SLACK_S, (r, elapsed)
+            assert "did not hear from participants [2]" in msg, msg
+        # The group stays broken for the next exchange, at once.
+        with pytest.raises(DistCAError, match="aborted"):
+            play(ts[0], [("r", splits)])
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_misused_route_is_refused_and_its_peers_fail_at_once(heap):
+    P = 3
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        splits = installed(ts)
+
+        def step(r):
+            rs = recv_splits(splits, r)
+            if r == 0:  # other sizes under the same route: refused before anything moves
+                bad = [[[65] * P]]
+                with pytest.raises(ValueError, match=r"route \('test', 'r'\) has other sizes.*\[65, 65, 65\]"):
+                    ts[0].exchange(payload(0, bad, 3), bad[0], [torch.empty(sum(rs[0]), dtype=torch.uint8)],
+                                   rs, route=("test", "r"))
+                return 0.0, ""
+            recv = [ts[r].buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(rs)]
+            t0 = time.monotonic()
+            with pytest.raises(DistCAError) as err:
+                ts[r].exchange(payload(r, splits, 3), splits[r], recv, rs, route=("test", "r")).wait()
+            return time.monotonic() - t0, str(err.value)
+        got = in_threads(P, step)
+        for r in (1, 2):
+            elapsed, msg = got[r]
+            assert "participant 0 found a size mismatch" in msg, msg
+            assert elapsed < 30, "the peers fail on participant 0's abort, not at their 60 s deadline"
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_peers_that_disagree_on_the_route_fail_instead_of_mixing_bytes(heap):
+    P = 2
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        a = installed(ts, "a", [[[64, 64]], [[64, 64]]])
+        b = installed(ts, "b", [[[64, 32]], [[32, 64]]])  # its buffers grew: "a" is installed anew
+        installed(ts, "a", a)
+        assert ts[0].device_exchanges == ts[1].device_exchanges
+
+        def step(r):
+            name, splits = ("a", a) if r == 0 else ("b", b)
+            rs = recv_splits(splits, r)
+            recv = [ts[r].buffer(f"recv-{name}-{s}", sum(x)) for s, x in enumerate(rs)]
+            with pytest.raises((ValueError, DistCAError)) as err:
+                ts[r].exchange(payload(r, splits, 5), splits[r], recv, rs, route=("test", name)).wait()
+            return str(err.value)
+        devices = [t.device_exchanges for t in ts]
+        msgs = in_threads(P, step)
+        assert [t.device_exchanges for t in ts] == [n + 1 for n in devices]  # both ran device-driven
+        assert any("under another route" in m for m in msgs), msgs
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_peer_that_closes_fails_the_others(heap):
+    P = 3
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        splits = installed(ts)
+        ts[2].close()
+
+        def step(r):
+            rs = recv_splits(splits, r)
+            recv = [ts[r].buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(rs)]
+            t0 = time.monotonic()
+            with pytest.raises(DistCAError, match="participant 2 left the group"):
+                ts[r].exchange(payload(r, splits, 4), splits[r], recv, rs, route=("test", "r")).wait()
+            return time.monotonic() - t0
+        assert max(in_threads(2, step)) < 30
+    finally:
+        for t in ts[:2]:
+            t.close()
+
+
+def test_next_group_epoch_over_the_same_heap_is_exact_after_a_failure(heap):
+    P, timeout = 2, 0.5
+    h = heap(P)
+    heaps = [ReusableHeap(ShmHeap(h, r)) for r in range(P)]
+    old = [RoutedTransport(heaps[r].lease(1), timeout_s=timeout, epoch=1) for r in range(P)]
+    splits = installed(old)
+    with pytest.raises(DistCAError):  # participant 1 stays away: participant 0's watchdog fires
+        play(old[0], [("r", splits)])
+    for t in old:
+        t.close()
+    # Epoch 2 reuses the heap: its words hold epoch 1's values (abort values included).
+    new = [RoutedTransport(heaps[r].lease(2), timeout_s=60, epoch=2) for r in range(P)]
+    try:
+        plan = [("r", splits)] * 4 + [("s", route_data(3, P))] * 3
+        got = in_threads(P, lambda r: play(new[r], plan))
+        for step in range(len(plan)):
+            for r in range(P):
+                want = [torch.cat([payload(src, plan[step][1], step)[s][
+                    sum(plan[step][1][src][s][:r]):sum(plan[step][1][src][s][:r + 1])] for src in range(P)])
+                    for s in range(len(plan[step][1][0]))]
+                assert all(torch.equal(x, y) for x, y in zip(got[r][step], want)), (step, r)
+        assert new[0].device_exchanges >= 3
+    finally:
+        for t in new:
+            t.close()
+        for x in heaps:
+            x.close()
+
+
+def test_route_ids_are_the_same_in_every_process():
+    assert route_id(("plan", 3, "dispatch")) == route_id(("plan", 3, "dispatch")) > 0
+    assert route_id(("plan", 3, "dispatch")) != route_id(("plan", 3, "return"))
+
+
+# ---- a peer process that dies mid-exchange ---------------------------------------------------------
+def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
+    t = RoutedTransport(ShmHeap(handle, rank), timeout_s=timeout)
+    splits = [[[4096] * P] for _ in range(P)]
+    rs = recv_splits(splits, rank)
+    for step in range(3):  # grow, install, then one device-driven exchange
+        recv = [t.buffer("recv", sum(rs[0]))]
+        t.exchange(payload(rank, splits, step), splits[rank], recv, rs, route="r").wait()
+    if rank == P - 1:
+        os._exit(0)  # dies with the route installed, before the next exchange
+    t0 = time.monotonic()
+    try:
+        recv = [t.buffer("recv", sum(rs[0]))]
+        t.exchange(payload(rank, splits, 3), splits[rank], recv, rs, route="r").wait()
+        results.put((rank, "ok", time.monotonic() - t0, t.device_exchanges))
+    except DistCAError as exc:
+        results.put((rank, str(exc), time.monotonic() - t0, t.device_exchanges))
+
+
+def test_peer_process_that_dies_fails_the_others_within_the_deadline():
+    P, timeout = 3, 1.0
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    handle = create_heap(P, heap_bytes=4 << 20)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, P, handle, timeout, results)) for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        got = {r: (msg, elapsed, n) for r, msg, elapsed, n in (results.get(timeout=120) for _ in range(P - 1))}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        destroy_heap(handle)
+    assert set(got) == {0, 1}
+    for r, (msg, elapsed, n) in got.items():
+        assert n == 2, "the exchange that failed ran device-driven"
+        assert f"participants [{P - 1}]" in msg or "gave up" in msg, msg
+        assert timeout <= elapsed < timeout + GRACE_S + SLACK_S, (r, elapsed)
