@@ -179,7 +179,7 @@ for s in "$@"; do
         kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$OUT/kernels.json" \
                      ${GPU_KERNELS_ARGS:-} ;;
         ntests) stage ntests 180 "${PYTEST[@]}" -m nvshmem tests/unit/test_transport_nvshmem.py \
-                    tests/unit/test_attend_transport.py ;;
+                    tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py ;;
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
                        --max-size 1GiB --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;

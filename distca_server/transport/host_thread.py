@@ -121,7 +121,9 @@ class HostBoundHeap:
     (stream work that must see the caller's current stream; returns the source to put), then queue
     the heap's own method on the host thread; ``quiet``, ``close`` and ``finalize`` run there and
     wait (bounded by ``timeout_s``). Local copies and reads of this PE's own memory (``copy``,
-    ``signals``, ``read``, ``idle``) call no NVSHMEM and run on the calling thread.
+    ``signals``, ``read``, ``idle``) call no NVSHMEM and run on the calling thread. The endpoint's
+    ``stream_ops(abort_value, submit, timeout_s)``, where it has one, is offered as
+    ``stream_ops(abort_value)`` with this host thread's ``submit``.
 
     Args:
         heap: the endpoint whose ``put``/``put_signal``/``signal``/``quiet``/``close`` make
@@ -167,4 +169,9 @@ class HostBoundHeap:
     def __getattr__(self, name):  # finalize ... of the endpoint (not host calls themselves)
         if name.startswith("_") or name == "heap":
             raise AttributeError(name)
+        if name == "stream_ops":
+            # The endpoint's device-driven stream must submit its NVSHMEM calls to this host
+            # thread; looked up here so that an endpoint without one has no attribute either.
+            make = getattr(self.heap, "stream_ops")
+            return lambda abort_value: make(abort_value, submit=self.host.submit, timeout_s=self.timeout_s)
         return getattr(self.heap, name)

@@ -39,6 +39,10 @@ first waits for the caller's stream (where the rows to send were produced); wait
 words with a device-to-host copy on a separate stream, so a dead peer costs a timeout, never a hung
 stream. Only point-to-point RMA is used: several PEs may share one GPU without MPS.
 
+The transport is a :class:`~.routed.RoutedTransport`: exchanges of an installed route are
+device-driven, queued on the same communication stream by :meth:`NvshmemHeap.stream_ops` (an
+:class:`~.nvshmem_stream.NvshmemStream`, whose NVSHMEM calls also run on the host thread).
+
 Bootstrap: world rank 0 publishes ``{"uid": bytes, "heap_bytes": int, "reuse": bool}`` (or
 ``{"error": str}`` when it cannot take part), the scheduler hands it to the others with the group
 epoch (in tests a ``torch.multiprocessing`` queue does), and every PE calls :func:`join_nvshmem`.
@@ -50,6 +54,7 @@ import atexit
 import os
 import threading
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -184,6 +189,27 @@ class NvshmemHeap:
         frees it at exit)."""
         self._stream.synchronize()
 
+    # ---- device-driven exchanges -------------------------------------------------------------------
+    def stream_ops(self, abort_value: int, submit: Callable | None = None, timeout_s: float = FINALIZE_TIMEOUT_S):
+        """This PE's :class:`~.nvshmem_stream.NvshmemStream` for :class:`~.routed.RoutedTransport`,
+        on the heap's own communication stream and fence bookkeeping (host- and device-driven
+        work stay in one order). ``submit`` queues a call on the NVSHMEM host thread (default the
+        runtime's; :class:`HostBoundHeap` passes its own); ``timeout_s`` bounds a marker's join.
+
+        Returns:
+            the stream, or None (with a warning) when this nvshmem4py lacks a call it needs: the
+            transport's exchanges then stay host-driven.
+        """
+        from .nvshmem_stream import NvshmemStream, missing_bindings
+        missing = missing_bindings(self._bindings)
+        if missing:
+            warnings.warn(f"nvshmem4py lacks {', '.join(missing)}: NVSHMEM exchanges stay host-driven",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        return NvshmemStream(self.arena, self._words, self.rank, abort_value, bindings=self._bindings,
+                             submit=runtime().host.submit if submit is None else submit, device=self.device,
+                             comm=self._stream, dirty=self._dirty, timeout_s=timeout_s)
+
     # ---- this PE's own memory: no NVSHMEM call ---------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)  # on the caller's stream, like the rows it produced
@@ -288,7 +314,8 @@ class NvshmemRuntime:
     def join(self, *, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
              lookup: Callable[[], object], heap_bytes: int = DEFAULT_HEAP_BYTES,
              device: torch.device | str = "cuda", epoch: int = 0) -> SymmetricTransport:
-        """This PE's transport of group epoch ``epoch`` (see :func:`join_nvshmem`).
+        """This PE's transport of group epoch ``epoch``, a :class:`~.routed.RoutedTransport` (see
+        :func:`join_nvshmem`).
 
         Raises:
             ValueError: bad rank, world size or heap size.
@@ -329,7 +356,8 @@ class NvshmemRuntime:
                 lease = self.heap.lease(int(epoch))
             except ValueError as exc:
                 raise DistCAError(f"{where}: cannot reuse the heap: {exc}") from None
-        return SymmetricTransport(lease, timeout_s=timeout_s, epoch=epoch)
+        from .routed import RoutedTransport  # exchanges of installed routes are device-driven
+        return RoutedTransport(lease, timeout_s=timeout_s, epoch=epoch)
 
     def _offer(self, world_size: int, heap_bytes: int, where: str, publish) -> dict:
         """World rank 0: the bootstrap value (published): a fresh unique id, or the running world's."""
@@ -430,7 +458,9 @@ def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Calla
     ``heap_bytes`` (arena bytes per PE, rounded up to 256) when this process has not started
     NVSHMEM, else the running world's (the heap is reused); the others ``lookup()`` it (through the
     scheduler, with the group epoch) and start NVSHMEM or reuse theirs. The transport's signals
-    carry ``epoch`` as their generation, so epochs on one heap must increase.
+    carry ``epoch`` as their generation, so epochs on one heap must increase. The transport is a
+    :class:`~.routed.RoutedTransport` (a :class:`~.symmetric.SymmetricTransport` whose exchanges
+    of an installed route are device-driven).
 
     Raises:
         ValueError: bad rank or sizes.

@@ -1,0 +1,437 @@
+"""The GPU PE stream (transport/nvshmem_stream.py NvshmemStream) with fake bindings and a fake CUDA,
+on the CPU: how each PeStream operation maps to nvshmem4py's ``*_on_stream`` calls (addresses,
+values, constants, PE, stream handle), the quiet before a signal to a peer with plain puts, that
+every binding call and every enqueue on the communication stream ran on the host thread in order,
+that ``force`` works while the communication stream and the host thread are blocked, snapshots,
+markers and failures; and how the NVSHMEM heap, its host binding and a lease offer the stream.
+
+The last test runs device-driven exchanges between 2 PEs on a real GPU heap (``-m nvshmem``; skipped
+without nvshmem4py and CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distca_server.errors import DistCAError
+from distca_server.transport.nvshmem import HostBoundHeap, HostThread, NvshmemHeap, NvshmemRuntime
+from distca_server.transport.nvshmem_stream import DeviceSnapshot, NvshmemStream, missing_bindings
+from distca_server.transport.routed import RoutedTransport
+from distca_server.transport.symmetric import ReusableHeap
+
+from test_heap_lifecycle import FakeDriver, Relay, _join
+from test_transport_routed import in_threads, payload, play, recv_splits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SET, GE = 7, 5  # distinct from each other and from any PE, slot or value used below
+WORDS = 24
+
+
+class FakeBindings:
+    """nvshmem4py's bindings: records ``(name, args, thread identity)``; ``fail`` names a call
+    that raises."""
+
+    class Signal_op:
+        SIGNAL_SET, SIGNAL_ADD = SET, 1
+
+    class Cmp_type:
+        CMP_EQ, CMP_GE = 0, GE
+
+    def __init__(self):
+        self.calls: list = []
+        self.fail: str | None = None
+
+    def _rec(self, name, *args):
+        self.calls.append((name, args, threading.get_ident()))
+        if name == self.fail:
+            raise RuntimeError(f"{name} failed")
+
+
+for _name in ("putmem_on_stream", "putmem_signal_on_stream", "signal_op_on_stream", "quiet_on_stream",
+              "signal_wait_until_on_stream"):
+    setattr(FakeBindings, _name, lambda self, *a, _n=_name: self._rec(_n, *a))
+
+
+class FakeStream:
+    def __init__(self, name, log, handle):
+        self.name, self.log, self.cuda_stream = name, log, handle
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event, threading.get_ident()))
+
+
+class FakeEvent:
+    def __init__(self, log):
+        self.log, self.stream, self.complete = log, None, True
+
+    def record(self, stream):
+        self.stream = stream
+        self.log.append(("record", stream.name, self, threading.get_ident()))
+
+    def query(self):
+        return self.stream is None or self.complete  # as CUDA: an event never recorded has passed
+
+
+class FakeCuda:
+    """:class:`TorchCuda`'s methods over CPU tensors; records ``(what, stream, ..., thread)``."""
+
+    def __init__(self):
+        self.log: list = []
+        self.caller = FakeStream("caller", self.log, 100)
+        self.made = 0
+
+    def stream(self):
+        self.made += 1
+        return FakeStream("side" if self.made == 1 else f"made{self.made}", self.log, 200 + self.made)
+
+    def current_stream(self):
+        return self.caller
+
+    @contextmanager
+    def use(self, stream):
+        self.log.append(("use", stream.name, threading.get_ident()))
+        yield
+
+    def event(self):
+        return FakeEvent(self.log)
+
+    def pinned(self, n, dtype):
+        return torch.zeros(n, dtype=dtype)
+
+    def keep(self, tensor, stream):
+        self.log.append(("keep", stream.name, tensor.data_ptr(), threading.get_ident()))
+
+    def handle(self, stream):
+        return stream.cuda_stream
+
+
+@pytest.fixture
+def env():
+    host = HostThread("test-nvshmem-stream")
+    b, cuda = FakeBindings(), FakeCuda()
+    comm = FakeStream("comm", cuda.log, 42)
+    arena = torch.zeros(1 << 12, dtype=torch.uint8)
+    words = torch.zeros(WORDS, dtype=torch.int64)
+
+    def make(submit=host.submit, **kw):
+        return NvshmemStream(arena, words, 0, -1, bindings=b, submit=submit, device="cpu", cuda=cuda, comm=comm,
+                             dirty=set(), **kw)
+    e = SimpleNamespace(host=host, b=b, cuda=cuda, comm=comm, arena=arena, words=words, make=make,
+                        sig=words.data_ptr(), flush=lambda: host.call(lambda: None, timeout_s=5))
+    yield e
+    host.stop()
+
+
+def names(calls):
+    return [c[0] for c in calls]
+
+
+def test_operations_map_to_the_bindings_on_the_host_thread(env):
+    st = env.make()
+    base, sig = env.arena.data_ptr(), env.sig
+    a, b = torch.arange(10, dtype=torch.uint8), torch.arange(6, dtype=torch.uint8)
+    rep = torch.arange(16, dtype=torch.uint8)
+    st.begin()
+    st.signal(1, 3, 11)  # credit: nothing put to 1 yet, so no quiet
+    st.wait_ge(4, 12)
+    st.put(1, 64, a, credit=4)  # credit is accepted and ignored
+    st.put(1, 128, b)
+    st.put(2, 0, b)
+    st.put_signal(1, 256, rep, 9, 13)  # plain puts to 1 before: quiet first
+    st.signal(2, 10, 14)  # the quiet covered PE 2's put too: no second quiet
+    st.put_signal(2, 512, rep, 11, 15)
+    env.flush()
+    assert env.b.calls == [
+        ("signal_op_on_stream", (sig + 8 * 3, 11, SET, 1, 42), env.host.ident),
+        ("signal_wait_until_on_stream", (sig + 8 * 4, GE, 12, 42), env.host.ident),
+        ("putmem_on_stream", (base + 64, a.data_ptr(), 10, 1, 42), env.host.ident),
+        ("putmem_on_stream", (base + 128, b.data_ptr(), 6, 1, 42), env.host.ident),
+        ("putmem_on_stream", (base + 0, b.data_ptr(), 6, 2, 42), env.host.ident),
+        ("quiet_on_stream", (42,), env.host.ident),
+        ("putmem_signal_on_stream", (base + 256, rep.data_ptr(), 16, sig + 8 * 9, 13, SET, 1, 42), env.host.ident),
+        ("signal_op_on_stream", (sig + 8 * 10, 14, SET, 2, 42), env.host.ident),
+        ("putmem_signal_on_stream", (base + 512, rep.data_ptr(), 16, sig + 8 * 11, 15, SET, 2, 42), env.host.ident),
+    ]
+    # begin: the event is recorded on the caller's stream here, the comm stream waits there.
+    me = threading.get_ident()
+    (rec,) = [x for x in env.cuda.log if x[0] == "record"]
+    (wait,) = [x for x in env.cuda.log if x[0] == "wait_event"]
+    assert rec[1] == "caller" and rec[3] == me
+    assert wait[1] == "comm" and wait[2] is rec[2] and wait[3] == env.host.ident
+    # Sources are marked as used by the comm stream, on the calling thread.
+    kept = {(x[2], x[3]) for x in env.cuda.log if x[0] == "keep" and x[1] == "comm"}
+    assert kept == {(t.data_ptr(), me) for t in (a, b, rep)}
+
+
+def test_a_signal_after_puts_to_the_same_peer_is_preceded_by_a_quiet(env):
+    st = env.make()
+    x = torch.ones(8, dtype=torch.uint8)
+    st.put(3, 0, x)
+    st.signal(3, 1, 5)
+    st.signal(3, 2, 6)  # nothing put since the quiet
+    st.put(3, 8, x)
+    st.put_signal(3, 16, x, 2, 7)
+    env.flush()
+    assert names(env.b.calls) == ["putmem_on_stream", "quiet_on_stream", "signal_op_on_stream", "signal_op_on_stream",
+                                  "putmem_on_stream", "quiet_on_stream", "putmem_signal_on_stream"]
+
+
+def test_copies_snapshots_and_markers_are_queued_in_order_on_the_host_thread(env):
+    st = env.make()
+    env.words[:] = torch.arange(WORDS) * 3
+    env.arena[:64] = torch.arange(64, dtype=torch.uint8)
+    src = torch.arange(32, dtype=torch.uint8) + 100
+    st.wait_ge(0, 1)
+    st.copy(env.arena[1024:1056], src)
+    snap = st.snapshot(32, 48)
+    marker = st.mark()
+    env.flush()
+    assert torch.equal(env.arena[1024:1056], src)
+    words, table = snap.value()
+    assert isinstance(snap, DeviceSnapshot)
+    assert words.shape == (WORDS,) and str(words.dtype) == "int64" and words.tolist() == list(range(0, 3 * WORDS, 3))
+    assert table.shape == (6,) and str(table.dtype) == "int64"
+    assert table.tolist() == env.arena[32:80].view(torch.int64).tolist()
+    # Every enqueue on the comm stream ran on the host thread, after the wait submitted before it.
+    uses = [x for x in env.cuda.log if x[0] == "use"]
+    assert [x[1] for x in uses] == ["comm", "comm"] and {x[2] for x in uses} == {env.host.ident}
+    (rec,) = [x for x in env.cuda.log if x[0] == "record"]
+    assert rec[1] == "comm" and rec[3] == env.host.ident and rec[2] is marker.event
+    assert marker.done()
+    with pytest.raises(ValueError, match="not int64 words"):
+        st.snapshot(0, 12)
+
+
+def test_markers_poll_their_event_within_the_bound_and_join_the_callers_stream(env):
+    st = env.make(timeout_s=0.2)
+    gate = threading.Event()
+    env.host.submit(gate.wait)  # the host thread is busy: the marker is not recorded yet
+    try:
+        marker = st.mark()
+        assert not marker.done()
+        t0 = time.monotonic()
+        assert not marker.wait(0.05)
+        with pytest.raises(DistCAError, match="did not queue the exchange within 0.2 s"):
+            marker.join()
+        assert time.monotonic() - t0 < 5
+    finally:
+        gate.set()
+    env.flush()
+    assert marker.done()
+    marker.event.complete = False  # recorded, the stream has not passed it
+    t0 = time.monotonic()
+    assert not marker.done() and not marker.wait(0.05)
+    assert time.monotonic() - t0 < 5
+    marker.join()
+    joined = [x for x in env.cuda.log if x[0] == "wait_event" and x[1] == "caller"]
+    assert joined == [("wait_event", "caller", marker.event, threading.get_ident())]
+    marker.event.complete = True
+    assert marker.wait(1.0)
+
+
+def test_force_writes_the_word_now_without_the_comm_stream_or_the_host_thread(env):
+    submitted = []
+    st = env.make(submit=lambda fn, *a: (submitted.append(fn), env.host.submit(fn, *a)))
+    gate = threading.Event()
+    env.host.submit(gate.wait)  # a host-driven quiet waiting on the blocked comm stream, say
+    try:
+        st.wait_ge(5, 99)  # queued behind it
+        n = len(submitted)
+        st.force(5, 1234)
+        assert int(env.words[5]) == 1234  # at once: the host thread is still blocked
+        assert len(submitted) == n and env.b.calls == []
+        uses = [x for x in env.cuda.log if x[0] == "use"]
+        assert uses == [("use", "side", threading.get_ident())]  # its own stream, not "comm"
+        with pytest.raises(ValueError):
+            st.force(WORDS, 1)
+    finally:
+        gate.set()
+    env.flush()
+    assert names(env.b.calls) == ["signal_wait_until_on_stream"]
+
+
+def test_a_failed_call_is_kept_later_work_skipped_and_markers_still_pass(env):
+    st = env.make()
+    env.b.fail = "putmem_on_stream"
+    x = torch.ones(4, dtype=torch.uint8)
+    st.put(1, 0, x)
+    st.wait_ge(1, 1)
+    marker = st.mark()
+    env.flush()
+    assert isinstance(st.error, RuntimeError) and "putmem_on_stream failed" in str(st.error)
+    assert names(env.b.calls) == ["putmem_on_stream"] and marker.done()
+    st.signal(1, 1, 1)  # skipped at once
+    env.flush()
+    assert names(env.b.calls) == ["putmem_on_stream"]
+    # A host thread that cannot take work (stuck, stopped): the error is kept, markers pass.
+    stuck = env.make(submit=lambda fn, *a: (_ for _ in ()).throw(DistCAError("stuck in quiet")))
+    stuck.signal(1, 1, 1)
+    m = stuck.mark()
+    assert isinstance(stuck.error, DistCAError) and m.done() and m.wait(0)
+    stuck.close()
+    with pytest.raises(DistCAError, match="closed"):
+        stuck.signal(1, 1, 1)
+
+
+def test_bad_arguments_are_refused_before_anything_is_queued(env):
+    st = env.make()
+    with pytest.raises(ValueError, match="contiguous"):
+        st.put(1, 0, torch.zeros(8, 2, dtype=torch.uint8)[:, 0])
+    with pytest.raises(ValueError, match="outside"):
+        st.put(1, env.arena.numel() - 2, torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="signal word"):
+        st.signal(1, WORDS, 1)
+    with pytest.raises(ValueError, match="elements"):
+        st.copy(env.arena[:4], torch.zeros(5, dtype=torch.uint8))
+    env.flush()
+    assert env.b.calls == []
+    assert st.synchronous is False
+
+
+def test_missing_bindings_are_named():
+    class Old:
+        putmem_on_stream = putmem_signal_on_stream = signal_op_on_stream = quiet_on_stream = staticmethod(print)
+        Signal_op = FakeBindings.Signal_op
+    assert missing_bindings(Old) == ["signal_wait_until_on_stream", "Cmp_type.CMP_GE"]
+    assert missing_bindings(FakeBindings()) == []
+    with pytest.raises(DistCAError, match="signal_wait_until_on_stream, Cmp_type.CMP_GE"):
+        NvshmemStream(torch.zeros(8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64), 0, 0, bindings=Old,
+                      submit=None, device="cpu", cuda=FakeCuda())
+
+
+# ---- how the heap offers the stream ------------------------------------------------------------------
+def _fake_nvshmem_heap(bindings, comm):
+    """An :class:`NvshmemHeap` without CUDA: the attributes ``stream_ops`` reads."""
+    heap = NvshmemHeap.__new__(NvshmemHeap)
+    heap._bindings, heap.rank, heap.world_size, heap.device = bindings, 1, 2, torch.device("cpu")
+    heap.arena = torch.zeros(256, dtype=torch.uint8)
+    heap._words = torch.zeros(WORDS, dtype=torch.int64)
+    heap._stream, heap._dirty = comm, {0}
+    return heap
+
+
+def test_the_nvshmem_heap_offers_a_stream_on_its_own_comm_stream_through_its_host_thread(monkeypatch):
+    import distca_server.transport.nvshmem_stream as ns
+    cuda = FakeCuda()
+    monkeypatch.setattr(ns, "TorchCuda", lambda device: cuda)
+    b = FakeBindings()
+    heap = _fake_nvshmem_heap(b, FakeStream("comm", cuda.log, 77))
+    host = HostThread("test-offer")
+    try:
+        lease = ReusableHeap(HostBoundHeap(heap, host, 7.5)).lease(3)
+        st = lease.stream_ops(99)  # HeapLease -> HostBoundHeap -> NvshmemHeap, with the host thread
+        assert isinstance(st, NvshmemStream) and st.abort_value == 99 and st.rank == 1
+        assert st._comm is heap._stream and st._dirty is heap._dirty and st._timeout_s == 7.5
+        st.signal(0, 2, 5)  # PE 0 had a host-driven put: the shared bookkeeping asks for a quiet
+        host.call(lambda: None, timeout_s=5)
+        assert [(n, a[-1], t) for n, a, t in b.calls] == [("quiet_on_stream", 77, host.ident),
+                                                          ("signal_op_on_stream", 77, host.ident)]
+        # An endpoint without stream_ops has none behind the binding and the lease either.
+        plain = ReusableHeap(HostBoundHeap(_Plain(), host, 1)).lease(1)
+        assert getattr(plain, "stream_ops", None) is None
+        # An nvshmem4py without the calls: a warning, and the exchanges stay host-driven.
+        monkeypatch.delattr(FakeBindings, "signal_wait_until_on_stream")
+        with pytest.warns(RuntimeWarning, match="signal_wait_until_on_stream"):
+            assert heap.stream_ops(1, submit=host.submit) is None
+    finally:
+        host.stop()
+
+
+class _Plain:
+    rank, world_size, device, arena = 0, 1, torch.device("cpu"), torch.zeros(8, dtype=torch.uint8)
+
+
+def test_the_nvshmem_join_path_returns_a_routed_transport():
+    """Over the fake NVSHMEM runtime (shared memory, a CPU stream): routed, and its routes run."""
+    from distca_server.transport.shm import destroy_heap
+    P = 2
+    drivers = [FakeDriver(P) for _ in range(P)]
+    rts = [NvshmemRuntime(driver=drivers[r], register_exit=False) for r in range(P)]
+    relay = Relay()
+    try:
+        eps = in_threads(P, lambda r: _join(rts[r], relay, 1, r, P))
+        assert all(isinstance(t, RoutedTransport) for t in eps)
+        splits = [[[64] * P] for _ in range(P)]
+        in_threads(P, lambda r: play(eps[r], [("r", splits)] * 4))
+        assert [t.device_exchanges for t in eps] == [2, 2]  # grow, install, then device-driven
+        for t in eps:
+            t.close()
+    finally:
+        for rt in rts:
+            rt.host.stop()
+        for d in drivers:
+            for h in d.handles:
+                destroy_heap(h)
+
+
+def test_importing_the_nvshmem_modules_needs_neither_nvshmem4py_nor_cuda():
+    code = ("import sys, torch, distca_server.transport.nvshmem, distca_server.transport.nvshmem_stream\n"
+            "assert not any(m == 'nvshmem' or m.startswith(('nvshmem.', 'cuda.core')) for m in sys.modules)\n"
+            "assert not torch.cuda.is_initialized()\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+# ---- on a real GPU heap ------------------------------------------------------------------------------
+def gpu_splits(P: int):
+    """``splits[src][s][dst]``: two segments, every pair's sizes different."""
+    return [[[64 * (1 + src + 2 * dst) for dst in range(P)], [8 * (src + 1)] * P] for src in range(P)]
+
+
+def _gpu_worker(rank: int, P: int, uids, results) -> None:
+    from distca_server.transport.nvshmem import join_nvshmem, runtime
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    t = join_nvshmem(rank=rank, world_size=P, timeout_s=30, device=device, heap_bytes=64 << 20,
+                     publish=lambda uid: [uids.put(uid) for _ in range(P - 1)], lookup=lambda: uids.get(timeout=120))
+    splits = gpu_splits(P)
+    rs = recv_splits(splits, rank)
+    got = []
+    for step in range(6):  # grow, install, then device-driven
+        recv = [t.buffer(f"recv-{s}", sum(x)) for s, x in enumerate(rs)]
+        send = [x.to(device) for x in payload(rank, splits, step)]
+        t.exchange(send, splits[rank], recv, rs, route=("gpu", "r")).wait()
+        got.append([x.cpu() for x in recv])  # on the caller's stream, which waited for the exchange
+    results.put((rank, {"type": type(t).__name__, "device_exchanges": t.device_exchanges, "got": got}))
+    t.close()
+    runtime().finalize(timeout_s=60)
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.nvshmem
+def test_two_pes_exchange_device_driven_on_the_gpu_heap():
+    import torch.multiprocessing as mp
+    P = 2
+    ctx = mp.get_context("spawn")
+    uids, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_gpu_worker, args=(r, P, uids, results)) for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=300) for _ in range(P))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    splits = gpu_splits(P)
+    for me in range(P):
+        assert got[me]["type"] == "RoutedTransport" and got[me]["device_exchanges"] >= 3, got[me]["device_exchanges"]
+        for step, recv in enumerate(got[me]["got"]):
+            for s, buf in enumerate(recv):
+                want = []
+                for src in range(P):
+                    at = sum(splits[src][s][:me])
+                    want.append(payload(src, splits, step)[s][at:at + splits[src][s][me]])
+                assert torch.equal(buf, torch.cat(want)), (me, step, s)
