@@ -1,4 +1,5 @@
-"""The one-sided exchange against the collective all-to-all, for the same ragged splits.
+"""The one-sided exchange, host-driven and device-driven, against the collective all-to-all, for
+the same ragged splits.
 
 ``--transport shm`` (CPU): :class:`~distca_server.transport.symmetric.SymmetricTransport` over the
 shared-memory heap (:mod:`distca_server.transport.shm`) against
@@ -13,6 +14,12 @@ random weights with one zero-byte peer per sender when ``P >= 3`` (the raggednes
 nothing to itself (rows that stay home never pass through a transport). The symmetric transport
 receives into its ``buffer`` (symmetric memory after the first exchange grew it), the baseline into a
 preallocated tensor. Both endpoints live in the same processes and run each size back to back.
+
+The one-sided exchange runs twice per size: host-driven (no route: every exchange announces its
+offsets and the host waits for every signal) and device-driven (a route, installed by its first
+exchanges: :mod:`distca_server.transport.routed`; on the CPU its "stream" is a thread). Every
+exchange's received bytes are compared: device-driven against host-driven always, and against the
+baseline where it is an all-to-all (not ``copy``).
 
 Per size: ``--warmup`` exchanges, then ``--iters`` timed ones (fewer for large sizes: at least 3,
 at most enough to move ~2 GiB); a participant's time is its median exchange (GPU: synchronized);
@@ -91,14 +98,15 @@ def heap_bytes(P: int, sizes: list[int]) -> int:
     return 2 * most + 16 * MiB
 
 
-def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, cuda: bool) -> float:
+def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, cuda: bool,
+                    **route) -> float:
     times = []
     for i in range(warmup + iters):
         recv = recv_of()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        transport.exchange([send], [ss], [recv], [rs]).wait()
+        transport.exchange([send], [ss], [recv], [rs], **route).wait()
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
@@ -111,7 +119,7 @@ class _CopyOnly:
     device): each participant copies the bytes it receives from one of its buffers into another,
     the memory-bandwidth floor of any exchange on one GPU. Not an all-to-all: no bytes compared."""
 
-    def exchange(self, send, send_splits, recv, recv_splits):
+    def exchange(self, send, send_splits, recv, recv_splits, route=None):
         n = recv[0].numel()
         recv[0].copy_(send[0][:n] if send[0].numel() >= n else recv[0])
         return DONE
@@ -131,9 +139,9 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
                            publish=lambda uid: [uids.put(uid) for _ in range(P - 1)],
                            lookup=lambda: uids.get(timeout=120), heap_bytes=heap_bytes(P, sizes))
     else:
+        from distca_server.transport.routed import RoutedTransport
         from distca_server.transport.shm import ShmHeap
-        from distca_server.transport.symmetric import SymmetricTransport
-        sym = SymmetricTransport(ShmHeap(handle, rank), timeout_s=120)
+        sym = RoutedTransport(ShmHeap(handle, rank), timeout_s=120)
     if baseline == "copy":
         base = _CopyOnly()
     else:
@@ -148,14 +156,23 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         send = torch.randint(0, 256, (sum(ss),), dtype=torch.uint8, device=device)
         n = max(3, min(iters, (2 * GiB) // max(size, 1)))
         recv_base = torch.empty(sum(rs), dtype=torch.uint8, device=device)
+        route = {"route": ("bench", size)}
+        before = sym.device_exchanges
+        # warmup >= 2: a route's first exchanges grow its buffer and install it
+        t_routed = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, max(2, warmup),
+                                   cuda, **route)
+        device_driven = sym.device_exchanges - before  # at least the timed ones, once installed
         t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
-        # The two delivered the same bytes.
+        # Every way delivered the same bytes.
         a = sym.buffer("bench", sum(rs))
+        sym.exchange([send], [ss], [a], [rs], **route).wait()
+        routed = a.clone()
         sym.exchange([send], [ss], [a], [rs]).wait()
         base.exchange([send], [ss], [recv_base], [rs]).wait()
-        rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "base_s": t_base,
-                     "equal": baseline == "copy" or bool(torch.equal(a, recv_base))})
+        rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
+                     "base_s": t_base, "device_driven": device_driven,
+                     "equal": bool(torch.equal(routed, a)) and (baseline == "copy" or bool(torch.equal(a, recv_base)))})
     results.put((rank, rows))
     sym.close()
     base.close()
@@ -199,10 +216,14 @@ def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: 
     for i, size in enumerate(sizes):
         mine = [per_rank[r][i] for r in range(P)]
         sym, base = max(m["sym_s"] for m in mine), max(m["base_s"] for m in mine)
+        routed = max(m["routed_s"] for m in mine)
         sent = statistics.mean(m["sent"] for m in mine)
         rows.append({"procs": P, "size": size, "iters": mine[0]["iters"], "sym_ms": 1e3 * sym,
-                     "base_ms": 1e3 * base, "sym_gbs": sent / sym / 1e9, "base_gbs": sent / base / 1e9,
-                     "speedup": base / sym, "equal": all(m["equal"] for m in mine)})
+                     "routed_ms": 1e3 * routed, "base_ms": 1e3 * base, "sym_gbs": sent / sym / 1e9,
+                     "routed_gbs": sent / routed / 1e9, "base_gbs": sent / base / 1e9,
+                     "speedup": base / sym, "routed_speedup": sym / routed,
+                     "device_driven": min(m["device_driven"] for m in mine),
+                     "equal": all(m["equal"] for m in mine)})
     return rows
 
 
@@ -241,24 +262,38 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
 
     def table() -> None:
-        print(f"| P | bytes sent per participant | {args.transport} ms | {baseline} ms | "
-              f"{args.transport} GB/s | {baseline} GB/s | {baseline}/{args.transport} time | same bytes |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---|")
+        t = args.transport
+        print(f"| P | bytes sent per participant | {t} host-driven ms | {t} device-driven ms | {baseline} ms | "
+              f"device-driven GB/s | {baseline} GB/s | host/device-driven time | {baseline}/host-driven time "
+              f"| same bytes |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in rows:
-            print(f"| {r['procs']} | {fmt_size(r['size'])} | {r['sym_ms']:.3f} | {r['base_ms']:.3f} | "
-                  f"{r['sym_gbs']:.2f} | {r['base_gbs']:.2f} | {r['speedup']:.2f} | {r['equal']} |")
+            print(f"| {r['procs']} | {fmt_size(r['size'])} | {r['sym_ms']:.3f} | {r['routed_ms']:.3f} | "
+                  f"{r['base_ms']:.3f} | {r['routed_gbs']:.2f} | {r['base_gbs']:.2f} | {r['routed_speedup']:.2f} | "
+                  f"{r['speedup']:.2f} | {r['equal']} |")
 
     big = [r for r in rows if r["size"] == sizes[-1]]
     small = [r for r in rows if r["size"] == sizes[0]]
-    headline = [f"{args.transport} vs {baseline} on {device}: at {fmt_size(sizes[-1])} "
-                + ", ".join(f"P={r['procs']} {r['sym_gbs']:.2f} vs {r['base_gbs']:.2f} GB/s" for r in big),
-                f"latency at {fmt_size(sizes[0])}: "
-                + ", ".join(f"P={r['procs']} {r['sym_ms']:.3f} vs {r['base_ms']:.3f} ms" for r in small)]
+    headline = [f"{args.transport} (device-driven, host-driven) vs {baseline} on {device}: at {fmt_size(sizes[-1])} "
+                + ", ".join(f"P={r['procs']} {r['routed_gbs']:.2f}, {r['sym_gbs']:.2f} vs {r['base_gbs']:.2f} GB/s"
+                            for r in big),
+                f"latency at {fmt_size(sizes[0])} (device-driven, host-driven, {baseline}): "
+                + ", ".join(f"P={r['procs']} {r['routed_ms']:.3f}, {r['sym_ms']:.3f}, {r['base_ms']:.3f} ms"
+                            for r in small)]
+    if any(r["device_driven"] < iters for r in rows):
+        headline.append("NOTE: some device-driven timings include host-driven exchanges (route not installed)")
     if not all(r["equal"] for r in rows):
         headline.append("MISMATCH: the two transports delivered different bytes")
+    # issue 22's summary keys, from this run (PEs are processes here: the multi-process figures)
+    summary = {}
+    for r in rows:
+        if r["procs"] == 2 and r["size"] == 64 * KiB:
+            summary = {"exchange_us_64KiB_2pe_processes": 1e3 * r["routed_ms"],
+                       "exchange_us_64KiB_2pe_host_driven": 1e3 * r["sym_ms"]}
     finish(table, headline, elapsed, json_path, {
         "benchmark": "transport", "transport": args.transport, "baseline": baseline, "device": device,
-        "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows})
+        "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows,
+        "summary": summary})
     if not all(r["equal"] for r in rows):
         sys.exit(1)
 
