@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
 from distca_server.runtime.local import LocalRuntime
+from distca_server.transport.local_heap import HeapGroup
 from distca_server.wire import RowFormat
 from scheduler.checks import finite_positive, is_int, positive_int
 from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, render, warn_deprecated
@@ -65,7 +67,11 @@ class DistCAClient:
                 ``PlanConfig()``: in-place, ε 0.05, ``min_shard`` 128, kept activations; see
                 :func:`scheduler.plan_batch`), or a :class:`~scheduler.config.JobConfig` (its
                 ``plan``, ``servers``, ``backend`` and ``timeout_s``: how long an all-to-all waits
-                for a participant, seconds; its other fields do nothing here). With a PlanConfig,
+                for a participant, seconds; ``transport`` ``"shm"`` or ``"nvshmem"`` runs the
+                participants over an in-process symmetric heap of ``heap_bytes`` per participant,
+                the one-sided protocol, device-driven once a plan's routes are installed
+                (:mod:`distca_server.transport.local_heap`), instead of in lock step; its other
+                fields do nothing here). With a PlanConfig,
                 ``backend`` and ``timeout_s`` are :class:`JobConfig`'s defaults (``"auto"``, 60 s).
                 ``keep_activations``: servers keep each layer's activations from its forward round
                 until its backward round (see the class doc); False: every backward round resends
@@ -88,6 +94,7 @@ class DistCAClient:
         entry = "DistCAClient.local"
         given = legacy_fields(entry, (), legacy, accepted=_LOCAL_LEGACY)
         problems, plan, backend, timeout_s, servers = [], None, JobConfig.backend, JobConfig.timeout_s, num_servers
+        heap_bytes = None  # an in-process symmetric heap instead of lock step (JobConfig.transport)
         if given:
             if config is not None:
                 raise TypeError(f"{entry}: pass config= or the deprecated arguments ({', '.join(given)}), not both")
@@ -106,6 +113,8 @@ class DistCAClient:
             plan = PlanConfig() if config is None else config
         elif isinstance(config, JobConfig):
             plan, backend, timeout_s = config.plan, config.backend, config.timeout_s
+            if config.transport in ("shm", "nvshmem"):
+                heap_bytes = config.heap_bytes
             if num_servers is None:
                 servers = config.servers
             elif num_servers != config.servers:
@@ -130,6 +139,8 @@ class DistCAClient:
             raise ConfigError(entry, problems)
         runtime = LocalRuntime(int(servers), int(num_ranks), plan, backend=backend, timeout_s=timeout_s)
         runtime.max_batches = int(max_batches)
+        if heap_bytes is not None:
+            runtime.group_factory = functools.partial(HeapGroup, heap_bytes=heap_bytes)
         return cls(runtime)
 
     @classmethod

@@ -254,6 +254,8 @@ class LocalRuntime(Runtime):
         if self._stopped:
             raise DistCAError("this DistCAClient is closed")
         if self._group is None or self._group.broken:
+            if self._group is not None and hasattr(self._group, "close"):
+                self._group.close()  # its transports' threads, if any
             self._group = self.group_factory(self.world_size, self.timeout_s)
         group = self._group
         if not isinstance(group, LockstepGroup):
@@ -314,5 +316,7 @@ class LocalRuntime(Runtime):
         self._stopped = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._group is not None and hasattr(self._group, "close"):
+            self._group.close()
         self._plans.clear()
         self._state.advance()

@@ -196,7 +196,8 @@ class HostStream:
     def force(self, slot: int, value: int) -> None:
         # One 8-byte store into our own word, past a lease that may have ended (the word is ours);
         # the waiting thread re-reads it when its doorbell rings.
-        own = getattr(self.heap, "_heap", self.heap)
+        from .heap_lease import HeapLease
+        own = self.heap._heap if isinstance(self.heap, HeapLease) else self.heap
         own.signal(own.rank, slot, int(value))
 
     def close(self) -> None:

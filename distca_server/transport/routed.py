@@ -164,13 +164,17 @@ class Watchdog:
                     return
             now, words = time.monotonic(), None
             for e in t._unresolved():
-                if e.marker.done():
-                    t._resolve(e)
-                elif e.expired is None and now >= e.deadline:
-                    t._expire(e)
-                elif e.expired is None:  # a peer this exchange waits on may have failed or left
-                    words = t.heap.signals() if words is None else words
-                    t._check_peers(e, words)
+                try:
+                    if e.marker.done():
+                        t._resolve(e)
+                    elif e.expired is None and now >= e.deadline:
+                        t._expire(e)
+                    elif e.expired is None:  # a peer this exchange waits on may have failed or left
+                        words = t.heap.signals() if words is None else words
+                        t._check_peers(e, words)
+                except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one failure
+                    t._fail(e, DistCAError(f"participant {t.rank}: the watchdog failed on exchange "
+                                           f"{e.seq & _LOW}: {type(exc).__name__}: {exc}"))
 
 
 class RoutedTransport(SymmetricTransport):
@@ -377,6 +381,14 @@ class RoutedTransport(SymmetricTransport):
             for pe in self._peers():  # our own waits end, whatever they wait on
                 for kind in (ANNOUNCE, DATA):
                     self._stream.force(self._slot(kind, pe), self.abort_value)
+
+    def _fail(self, e: _Entry, error: BaseException) -> None:
+        """Resolve ``e`` as failed with ``error`` (the group is broken from now on)."""
+        with self._lock:
+            if not e.resolved:
+                e.resolved, e.error = True, error
+                if self._broken is None:
+                    self._broken = str(error)
 
     def _resolve(self, e: _Entry) -> None:
         """Decide, from the exchange's snapshot, whether it delivered (once its marker passed)."""
