@@ -22,7 +22,11 @@
 #   kernels    bench/gpu_kernels.py (fused shards, distca overhead, a measured ProfileTable)
 #   ntests     the nvshmem-marked tests (the exchange against LocalTransport, attend over NVSHMEM
 #              against the float64 reference, a dead or departed PE)
-#   transport  bench/transport.py --transport nvshmem (against NCCL, or a device copy on one GPU)
+#   transport  bench/transport.py --transport nvshmem: host-driven and device-driven exchanges
+#              (against NCCL, or a device copy on one GPU)
+#   inproc     bench/transport.py --transport local --device cuda: 2 and 4 participants of one
+#              process over plain device buffers, device-driven (stream memory operations) against
+#              host-driven and the in-process copy (exchange_us_64KiB_2pe in its JSON's summary)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
 #              scheduler actor and 2 in-place clients sharing the GPU, NVSHMEM, a 23 M-parameter
 #              Llama in bf16, 16K tokens per rank, 20 steps with distca and again with local
@@ -30,8 +34,10 @@
 #              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most, two folders deep): session.log (every stage's output), kernels.json, kernels.png,
-# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, train.json (loss
+# most per call, two folders deep: all stages write 9, so run them over two calls, e.g.
+# `mps env ktests kernels ntests transport`, then `inproc train`): session.log (every stage's output), kernels.json, kernels.png,
+# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, transport_local.json,
+# train.json (loss
 # agreement, step time and tokens/s of both runs: train_loss_max_rel_diff_10_steps,
 # train_tokens_per_s_distca, train_tokens_per_s_local, ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
@@ -168,7 +174,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport train
+[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc train
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -183,8 +189,13 @@ for s in "$@"; do
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
                        --max-size 1GiB --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
+        # in-process participants over plain device buffers (issue 22 item 2a): device-driven
+        # (stream memory operations) against host-driven exchanges and the in-process copy
+        # shellcheck disable=SC2086
+        inproc) stage inproc "${INPROC_LIMIT:-120}" "$PY" bench/transport.py --transport local --device cuda \
+                    --procs 2 4 --max-size 1GiB --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, train)" >&2; status=1 ;;
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, train)" >&2; status=1 ;;
     esac
 done
 exit $status

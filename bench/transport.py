@@ -26,6 +26,10 @@ at most enough to move ~2 GiB); a participant's time is its median exchange (GPU
 ``ms`` is the slowest participant's, ``GB/s`` the bytes one participant sends off-rank divided by it
 (10^9 bytes per second).
 
+``--transport local``: the participants are threads of this process over an in-process symmetric
+heap (plain tensors on ``--device``, default CUDA where there is one: no NVSHMEM, no context
+switches between PEs); the baseline is the in-process transport (copies behind barriers).
+
 Usage::
 
     python bench/transport.py                      # shm vs gloo, P = 2 and 4, 64 KiB .. 64 MiB
@@ -148,6 +152,20 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         base = join_group(epoch=0, rank=rank, world_size=P, host="127.0.0.1", timeout_s=120, device=device,
                           publish=lambda host, port: [stores.put((host, port)) for _ in range(P - 1)],
                           lookup=lambda: stores.get(timeout=120))
+    results.put((rank, _measure(rank, P, sym, base, baseline, sizes, iters, warmup, device)))
+    sym.close()
+    base.close()
+    if cuda:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # NVSHMEM's teardown is collective; the measurement is done
+
+
+def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iters: int, warmup: int,
+             device: torch.device) -> list[dict]:
+    """One participant's rows: per size, its median host-driven, device-driven and baseline
+    exchange, and whether they delivered the same bytes."""
+    cuda = device.type == "cuda"
     rows = []
     for size in sizes:
         splits = ragged_splits(P, size, seed=size)
@@ -173,16 +191,46 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
                      "base_s": t_base, "device_driven": device_driven,
                      "equal": bool(torch.equal(routed, a)) and (baseline == "copy" or bool(torch.equal(a, recv_base)))})
-    results.put((rank, rows))
-    sym.close()
-    base.close()
-    if cuda:
-        results.close()
-        results.join_thread()
-        os._exit(0)  # NVSHMEM's teardown is collective; the measurement is done
+    return rows
 
 
-def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int) -> list[dict]:
+def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup: int) -> dict:
+    """``--transport local``: the P participants are threads of this process over an in-process
+    symmetric heap (:mod:`distca_server.transport.local_heap`: plain tensors on ``device``, no
+    NVSHMEM, no context switches); the baseline is the in-process transport (each receiver copies
+    its rows from the senders' buffers, behind two barriers)."""
+    import threading
+
+    from distca_server.transport.local import LocalGroup
+    from distca_server.transport.local_heap import LocalHeap
+    from distca_server.transport.routed import RoutedTransport
+    heap = LocalHeap(P, heap_bytes(P, sizes), device)
+    group = LocalGroup(P, timeout_s=120)
+    syms = [RoutedTransport(heap.endpoint(r), timeout_s=120) for r in range(P)]
+    per_rank, errors = {}, []
+
+    def one(r):
+        try:
+            per_rank[r] = _measure(r, P, syms[r], group.endpoint(r, device), "local", sizes, iters, warmup, device)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            group.abort(r, str(exc))
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t in syms:
+        t.close()
+    if errors:
+        raise SystemExit(f"local participants failed: {errors}")
+    return per_rank
+
+
+def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int,
+        device: torch.device | None = None) -> list[dict]:
+    if kind == "local":
+        return _rows(P, sizes, run_local(P, device, sizes, iters, warmup))
     from distca_server.transport.shm import create_heap, destroy_heap
     ctx = mp.get_context("spawn" if kind == "nvshmem" else "forkserver")  # CUDA does not survive fork
     if kind == "shm":
@@ -212,6 +260,11 @@ def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: 
                 p.kill()
         if handle is not None:
             destroy_heap(handle)
+    return _rows(P, sizes, per_rank)
+
+
+def _rows(P: int, sizes: list[int], per_rank: dict) -> list[dict]:
+    """One row per size from every participant's: the slowest participant's medians."""
     rows = []
     for i, size in enumerate(sizes):
         mine = [per_rank[r][i] for r in range(P)]
@@ -229,7 +282,9 @@ def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", choices=["shm", "nvshmem"], default="shm")
+    ap.add_argument("--transport", choices=["shm", "nvshmem", "local"], default="shm",
+                    help="local: participants are threads of one process over an in-process heap")
+    ap.add_argument("--device", default=None, help="local: cpu or cuda (default cuda when there is one)")
     ap.add_argument("--procs", type=int, nargs="+", default=None, help="participants (default 2 4)")
     ap.add_argument("--min-size", default="64KiB")
     ap.add_argument("--max-size", default="64MiB")
@@ -252,13 +307,18 @@ def main() -> None:
     baseline = "gloo"
     if args.transport == "nvshmem":  # NCCL needs a GPU per rank
         baseline = "nccl" if torch.cuda.device_count() >= max(procs) else "copy"
-    if args.baseline != "auto":
+    if args.transport == "local":
+        baseline = "local"  # the in-process transport: an all-to-all too, so bytes are compared
+    elif args.baseline != "auto":
         baseline = args.baseline
-    device = torch.cuda.get_device_name(0) if args.transport == "nvshmem" else "cpu"
-    json_path = args.json or (ROOT / "bench" / "results" / ("gpu/transport_nvshmem.json"
-                              if args.transport == "nvshmem" else "transport_shm.json"))
+    local_device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = args.transport == "nvshmem" or local_device.type == "cuda" and args.transport == "local"
+    device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    json_path = args.json or (ROOT / "bench" / "results" / (
+        f"gpu/transport_{args.transport}.json" if on_gpu else f"transport_{args.transport}.json"))
     t0 = time.perf_counter()
-    rows = [row for P in procs for row in run(P, args.transport, baseline, sizes, iters, args.warmup)]
+    rows = [row for P in procs for row in run(P, args.transport, baseline, sizes, iters, args.warmup,
+                                              device=local_device)]
     elapsed = time.perf_counter() - t0
 
     def table() -> None:
@@ -284,12 +344,13 @@ def main() -> None:
         headline.append("NOTE: some device-driven timings include host-driven exchanges (route not installed)")
     if not all(r["equal"] for r in rows):
         headline.append("MISMATCH: the two transports delivered different bytes")
-    # issue 22's summary keys, from this run (PEs are processes here: the multi-process figures)
+    # issue 22's summary keys, from this run: in-process participants (local) or processes
     summary = {}
+    where = "" if args.transport == "local" else "_processes"
     for r in rows:
         if r["procs"] == 2 and r["size"] == 64 * KiB:
-            summary = {"exchange_us_64KiB_2pe_processes": 1e3 * r["routed_ms"],
-                       "exchange_us_64KiB_2pe_host_driven": 1e3 * r["sym_ms"]}
+            summary = {f"exchange_us_64KiB_2pe{where}": 1e3 * r["routed_ms"],
+                       f"exchange_us_64KiB_2pe{where}_host_driven": 1e3 * r["sym_ms"]}
     finish(table, headline, elapsed, json_path, {
         "benchmark": "transport", "transport": args.transport, "baseline": baseline, "device": device,
         "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows,
