@@ -21,13 +21,17 @@ no Ray. Three sections (``--sections``, default all):
     the same rows, and (all pairs present) its dK, dV summed back per document equal the whole
     call's; a mismatch raises, so no number of a wrong kernel is written.
 
-``overhead`` — ``DistCAClient.local(config=JobConfig(servers=1, backend=..., plan=PlanConfig()))``
+``overhead`` — ``DistCAClient.local(config=JobConfig(servers=P, backend=..., plan=PlanConfig()))``
     ``attend`` forward + backward against the direct backend call (forward + backward) on the same
     packed batch (Pretrain-trace document lengths,
-    ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K tokens. Both timed by
-    the host clock around a synchronised step (distca's rounds run on threads), median of
-    ``--repeats``; overhead = distca / direct − 1 (target <= 3%). Guard: distca's out and dQ, dK,
-    dV equal the direct call's.
+    ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K tokens, for
+    :data:`OVERHEAD_RUNS`: one participant (no exchange at all), and two participants exchanging
+    rows either in lock step on one thread (``lockstep``) or over the in-process symmetric heap,
+    device-driven once the plan's routes are installed (``heap``; issue 22 item 2a). Both timed by
+    the host clock around a synchronised step, median of ``--repeats``; overhead = distca / direct
+    − 1 (target <= 3%). ``host ms``: the host's time from the call to its return, before
+    synchronising (the launches and Python of one layer's forward + backward: issue 22's host
+    time per layer). Guard: distca's out and dQ, dK, dV equal the direct call's.
 
 ``profile`` — a measured :class:`distca_sim.profile.ProfileTable` pair (forward, backward) for
     the per-GPU attention shape of ``--profile-models`` (``model:tp``, e.g. ``llama3-8b:8`` ->
@@ -127,6 +131,20 @@ class Timer:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def host_s(self, fn) -> float:
+        """Median seconds from calling ``fn`` to its return, the device synchronised before and
+        after but not inside: the host's own time (on a GPU, launches and Python)."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            self._sync()
+        return statistics.median(times)
+
 
 def guard(name: str, err: float, tol: float, checks: list) -> None:
     """Record a correctness check; raise at once when it fails (or is NaN)."""
@@ -220,10 +238,25 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
 
 
 # ---- section 2: distca's overhead ------------------------------------------------------------------
+OVERHEAD_RUNS = ((1, "lockstep"), (2, "lockstep"), (2, "heap"))
+"""(participants, exchange) of the overhead section."""
+
+
 def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
+    rows = []
+    for participants, exchange in OVERHEAD_RUNS:
+        rows += _overhead_run(args, cfg, backend, timer, checks, participants, exchange)
+    return rows
+
+
+def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
-    client = DistCAClient.local(config=JobConfig(servers=1, backend=backend.name, plan=PlanConfig()))
+    # the heap holds a round's buffers, which grow to about twice the largest batch's Q, K, V
+    heap_bytes = -(-(4 * max(cfg["tokens"]) * (2 * hq + 2 * hkv) * dim * dtype.itemsize + (64 << 20)) // 256) * 256
+    job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(),
+                    transport="nvshmem" if exchange == "heap" else "torch_dist", heap_bytes=heap_bytes)
+    client = DistCAClient.local(config=job)
     try:
         for tokens in cfg["tokens"]:
             lens = sample_batch("pretrain", 1, tokens, seed=0, step=0)[0]
@@ -246,13 +279,16 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 
             (o_d, g_d), (o_c, g_c) = direct(), distca()
             for name, a, b in zip(("out", "dq", "dk", "dv"), (o_c, *g_c), (o_d, *g_d)):
-                guard(f"overhead {tokens}: {name}", relative_error(a, b), REL_TOL[dtype], checks)
+                guard(f"overhead {tokens} {participants}x{exchange}: {name}", relative_error(a, b),
+                      REL_TOL[dtype], checks)
             t_direct = timer.median_s(direct, host=True)
             t_distca = timer.median_s(distca, host=True)
-            if args.trace is not None and tokens == cfg["tokens"][0]:
+            t_host = timer.host_s(distca)
+            if args.trace is not None and tokens == cfg["tokens"][0] and participants == 1:
                 trace_steps(args.trace, direct, distca, args.device)
-            rows.append(dict(tokens=tokens, docs=len(lens), max_doc=mx, direct_ms=t_direct * 1e3,
-                             distca_ms=t_distca * 1e3, overhead=t_distca / t_direct - 1))
+            rows.append(dict(tokens=tokens, participants=participants, exchange=exchange, docs=len(lens), max_doc=mx,
+                             direct_ms=t_direct * 1e3, distca_ms=t_distca * 1e3, overhead=t_distca / t_direct - 1,
+                             host_ms=t_host * 1e3))
     finally:
         client.close()
     return rows
@@ -358,9 +394,11 @@ def show(result) -> None:
                              g(r["bwd_tflops"]), f(r["bwd_ratio"], 3)] for r in result["shards"]]))
         print()
     if "overhead" in result:
-        print(format_table(["tokens", "docs", "longest", "direct ms", "distca ms", "overhead %"],
-                           [[f"{r['tokens']:,}", str(r["docs"]), f"{r['max_doc']:,}", f(r["direct_ms"], 3),
-                             f(r["distca_ms"], 3), f(100 * r["overhead"], 2)] for r in result["overhead"]]))
+        print(format_table(["tokens", "participants", "exchange", "docs", "longest", "direct ms", "distca ms",
+                            "overhead %", "host ms"],
+                           [[f"{r['tokens']:,}", str(r["participants"]), r["exchange"], str(r["docs"]),
+                             f"{r['max_doc']:,}", f(r["direct_ms"], 3), f(r["distca_ms"], 3),
+                             f(100 * r["overhead"], 2), f(r["host_ms"], 3)] for r in result["overhead"]]))
         print()
     if "profile" in result:
         print(format_table(["model:tp", "heads q/kv/d", "points", "corner", "fwd TFLOP/s", "bwd TFLOP/s",
@@ -377,10 +415,14 @@ def headline(result) -> list[str]:
         worst = min(shards, key=lambda r: min(r["fwd_ratio"], r["bwd_ratio"]))
         lines.append(f"fused shards: worst ratio to whole documents {min(worst['fwd_ratio'], worst['bwd_ratio']):.3f} "
                      f"at {worst['shard']} tokens (target >= 0.95 at >= 128 tokens)")
-    if result.get("overhead"):
-        worst = max(result["overhead"], key=lambda r: r["overhead"])
-        lines.append(f"distca overhead: at most {100 * worst['overhead']:.2f}% ({worst['tokens']:,} tokens; "
-                     f"target <= 3%)")
+    for participants, exchange in OVERHEAD_RUNS:
+        runs = [r for r in result.get("overhead", []) if (r["participants"], r["exchange"]) == (participants, exchange)]
+        if runs:
+            worst = max(runs, key=lambda r: r["overhead"])
+            lines.append(f"distca overhead, {participants} participant(s), {exchange}: at most "
+                         f"{100 * worst['overhead']:.2f}% ({worst['tokens']:,} tokens; target <= 3%); host time "
+                         f"per layer (forward + backward) {min(r['host_ms'] for r in runs):.3f}–"
+                         f"{max(r['host_ms'] for r in runs):.3f} ms")
     failed = [c["check"] for c in result["checks"] if not c["ok"]]
     lines.append(f"correctness guard: {len(result['checks']) - len(failed)} of {len(result['checks'])} "
                  f"checks passed" + (f"; FAILED: {failed}" if failed else ""))

@@ -186,11 +186,13 @@ class Participant:
             found = self._layouts[kind] = comm_layout(self.rows, kind, self.fmt.row_bytes, self.keep_activations)
         return found
 
-    def _route(self, kind: RoundKind, which: str) -> tuple:
+    def _route(self, kind: RoundKind, which: str) -> tuple | None:
         """The route of this plan's ``which`` exchange of rounds of ``kind`` (the same on every
         participant): every such exchange moves the same sizes into the same buffers, so a
         transport that can (:mod:`~distca_server.transport.routed`) drives it from the device
         once installed."""
+        if self.part.plan_id == 0:  # a part cut without an identity: nothing tells its plans apart
+            return None
         f = self.fmt
         return (self.part.plan_id, kind.value, which, str(f.dtype), f.num_heads_q, f.num_heads_kv, f.head_dim)
 

@@ -13,6 +13,7 @@ batch shape's participants had in an earlier step).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -34,6 +35,7 @@ from .base import PlannedBatch, Runtime, StepState
 from .order import RoundQueue, StreamFence
 
 PLANS_KEPT = 16
+_PLAN_IDS = itertools.count(1)  # plan ids of this process's local plans (0 means "none")
 
 
 def split_documents(doc_lens: list[int], num_ranks: int) -> list[list[int]]:
@@ -65,7 +67,11 @@ class LocalBatch(PlannedBatch):
         if like is not None:  # the same plan in an earlier step: its parts and layouts, not rebuilt
             self.participants = [p.rebound(p.part.at(step, batch)) for p in like]
         else:
-            self.participants = [Participant(part, fmt, backend, device) for part in plan_parts(plan, step, batch)]
+            # A plan id unique in this process: the participants' routes (their exchanges' identity
+            # on a routed transport) must differ between plans; later steps rebind the same id.
+            plan_id = next(_PLAN_IDS)
+            self.participants = [Participant(part, fmt, backend, device)
+                                 for part in plan_parts(plan, step, batch, plan_id)]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
         self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
 

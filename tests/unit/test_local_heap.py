@@ -68,6 +68,19 @@ def test_local_client_over_the_heap_equals_the_reference(servers, mode, keep):
         assert len(set(counts)) == 1 and counts[0] >= 4, counts
 
 
+def test_batches_of_several_plans_keep_their_own_routes():
+    """Two batch shapes, alternating, in one client: each plan's exchanges have routes of their own
+    (the same sizes under one route would mix plans)."""
+    a, b = batch(11, 300), batch(12, 500)
+    with client(3) as c:
+        for _ in range(2):
+            check_steps(c, a, steps=2, seed=1)
+            check_steps(c, b, steps=2, seed=2)
+        group = c._runtime._group
+        assert len(group.endpoint(0).routes) == 8  # 2 plans x (forward, backward) x (dispatch, return)
+        assert group.endpoint(0).device_exchanges >= 8
+
+
 def test_a_failing_participant_fails_the_round_and_the_next_runs_on_a_new_group(monkeypatch):
     lens = batch(5)
     with client(3) as c:
