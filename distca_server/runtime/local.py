@@ -13,6 +13,7 @@ batch shape's participants had in an earlier step).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import OrderedDict
@@ -185,6 +186,7 @@ class LocalRuntime(Runtime):
         self._stopped = False
         self._group = None
         self._pool: ThreadPoolExecutor | None = None  # only for a blocking group (_run_threads)
+        self._streams: dict = {}  # device -> {participant: CUDA stream} (_run_threads)
         self._plans: OrderedDict = OrderedDict()  # batch shape -> Plan, across steps
         # batch shape -> the participants last bound to its plan (their layouts are reused)
         self._bound: dict = {}
@@ -288,13 +290,18 @@ class LocalRuntime(Runtime):
             self._pool = ThreadPoolExecutor(max_workers=self.world_size - 1, thread_name_prefix="distca-local")
         fence = StreamFence(torch.device(device))
         done: list = [None] * len(jobs)
+        streams = self._participant_streams(torch.device(device), len(jobs))
 
         def helper(i, job):
-            fence.enter()
-            try:
-                return call(i, job)
-            finally:
-                done[i] = fence.leave()
+            # Each participant on a CUDA stream of its own: a device-driven exchange orders its
+            # stream after the thread's current stream, and one participant's wait queued on a
+            # shared stream could hold up the peer it waits for.
+            with torch.cuda.stream(streams[i]) if streams else contextlib.nullcontext():
+                fence.enter()
+                try:
+                    return call(i, job)
+                finally:
+                    done[i] = fence.leave()
         futures = [self._pool.submit(helper, i, job) for i, job in enumerate(jobs) if i]
         errors, first = [], []
         try:
@@ -312,6 +319,16 @@ class LocalRuntime(Runtime):
             root = [e for e in errors if not isinstance(e, DistCAError)]
             raise (root or errors)[0]
         return first + [f.result() for f in futures]
+
+    def _participant_streams(self, device: torch.device, n: int) -> dict:
+        """CUDA streams of participants 1..n-1 on ``device`` (made once), or {} on the CPU."""
+        if device.type != "cuda":
+            return {}
+        streams = self._streams.setdefault(str(device), {})
+        for i in range(1, n):
+            if i not in streams:
+                streams[i] = torch.cuda.Stream(device)
+        return streams
 
     def close(self) -> None:
         with self._lock:
