@@ -27,6 +27,8 @@
 #   inproc     bench/transport.py --transport local --device cuda: 2 and 4 participants of one
 #              process over plain device buffers, device-driven (stream memory operations) against
 #              host-driven and the in-process copy (exchange_us_64KiB_2pe in its JSON's summary)
+#   dead       bench/dead_peer.py --transport nvshmem: a PE exits mid-run; seconds until the others
+#              raise DistCAError (dead_pe_error_s)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
 #              scheduler actor and 2 in-place clients sharing the GPU, NVSHMEM, a 23 M-parameter
 #              Llama in bf16, 16K tokens per rank, 20 steps with distca and again with local
@@ -34,10 +36,11 @@
 #              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most per call, two folders deep: all stages write 9, so run them over two calls, e.g.
-# `mps env ktests kernels ntests transport`, then `inproc train`): session.log (every stage's output), kernels.json, kernels.png,
+# most per call, two folders deep: all stages write 10, so run them over two calls, e.g.
+# `mps env ktests kernels ntests transport`, then `inproc dead train`; afterwards
+# `python bench/gpu_summary.py bench/results/gpu/<device>` writes summary.json): session.log (every stage's output), kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, transport_local.json,
-# train.json (loss
+# dead_peer_nvshmem.json, train.json (loss
 # agreement, step time and tokens/s of both runs: train_loss_max_rel_diff_10_steps,
 # train_tokens_per_s_distca, train_tokens_per_s_local, ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
@@ -174,7 +177,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc train
+[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc dead train
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -194,8 +197,10 @@ for s in "$@"; do
         # shellcheck disable=SC2086
         inproc) stage inproc "${INPROC_LIMIT:-120}" "$PY" bench/transport.py --transport local --device cuda \
                     --procs 2 4 --max-size 1GiB --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
+        dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
+                  --json "$OUT/dead_peer_nvshmem.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, train)" >&2; status=1 ;;
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, dead, train)" >&2; status=1 ;;
     esac
 done
 exit $status

@@ -1,0 +1,96 @@
+"""Collect issue 22's summary keys from one GPU session's JSON files into ``summary.json``.
+
+Run on the development machine after a session's files were copied under
+``bench/results/gpu/<device>/``::
+
+    python bench/gpu_summary.py bench/results/gpu/nvidia-h100-80gb-hbm3
+
+Each key comes from the benchmark that measured it; a key whose benchmark did not run (or that
+nothing measures yet) is ``null``, with the reason under ``"missing"``:
+
+| key | from |
+|---|---|
+| ``exchange_us_64KiB_2pe`` (``_host_driven``) | ``transport_local.json`` (in-process PEs) |
+| ``exchange_us_64KiB_2pe_processes`` (``_host_driven``) | ``transport_nvshmem.json`` (NVSHMEM PEs) |
+| ``host_us_per_layer`` | ``kernels.json`` overhead, 2 participants over the heap, 8K tokens |
+| ``host_us_per_layer_lockstep`` | the same, 2 participants in lock step |
+| ``host_us_per_layer_graphed`` | nothing yet (CUDA graphs are not built) |
+| ``overhead_pct_8K_2participants`` | ``kernels.json`` overhead, 2 participants over the heap, 8K |
+| ``overhead_pct_8K_2participants_lockstep`` | the same in lock step |
+| ``pingpong_vs_signal_only`` | nothing yet (the ping-pong benchmark is not built) |
+| ``train_loss_max_rel_diff_10_steps``, ``train_tokens_per_s_distca``, ``train_tokens_per_s_local`` | ``train.json`` |
+| ``dead_pe_error_s`` | ``dead_peer_nvshmem.json`` |
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+NOT_BUILT = {"host_us_per_layer_graphed": "CUDA graphs (issue 22 item 4) are not built",
+             "pingpong_vs_signal_only": "the ping-pong benchmark (issue 22, Fig. 11) is not built"}
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _overhead(kernels: dict | None, exchange: str) -> dict | None:
+    rows = [r for r in (kernels or {}).get("overhead", [])
+            if r.get("participants") == 2 and r.get("exchange") == exchange and r.get("tokens") == 8192]
+    return rows[0] if rows else None
+
+
+def collect(folder: Path) -> dict:
+    """The summary of the session whose files are in ``folder``."""
+    out: dict = {}
+    missing: dict = dict(NOT_BUILT)
+    for name, prefix in (("transport_local.json", "exchange_us_64KiB_2pe"),
+                         ("transport_nvshmem.json", "exchange_us_64KiB_2pe_processes")):
+        got = (_load(folder, name) or {}).get("summary") or {}
+        for key in (prefix, prefix + "_host_driven"):
+            out[key] = got.get(key)
+            if out[key] is None:
+                missing[key] = f"{name} absent or without the 2-PE 64 KiB row"
+    kernels = _load(folder, "kernels.json")
+    for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep")):
+        row = _overhead(kernels, exchange)
+        out["host_us_per_layer" + suffix] = None if row is None else 1e3 * row["host_ms"]
+        out["overhead_pct_8K_2participants" + suffix] = None if row is None else 100 * row["overhead"]
+        if row is None:
+            missing["host_us_per_layer" + suffix] = missing["overhead_pct_8K_2participants" + suffix] = (
+                f"kernels.json absent or without the 2-participant {exchange} 8K row")
+    train = _load(folder, "train.json") or {}
+    for key in ("train_loss_max_rel_diff_10_steps", "train_tokens_per_s_distca", "train_tokens_per_s_local"):
+        out[key] = train.get(key)
+        if out[key] is None:
+            missing[key] = "train.json absent or without it"
+    out["dead_pe_error_s"] = ((_load(folder, "dead_peer_nvshmem.json") or {}).get("summary") or {}).get(
+        "dead_pe_error_s")
+    if out["dead_pe_error_s"] is None:
+        missing["dead_pe_error_s"] = "dead_peer_nvshmem.json absent"
+    for key in NOT_BUILT:
+        out[key] = None
+    out["missing"] = {k: v for k, v in missing.items() if out.get(k) is None}
+    return out
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print(__doc__.split("\n\n")[0] + "\nusage: python bench/gpu_summary.py FOLDER", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    summary = collect(folder)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for key, value in summary.items():
+        if key != "missing":
+            print(f"{key}: {value if value is not None else 'null (' + summary['missing'].get(key, '') + ')'}")
+    print(f"wrote {folder / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
