@@ -29,6 +29,8 @@
 #              host-driven and the in-process copy (exchange_us_64KiB_2pe in its JSON's summary)
 #   dead       bench/dead_peer.py --transport nvshmem: a PE exits mid-run; seconds until the others
 #              raise DistCAError (dead_pe_error_s)
+#   pingpong   bench/pingpong.py: two nano-batches per layer over 2 in-process participants,
+#              against one after the other and against the signal-only control (the paper's Fig. 11)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
 #              scheduler actor and 2 in-place clients sharing the GPU, NVSHMEM, a 23 M-parameter
 #              Llama in bf16, 16K tokens per rank, 20 steps with distca and again with local
@@ -36,11 +38,11 @@
 #              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most per call, two folders deep: all stages write 10, so run them over two calls, e.g.
-# `mps env ktests kernels ntests transport`, then `inproc dead train`; afterwards
+# most per call, two folders deep: all stages write 11, so run them over two calls, e.g.
+# `mps env ktests kernels ntests transport`, then `inproc dead pingpong train`; afterwards
 # `python bench/gpu_summary.py bench/results/gpu/<device>` writes summary.json): session.log (every stage's output), kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, transport_local.json,
-# dead_peer_nvshmem.json, train.json (loss
+# dead_peer_nvshmem.json, pingpong.json, train.json (loss
 # agreement, step time and tokens/s of both runs: train_loss_max_rel_diff_10_steps,
 # train_tokens_per_s_distca, train_tokens_per_s_local, ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
@@ -177,7 +179,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc dead train
+[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc dead pingpong train
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -199,8 +201,10 @@ for s in "$@"; do
                     --procs 2 4 --max-size 1GiB --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
         dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
                   --json "$OUT/dead_peer_nvshmem.json" ;;
+        pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$OUT/pingpong.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, dead, train)" >&2; status=1 ;;
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, dead, pingpong, train)" >&2
+           status=1 ;;
     esac
 done
 exit $status

@@ -199,6 +199,10 @@ class RoutedTransport(SymmetricTransport):
         self._watchdog: Watchdog | None = None
         self._naming: Hashable | None = None  # the route of the host-driven exchange running now
         self.device_exchanges = 0  # exchanges that ran device-driven (for tests and benchmarks)
+        # A benchmark's control (bench/pingpong.py, the paper's Fig. 11): device-driven exchanges
+        # put 1 byte per peer and segment instead of their rows, with every signal and wait kept.
+        # The received bytes are then garbage; never set outside a benchmark.
+        self.signal_only = False
 
     # ---- the stream and the watchdog, made at the first device-driven exchange ----------------------
     def _pe_stream(self) -> PeStream | None:
@@ -288,7 +292,7 @@ class RoutedTransport(SymmetricTransport):
             credit = self._slot(ANNOUNCE, pe)
             st.wait_ge(credit, seq)
             for s, a, off, n in r.puts[pe]:
-                st.put(pe, off, send[s][a:a + n], credit=credit)
+                st.put(pe, off, send[s][a:a + (1 if self.signal_only else n)], credit=credit)
             st.put_signal(pe, self._report_at + me * _REPORT * 8, r.reports[pe], self._slot(DATA, me), seq,
                           credit=credit)
         for s, a, b, n in r.own:  # 3. own split, then every peer's rows

@@ -1,0 +1,177 @@
+"""Ping-pong: does distca hide its communication behind the other nano-batch's work? (the DistCA
+paper's Fig. 11, §4.1; issue 22's ``pingpong_vs_signal_only``).
+
+A layer stand-in per nano-batch: a projection to Q, K, V (``x @ W_qkv``), core attention through
+``DistCAClient.local`` with P participants over the in-process heap (device-driven exchanges once
+the plan's routes are installed), and an output projection (``o @ W_o``). Two nano-batches per
+layer, ``--layers`` layers, forward only. Three runs on the same inputs:
+
+- ``single``: one nano-batch after the other (``attend``): nothing overlaps.
+- ``pingpong``: nano-batch 0's attention runs (``attend_async``) while nano-batch 1 projects, and
+  nano-batch 1's while nano-batch 0 finishes its output projection.
+- ``signal-only``: ``pingpong`` with every device-driven transfer cut to 1 byte per peer and segment
+  (the transport's ``signal_only`` control: the same plan, signals and waits, almost no bytes).
+  Its outputs are garbage and not checked.
+
+``pingpong / signal-only`` near 1 means the bytes cost nothing that the overlap did not hide
+(target: within 3%). ``single / pingpong`` is what the overlap bought. The guard: ``pingpong``'s
+outputs equal ``single``'s. On the CPU the numbers only show that the mechanism runs; the GPU
+session's ``pingpong`` stage measures it.
+
+Usage::
+
+    python bench/pingpong.py                  # CUDA if there is one, else the CPU (small sizes)
+    python bench/pingpong.py --tokens 16384 --participants 2 --layers 8
+
+Writes JSON (``--json``; default ``bench/results/pingpong.json``, on a GPU
+``bench/results/gpu/pingpong.json``) with ``summary.pingpong_vs_signal_only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.report import finish  # noqa: E402
+from distca_client import DistCAClient  # noqa: E402
+from distca_sim.workloads import sample_batch  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+
+
+def make_layers(args, device, dtype):
+    g = torch.Generator(device).manual_seed(0)
+    d, hq, hkv, dim = args.model_dim, args.heads_q, args.heads_kv, args.head_dim
+    qkv_out = (hq + 2 * hkv) * dim
+    return [(torch.randn(d, qkv_out, generator=g, device=device, dtype=dtype) / d ** 0.5,
+             torch.randn(hq * dim, d, generator=g, device=device, dtype=dtype) / (hq * dim) ** 0.5)
+            for _ in range(args.layers)]
+
+
+def split_qkv(h, args):
+    T = h.shape[0]
+    hq, hkv, dim = args.heads_q, args.heads_kv, args.head_dim
+    q, k, v = h.split([hq * dim, hkv * dim, hkv * dim], dim=1)
+    return q.reshape(T, hq, dim), k.reshape(T, hkv, dim).contiguous(), v.reshape(T, hkv, dim).contiguous()
+
+
+def run_single(client, layers, xs, lens, args):
+    for w_qkv, w_o in layers:
+        out = []
+        for x, doc_lens in zip(xs, lens):
+            o = client.attend(*split_qkv(x @ w_qkv, args), doc_lens)
+            out.append(x + o.reshape(x.shape[0], -1) @ w_o)
+        xs = out
+    return xs
+
+
+def run_pingpong(client, layers, xs, lens, args):
+    x0, x1 = xs
+    for w_qkv, w_o in layers:
+        h0 = client.attend_async(*split_qkv(x0 @ w_qkv, args), lens[0])
+        qkv1 = split_qkv(x1 @ w_qkv, args)  # overlaps nano-batch 0's attention
+        o0 = h0.wait()
+        h1 = client.attend_async(*qkv1, lens[1])
+        x0 = x0 + o0.reshape(x0.shape[0], -1) @ w_o  # overlaps nano-batch 1's attention
+        x1 = x1 + h1.wait().reshape(x1.shape[0], -1) @ w_o
+    return [x0, x1]
+
+
+def timed(fn, device, warmup: int, repeats: int) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--participants", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=None, help="per nano-batch (default 16384 on CUDA, 1024 on CPU)")
+    ap.add_argument("--layers", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
+    ap.add_argument("--model-dim", type=int, default=None, help="default 4096 on CUDA, 256 on CPU")
+    ap.add_argument("--heads-q", type=int, default=None)
+    ap.add_argument("--heads-kv", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    for name, big, small in (("tokens", 16384, 1024), ("layers", 8, 2), ("model_dim", 4096, 256),
+                             ("heads_q", 32, 4), ("heads_kv", 8, 2), ("head_dim", 128, 32)):
+        if getattr(args, name) is None:
+            setattr(args, name, big if gpu else small)
+    lens = sample_batch("pretrain", 2, args.tokens, seed=0, step=0)
+    g = torch.Generator(device).manual_seed(1)
+    xs = [torch.randn(sum(doc_lens), args.model_dim, generator=g, device=device, dtype=dtype) for doc_lens in lens]
+    layers = make_layers(args, device, dtype)
+    row_bytes = (args.heads_q + 2 * args.heads_kv) * args.head_dim * dtype.itemsize
+    heap = -(-(8 * args.tokens * row_bytes + (64 << 20)) // 256) * 256
+    job = JobConfig(servers=args.participants, transport="nvshmem" if gpu else "shm", heap_bytes=heap,
+                    plan=PlanConfig(), timeout_s=120)
+    t_start = time.perf_counter()
+    with torch.no_grad(), DistCAClient.local(config=job) as client:
+        want = run_single(client, layers, xs, lens, args)
+        got = run_pingpong(client, layers, xs, lens, args)
+        tol = 2e-2 if gpu else 1e-5
+        errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, want)]
+        if max(errors) > tol:
+            raise SystemExit(f"pingpong's outputs differ from single's: relative errors {errors} > {tol}")
+        t_single = timed(lambda: run_single(client, layers, xs, lens, args), device, args.warmup, args.repeats)
+        t_pp = timed(lambda: run_pingpong(client, layers, xs, lens, args), device, args.warmup, args.repeats)
+        endpoints = list(client._runtime._group._endpoints.values())
+        device_driven = min(t.device_exchanges for t in endpoints)
+        for t in endpoints:
+            t.signal_only = True
+        try:
+            t_signal = timed(lambda: run_pingpong(client, layers, xs, lens, args), device, args.warmup, args.repeats)
+        finally:
+            for t in endpoints:
+                t.signal_only = False
+    elapsed = time.perf_counter() - t_start
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    rows = [{"run": "single", "ms": 1e3 * t_single}, {"run": "pingpong", "ms": 1e3 * t_pp},
+            {"run": "signal-only", "ms": 1e3 * t_signal}]
+
+    def table() -> None:
+        print("| run | ms per step | vs signal-only |")
+        print("|---|---:|---:|")
+        for r in rows:
+            print(f"| {r['run']} | {r['ms']:.3f} | {r['ms'] / rows[2]['ms']:.3f} |")
+
+    headline = [f"{name}, {args.participants} participants, 2 x {args.tokens:,} tokens, {args.layers} layers: "
+                f"pingpong / signal-only {t_pp / t_signal:.3f} (target <= 1.03); single / pingpong "
+                f"{t_single / t_pp:.3f}; pingpong equals single (max relative error {max(errors):.1e}); "
+                f"{device_driven} device-driven exchanges per participant"]
+    json_path = args.json or ROOT / "bench" / "results" / ("gpu/pingpong.json" if gpu else "pingpong.json")
+    finish(table, headline, elapsed, json_path, {
+        "benchmark": "pingpong", "device": name, "participants": args.participants, "tokens": args.tokens,
+        "layers": args.layers, "model_dim": args.model_dim, "dtype": str(dtype), "rows": rows,
+        "device_driven": device_driven, "max_rel_error": max(errors),
+        "summary": {"pingpong_vs_signal_only": t_pp / t_signal}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
