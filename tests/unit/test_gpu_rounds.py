@@ -96,3 +96,23 @@ def test_rounds_wait_for_inputs_made_on_a_side_stream_and_results_are_ready_on_t
                 out.backward(dout)
             torch.cuda.synchronize()
             _close([got] + [t.grad for t in leaves], want, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("servers,mode", [(2, "inplace"), (4, "inplace"), (2, "dedicated")])
+def test_local_participants_over_the_in_process_heap_on_one_gpu_equal_the_reference(servers, mode):
+    """Issue 22 item 2(a): the one-sided protocol between in-process participants over plain device
+    buffers, device-driven (stream memory operations) from the plan's second round on."""
+    dtype = torch.bfloat16
+    q, k, v, dout = _inputs(dtype)
+    job = JobConfig(servers=servers, transport="nvshmem", heap_bytes=256 << 20,
+                    plan=PlanConfig(mode=mode, min_shard=64), timeout_s=60)
+    with DistCAClient.local(config=job) as client:
+        for _ in range(4):  # install the routes, then run device-driven
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = client.attend(*leaves, LENS)
+            out.backward(dout)
+            client.new_step()
+            _close([out.detach()] + [t.grad for t in leaves], _reference(q, k, v, dout), dtype)
+        counts = [t.device_exchanges for t in client._runtime._group._endpoints.values()]
+        assert min(counts) >= 4, counts
