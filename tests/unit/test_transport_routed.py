@@ -14,7 +14,6 @@ a thread (transport/pe_stream.py HostStream): what CI can test of issue 22 item 
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from distca_server.transport.local import LocalGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport, route_id
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
 from distca_server.transport.symmetric import ReusableHeap
+from test_transport_symmetric import in_threads  # the helpers those tests share
 
 SIZES = [0, 0, 1, 3, 64, 255, 1000, 4096]
 SLACK_S = 10.0  # what a loaded CI machine may add to a bound; the bound is the point, not its tightness
@@ -47,23 +47,6 @@ def payload(src: int, splits, step: int) -> list[torch.Tensor]:
 
 def recv_splits(splits, me: int):
     return [[splits[src][s][me] for src in range(len(splits))] for s in range(len(splits[0]))]
-
-
-def in_threads(P: int, fn) -> list:
-    result, errors = [None] * P, []
-
-    def one(r):
-        try:
-            result[r] = fn(r)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return result
 
 
 def schedule(P: int, steps: int, seed: int):
