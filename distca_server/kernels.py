@@ -57,10 +57,12 @@ from scheduler.cost import window_arg
 
 from .dtypes import accumulation_dtype
 from .kernels_cudnn import CudnnKernels
+from .kernels_fa4 import FA4Kernels
 
 __all__ = [
     "AttentionBackend", "ReferenceBackend", "TorchCPUBackend", "TorchVarlenBackend",
     "FlashAttnBackend", "CudnnBackend", "BACKENDS", "get_backend", "available_backends", "check_backend_name",
+    "FA4Backend",
 ]
 
 _NEG_INF = float("-inf")
@@ -657,14 +659,18 @@ class CudnnBackend(CudnnKernels, _BandedKernel, AttentionBackend):
     """cuDNN fused attention via ``nvidia-cudnn-frontend`` (sm90+; :mod:`distca_server.kernels_cudnn`)."""
 
 
+class FA4Backend(FA4Kernels, _BandedKernel, AttentionBackend):
+    """FlashAttention-4, CuTe DSL, via ``flash-attn-4`` (sm90+; :mod:`distca_server.kernels_fa4`)."""
+
+
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (CudnnBackend(), FlashAttnBackend(), TorchVarlenBackend(), TorchCPUBackend(),
-                        ReferenceBackend())
+    b.name: b for b in (CudnnBackend(), FA4Backend(), FlashAttnBackend(), TorchVarlenBackend(),
+                        TorchCPUBackend(), ReferenceBackend())
 }
 
 # "auto" never picks `reference`: its O(Lq * Lk) memory would turn a long document into an OOM
 # rather than a clear error. Force it by name.
-_AUTO_ORDER = {"cuda": ("cudnn", "flash_attn", "torch_varlen"), "cpu": ("torch_cpu",)}  # cudnn: sm90+ only
+_AUTO_ORDER = {"cuda": ("cudnn", "fa4", "flash_attn", "torch_varlen"), "cpu": ("torch_cpu",)}  # cudnn, fa4: sm90+
 
 
 def available_backends(device) -> list[str]:
@@ -704,9 +710,9 @@ def check_backend_name(name, device=None) -> str:
 def get_backend(name: str, device) -> AttentionBackend:
     """The backend called `name` for tensors on `device`.
 
-    `name` is one of "auto", "reference", "torch_cpu", "torch_varlen", "flash_attn", "cudnn". "auto"
-    picks cudnn (sm90+, package installed), then flash_attn, then torch_varlen on CUDA, and
-    torch_cpu on CPU. Raises ValueError, listing the backends available on `device`, for an
+    `name` is one of "auto", "reference", "torch_cpu", "torch_varlen", "flash_attn", "cudnn", "fa4".
+    "auto" picks cudnn (sm90+, package installed), then fa4 (likewise), then flash_attn, then
+    torch_varlen on CUDA, and torch_cpu on CPU. Raises ValueError, listing the backends available on `device`, for an
     unknown name or one that cannot run there.
     """
     device = torch.device(device)

@@ -177,7 +177,7 @@ def test_backends_share_out_and_lse():
 
 
 def test_get_backend_and_errors():
-    assert set(BACKENDS) == {"reference", "torch_cpu", "torch_varlen", "flash_attn", "cudnn"}
+    assert set(BACKENDS) == {"reference", "torch_cpu", "torch_varlen", "flash_attn", "cudnn", "fa4"}
     assert get_backend("auto", "cpu") is BACKENDS["torch_cpu"]
     assert get_backend("reference", torch.device("cpu")).name == "reference"
     assert available_backends("cpu") == ["torch_cpu", "reference"]
@@ -340,7 +340,7 @@ def test_check_backend_name():
 
 # ---------------------------------------------------------------- GPU (marked `gpu`: tests/conftest.py skips them without CUDA)
 
-GPU_BACKENDS = ["torch_varlen", "flash_attn", "cudnn"]
+GPU_BACKENDS = ["torch_varlen", "flash_attn", "cudnn", "fa4"]
 
 
 def _gpu_backend_or_skip(name):

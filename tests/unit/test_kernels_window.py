@@ -215,7 +215,7 @@ def _on_cuda(x):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn"])
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn", "fa4"])
 @pytest.mark.parametrize("window", [1, 7, 64, 10**6])
 @pytest.mark.parametrize("case", ["odd_gqa4_d128", "bottom_right_gqa8", "rows_without_keys"])
 def test_gpu_windowed_bf16_within_2x_of_plain_torch(backend, window, case):
@@ -229,7 +229,7 @@ def test_gpu_windowed_bf16_within_2x_of_plain_torch(backend, window, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn"])
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn", "fa4"])
 @pytest.mark.parametrize("window", [None, 3, 16, 100])
 def test_gpu_partial_kv_diagonals_match_the_definition(backend, window):
     # The shapes a valid partial-KV plan makes: one kernel call per (left, right) mask class.
