@@ -30,7 +30,7 @@ multiple of 8 on sm90 (``_validate_head_dims``); cu_seqlens int32, contiguous, `
 max_seqlen_* host ints. LSE: ``[H_q, T_q]`` float32, natural log (``softmax.finalize`` multiplies
 its log2 sum by ln 2), -inf on rows that see no key (the forward writes out 0 there). The
 backward's preprocess reads a -inf LSE as 0; we pass +inf there instead (FlashAttention's
-convention, as :func:`distca_server.kernels._lse_to_kernel`), so P = exp(S - lse) is 0 whatever
+convention, as :func:`distca_server.kernels_flash._lse_to_kernel`), so P = exp(S - lse) is 0 whatever
 the mask.
 
 Masks (module doc of :mod:`distca_server.kernels`): FA4 aligns causal and windows bottom-right

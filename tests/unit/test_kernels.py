@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from distca_server import kernels
+from distca_server import kernels_flash
 from distca_server.kernels import (BACKENDS, TorchVarlenBackend, available_backends, check_backend_name,
                                    get_backend)
 from distca_server.refs import attention_ref, plain_attention
@@ -217,20 +217,20 @@ def test_flash_attn_backward_called_by_keyword_across_versions():
             return v2_7(**kw)
     values = {n: n for n in inspect.signature(v2_7).parameters} | dict(
         window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0, causal=True)
-    kernels._call_by_name(v2_5, values)
-    kernels._call_by_name(CustomOp(), values)
+    kernels_flash._call_by_name(v2_5, values)
+    kernels_flash._call_by_name(CustomOp(), values)
     assert seen == dict(window_size=(-1, -1), causal=True, left=-1, right=-1, softcap=0.0)
     with pytest.raises(RuntimeError, match="sink"):
-        kernels._call_by_name(lambda q, sink: None, values)
+        kernels_flash._call_by_name(lambda q, sink: None, values)
 
 
 def test_kernel_lse_layouts_round_trip():
     cu, h = _cu([3, 0, 2], "cpu"), 2
     ours = torch.tensor([[float("-inf"), 0.5], [1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
     for layout in ("heads_first", "tokens_first", "padded"):
-        kernel_lse = kernels._lse_to_kernel(ours, layout, cu, 3)
+        kernel_lse = kernels_flash._lse_to_kernel(ours, layout, cu, 3)
         assert torch.isposinf(kernel_lse).any()  # FlashAttention marks rows without keys with +inf
-        back, detected = kernels._lse_from_kernel(kernel_lse, cu, ours.shape[0], h)
+        back, detected = kernels_flash._lse_from_kernel(kernel_lse, cu, ours.shape[0], h)
         assert torch.equal(back, ours) and detected == layout
 
 

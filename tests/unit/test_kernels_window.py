@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_kernels import CASES, NAMES, ROWS_WITHOUT_KEYS, make_inputs, max_error
 
-from distca_server import kernels
+from distca_server import kernel_base, kernels
 from distca_server.kernels import BACKENDS
 from distca_server.refs import attention_ref, plain_attention
 
@@ -68,7 +68,7 @@ def test_cpu_mask_pieces_cover_each_visible_pair_once(lq, lk, window):
     has a row that sees nothing there, causal pieces are squares."""
     for chunk_elems in (1, 1 << 22):
         count = torch.zeros(lq, lk, dtype=torch.int64)
-        for r0, r1, c0, c1, kind in kernels._mask_pieces(lq, lk, window, chunk_elems):
+        for r0, r1, c0, c1, kind in kernel_base._mask_pieces(lq, lk, window, chunk_elems):
             r = torch.arange(r0, r1)[:, None]
             c = torch.arange(c0, c1)[None, :]
             if kind == "full":
@@ -139,7 +139,7 @@ def test_per_sequence_diagonals_match_the_definition(backend, window, case):
         assert max_error(a, e) <= 1e-10, name
 
 
-class FakeBanded(kernels._BandedKernel, kernels.ReferenceBackend):
+class FakeBanded(kernel_base._BandedKernel, kernels.ReferenceBackend):
     """A FlashAttention-style backend on the CPU: one (left, right) window per call, computed by
     the reference math one sequence at a time; records its calls."""
 
@@ -164,12 +164,12 @@ class FakeBanded(kernels._BandedKernel, kernels.ReferenceBackend):
         self.calls.append((left, right))
         window, diags = self._banded(cu_q, cu_k, left, right)
         return kernels.ReferenceBackend._forward(self, q, k, v, cu_q, cu_k, mq, mk, scale,
-                                                 kernels._Mask(window, diags))
+                                                 kernel_base._Mask(window, diags))
 
     def _banded_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, scale, left, right):
         window, diags = self._banded(cu_q, cu_k, left, right)
         return kernels.ReferenceBackend._backward(self, dout, q, k, v, out, lse, cu_q, cu_k, mq, mk,
-                                                  scale, kernels._Mask(window, diags))
+                                                  scale, kernel_base._Mask(window, diags))
 
 
 def test_banded_backends_make_one_call_per_mask_class():
@@ -201,7 +201,7 @@ def test_bad_window_raises_value_error(window):
 
 def test_windowed_cpu_memory_is_per_chunk():
     """A long sequence with a short window: pieces span rows x (rows + W) keys, never Lq x Lk."""
-    pieces = kernels._mask_pieces(20000, 20000, 16)
+    pieces = kernel_base._mask_pieces(20000, 20000, 16)
     assert max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, _ in pieces) <= 64 * (64 + 16)
     assert sum(r1 - r0 for r0, r1, *_ in pieces) == 20000
     assert list(itertools.chain.from_iterable(range(r0, r1) for r0, r1, *_ in pieces)) == list(range(20000))
