@@ -346,3 +346,52 @@ def test_peer_process_that_dies_fails_the_others_within_the_deadline():
         assert n == 2, "the exchange that failed ran device-driven"
         assert f"participants [{P - 1}]" in msg or "gave up" in msg, msg
         assert timeout <= elapsed < timeout + GRACE_S + SLACK_S, (r, elapsed)
+
+
+def test_unwaited_device_driven_exchanges_complete_before_a_host_driven_one(heap):
+    """A GPU caller does not wait on every handle: a host-driven exchange (here unrouted) first
+    lets every device-driven one in flight finish, and both deliver."""
+    P = 2
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
+    try:
+        splits = installed(ts)
+        other = route_data(7, P)
+
+        def step(r):
+            rs = recv_splits(splits, r)
+            for k in range(3):  # three device-driven exchanges, none waited
+                ts[r].exchange(payload(r, splits, 20 + k), splits[r], [ts[r].buffer("recv-r-0", sum(rs[0]))],
+                               rs, route=("test", "r"))
+            ors = recv_splits(other, r)
+            out = [torch.empty(sum(x), dtype=torch.uint8) for x in ors]
+            ts[r].exchange(payload(r, other, 30), other[r], out, ors).wait()  # host-driven: drains first
+            return out
+        outs = in_threads(P, step)
+        for r in range(P):
+            for s in range(len(other[0])):
+                want = torch.cat([payload(src, other, 30)[s][sum(other[src][s][:r]):sum(other[src][s][:r + 1])]
+                                  for src in range(P)])
+                assert torch.equal(outs[r][s], want)
+        assert ts[0].device_exchanges == 3 and not ts[0]._unresolved()
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_a_shorter_wait_bound_ends_a_silent_exchange_early(heap):
+    P, timeout = 2, 60.0
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=timeout) for r in range(P)]
+    try:
+        splits = installed(ts)
+        rs = recv_splits(splits, 0)
+        handle = ts[0].exchange(payload(0, splits, 40), splits[0], [ts[0].buffer("recv-r-0", sum(rs[0]))], rs,
+                                route=("test", "r"))
+        t0 = time.monotonic()
+        with pytest.raises(DistCAError, match="did not finish within 0.5 s"):
+            handle.wait(0.5)  # participant 1 never comes; the transport's deadline is 60 s
+        assert time.monotonic() - t0 < timeout / 2
+    finally:
+        for t in ts:
+            t.close()
