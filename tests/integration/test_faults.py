@@ -21,6 +21,7 @@ from distca_cli import format_status, main as cli_main  # noqa: E402
 from distca_server import DistCAError, launch, shutdown, status  # noqa: E402
 from scheduler import CostModel, plan_batch  # noqa: E402
 from scheduler.actor import job_actor_names, scheduler_actor_name  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart, plan_identity, plan_parts  # noqa: E402
 
@@ -46,9 +47,9 @@ COST = CostModel(4, 2, 16, 4)  # TrainWorker's shape: 4 query heads, 2 KV heads,
 @pytest.fixture(scope="module")
 def job(local_ray):
     from ray_workers import TrainWorker
-    handles = launch(name=NAME, servers=2, mode="dedicated", timeout_s=T, failure_grace_s=GRACE,
-                     detached=False, max_restarts=1, server_options={"num_cpus": 0}, min_shard=8,
-                     coordinator_options={"max_report_docs": 64})
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=T,
+                       failure_grace_s=GRACE, server_restarts=1, max_report_docs=64)
+    handles = launch(name=NAME, config=config, detached=False, server_options={"num_cpus": 0})
     workers = [TrainWorker.remote(NAME, r, 2, T) for r in range(2)]
     handles["workers"] = workers
     handles["step"] = [0]  # test seed counter
@@ -266,7 +267,8 @@ def test_report_bounds_and_device_type_are_checked_at_the_scheduler(job):
         assert "reported 65 documents; one report holds at most 64 (max_report_docs)" in r["message"]
     _exact_next_step(job)
     # an unknown device type, from a job of two registered ranks that report by hand
-    scratch = launch(name="inputs", mode="inplace", timeout_s=T, detached=False)
+    scratch = launch(name="inputs", config=JobConfig(plan=PlanConfig(mode="inplace"), timeout_s=T),
+                     detached=False)
     try:
         sched = scratch["scheduler"]
         for r in range(2):
@@ -390,13 +392,14 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     assert err == [f"distca status: no distca job named {NAME!r} on this Ray cluster"]
 
     with pytest.raises(DistCAError, match="did not start within 3 s"):
-        launch(name="atomic", servers=2, timeout_s=T, detached=False, start_timeout_s=3,
+        launch(name="atomic", config=JobConfig(servers=2, timeout_s=T, start_timeout_s=3), detached=False,
                server_options={"num_cpus": 0, "resources": {"no-such-resource": 1}})
     deadline = time.monotonic() + 30
     while job_actor_names("atomic"):  # nothing is left behind
         assert time.monotonic() < deadline, job_actor_names("atomic")
         time.sleep(0.1)
-    again = launch(name="atomic", servers=1, timeout_s=T, detached=False, server_options={"num_cpus": 0})
+    again = launch(name="atomic", config=JobConfig(servers=1, timeout_s=T), detached=False,
+                   server_options={"num_cpus": 0})
     with pytest.raises(ValueError, match="already running"):
-        launch(name="atomic", servers=1, timeout_s=T, detached=False)
+        launch(name="atomic", config=JobConfig(servers=1, timeout_s=T), detached=False)
     assert len(again["servers"]) == 1 and shutdown("atomic") == 2 and job_actor_names("atomic") == []

@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from distca_server import launch, shutdown, status  # noqa: E402
 from distca_cli import format_status  # noqa: E402
 from distca_server.runtime.base import sum_traffic  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import KV_TENSORS, RoundKind  # noqa: E402
 from scheduler.tasks import Plan  # noqa: E402
 from scripts import RUNTIME_ENV  # noqa: E402
@@ -93,8 +94,8 @@ def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
 
 
 def test_dedicated_two_clients_two_servers(local_ray):
-    job = launch(name="ded", servers=2, mode="dedicated", timeout_s=TIMEOUT, detached=False,
-                 server_options={"num_cpus": 0}, min_shard=8)
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=TIMEOUT)
+    job = launch(name="ded", config=config, detached=False, server_options={"num_cpus": 0})
     try:
         workers = _workers("ded", 2)
         for step, lens in enumerate(LENS):
@@ -143,8 +144,9 @@ def test_dedicated_two_clients_two_servers(local_ray):
 
 def test_inplace_three_clients(local_ray):
     # stateless here (every backward round resends Q, K, V, O, LSE); the other jobs keep activations
-    job = launch(name="inp", mode="inplace", timeout_s=TIMEOUT, detached=False, min_shard=8,
-                 keep_activations=False)
+    plan = PlanConfig(mode="inplace", min_shard=8, keep_activations=False)
+    config = JobConfig(plan=plan, timeout_s=TIMEOUT)
+    job = launch(name="inp", config=config, detached=False)
     try:
         workers = _workers("inp", 3)
         lens3 = [[[300, 5], [20, 20], [1, 2, 3]], [[77, 77], [500], [9, 90]]]
@@ -161,8 +163,9 @@ def test_inplace_three_clients(local_ray):
 
 
 def test_server_killed_mid_step_then_next_step_on_remaining_server(local_ray):
-    job = launch(name="kill", servers=2, mode="dedicated", timeout_s=TIMEOUT, failure_grace_s=2.0,
-                 detached=False, server_options={"num_cpus": 0}, min_shard=8)
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=TIMEOUT,
+                       failure_grace_s=2.0)
+    job = launch(name="kill", config=config, detached=False, server_options={"num_cpus": 0})
     try:
         workers = _workers("kill", 2)
         assert all(r["ok"] for r in _step(workers, LENS[0], 0))
@@ -185,8 +188,8 @@ def test_server_killed_mid_step_then_next_step_on_remaining_server(local_ray):
 
 
 def test_restarted_client_rejoins(local_ray):
-    job = launch(name="rejoin", servers=1, mode="dedicated", timeout_s=TIMEOUT, detached=False,
-           server_options={"num_cpus": 0}, min_shard=8)
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=1, timeout_s=TIMEOUT)
+    job = launch(name="rejoin", config=config, detached=False, server_options={"num_cpus": 0})
     try:
         workers = _workers("rejoin", 2)
         assert all(r["ok"] for r in _step(workers, LENS[0], 0))
@@ -213,8 +216,9 @@ def test_servers_placed_on_the_other_node_by_custom_resource():
     worker_node = cluster.add_node(num_cpus=1, resources={"attn": 2}, object_store_memory=80 * 2**20)
     try:
         ray.init(address=cluster.address, runtime_env=RUNTIME_ENV, namespace="distca", log_to_driver=False)
-        job = launch(name="two", servers=2, mode="dedicated", timeout_s=TIMEOUT, detached=False,
-                     server_options={"num_cpus": 0, "resources": {"attn": 1}}, min_shard=8)
+        config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=TIMEOUT)
+        job = launch(name="two", config=config, detached=False,
+                     server_options={"num_cpus": 0, "resources": {"attn": 1}})
         head = ray.get_runtime_context().get_node_id()
         nodes = {ray.get(s.stats.remote())["node_id"] for s in job["servers"]}
         assert nodes == {worker_node.node_id} and head not in nodes

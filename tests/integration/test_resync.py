@@ -19,6 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from distca_server import launch, shutdown, status  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
 
 T = 4.0  # the job's timeout: room for a busy 2-core machine, short enough for several faults
@@ -30,8 +31,9 @@ AFTER = 3  # lock-step iterations run after each fault, every one of which must 
 @pytest.fixture(scope="module")
 def job(local_ray):
     from ray_workers import TrainWorker
-    handles = launch(name=NAME, mode="inplace", timeout_s=T, failure_grace_s=0.5, detached=False,
-                     min_shard=8, scheduler_restarts=-1)
+    config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=T, failure_grace_s=0.5,
+                       scheduler_restarts=-1)
+    handles = launch(name=NAME, config=config, detached=False)
     handles["make_worker"] = lambda r: TrainWorker.remote(NAME, r, 2, T)
     handles["workers"] = [handles["make_worker"](r) for r in range(2)]
     handles["seed"] = [0]

@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from distca_server import launch, shutdown  # noqa: E402
-from scheduler import CostModel  # noqa: E402
+from scheduler import CostModel, JobConfig, PlanConfig  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart  # noqa: E402
 
@@ -23,7 +23,8 @@ LENS = [[300, 20, 5], [90, 1]]
 
 @pytest.fixture(scope="module")
 def scheduler(local_ray):
-    job = launch(name="report-wire", mode="inplace", timeout_s=TIMEOUT, min_shard=8, detached=False)
+    config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=TIMEOUT)
+    job = launch(name="report-wire", config=config, detached=False)
     sched = job["scheduler"]
     ray.get([sched.register_client.remote(r, 2, {"incarnation": f"i{r}"}) for r in range(2)])
     yield sched

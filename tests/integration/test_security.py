@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from distca_server import launch, shutdown  # noqa: E402
 from scheduler.actor import NAMESPACE, job_actor_names, scheduler_actor_name  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from scheduler.messages import decode_report, encode_answer  # noqa: E402
 from scheduler.parts import plan_identity, plan_parts  # noqa: E402
@@ -142,7 +143,8 @@ print(json.dumps(out, default=str))
 def test_another_run_cannot_join_read_plans_or_fail_steps_and_the_job_goes_on(local_ray):
     from ray_workers import TrainWorker
     name = "secjob"
-    launch(name=name, mode="inplace", timeout_s=TIMEOUT)  # detached: shutdown() below stops it
+    config = JobConfig(plan=PlanConfig(mode="inplace"), timeout_s=TIMEOUT)
+    launch(name=name, config=config)  # detached: shutdown() below stops it
     try:
         workers = [TrainWorker.remote(name, r, 2, TIMEOUT) for r in range(2)]
         lens = [[61, 3, 250], [140, 1, 1, 90]]
@@ -190,8 +192,8 @@ def test_two_launches_of_one_name_at_once_start_one_job(local_ray):
     def go(i):
         start.wait()
         try:
-            results[i] = launch(name=name, servers=2, timeout_s=TIMEOUT, server_options={"num_cpus": 0},
-                                min_shard=8)
+            config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=TIMEOUT)
+            results[i] = launch(name=name, config=config, server_options={"num_cpus": 0})
         except Exception as exc:
             results[i] = exc
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]

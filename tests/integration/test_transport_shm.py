@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray")
 
 from distca_server import launch, shutdown, status  # noqa: E402
 from distca_server.runtime.groups import heap_prefix  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
 T = 3.0  # the fault job's timeout
 SLACK = 1.0  # "within the timeout + 1 s", as tests/integration/test_faults.py
@@ -40,7 +41,8 @@ def _workers(name, world, timeout_s):
 def workers(local_ray):
     """Two client processes reused by every job of the module (each connects to a job in turn)."""
     name = "shm-first"
-    job = launch(name=name, mode="inplace", timeout_s=10.0, detached=False, transport="shm")  # noqa: F841
+    config = JobConfig(plan=PlanConfig(mode="inplace"), timeout_s=10.0, transport="shm")
+    job = launch(name=name, config=config, detached=False)  # noqa: F841
     try:
         yield _workers(name, 2, 10.0)
     finally:
@@ -50,8 +52,10 @@ def workers(local_ray):
 def _steps(workers, name, mode, transport):
     """Two steps of two layers, forward and backward, on 2 clients; per step and rank the max
     relative error against the float64 reference."""
-    job = launch(name=name, servers=1, mode=mode, timeout_s=10.0, detached=False, min_shard=8,
-                 server_options={"num_cpus": 0}, transport=transport)  # noqa: F841 - keeps the actors alive
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=8), servers=1, timeout_s=10.0,
+                       transport=transport)
+    job = launch(name=name, config=config, detached=False,  # noqa: F841 - keeps the actors alive
+                 server_options={"num_cpus": 0})
     try:
         ray.get([w.reconnect.remote(name) for w in workers], timeout=60)
         errors = []
@@ -81,11 +85,11 @@ def test_shm_job_equals_the_reference_and_torch_dist(workers, mode):
 def test_bad_transports_are_refused_at_launch(local_ray):
     with pytest.raises(ValueError, match=r"transport must be one of \('torch_dist', 'shm', 'nvshmem'\), "
                                          r"got 'gloo'"):
-        launch(name="badtransport", transport="gloo", detached=False)
+        launch(name="badtransport", config=JobConfig(transport="gloo"), detached=False)
     from distca_server.transport.nvshmem import available
     if not available():
         with pytest.raises(ValueError, match="transport 'nvshmem' needs"):
-            launch(name="badtransport", transport="nvshmem", detached=False)
+            launch(name="badtransport", config=JobConfig(transport="nvshmem"), detached=False)
 
 
 def test_a_killed_server_fails_the_step_then_the_job_goes_on_over_shm(workers):
@@ -93,8 +97,9 @@ def test_a_killed_server_fails_the_step_then_the_job_goes_on_over_shm(workers):
     server 1 (a dead PE never signals, so the survivors' deadline finds it); the next step runs
     on server 0 alone, then on both once Ray restarted server 1; shutdown leaves no heap file."""
     name = "shmkill"
-    job = launch(name=name, servers=2, mode="dedicated", timeout_s=T, failure_grace_s=0.5, detached=False,
-                 max_restarts=1, server_options={"num_cpus": 0}, min_shard=8, transport="shm")
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=T,
+                       failure_grace_s=0.5, server_restarts=1, transport="shm")
+    job = launch(name=name, config=config, detached=False, server_options={"num_cpus": 0})
     try:
         ray.get([w.reconnect.remote(name, T) for w in workers], timeout=60)
         lens = LENS[0]

@@ -9,6 +9,7 @@ import torch
 
 from distca_client import DistCAClient
 from distca_server.refs import varlen_attention_ref as attention_ref
+from scheduler.config import JobConfig, PlanConfig
 
 
 def make_inputs(doc_lens, hq, hkv, d, dtype, seed):
@@ -59,8 +60,9 @@ CASES = [
 
 def _client(servers, epsilon, mode, backend="auto"):
     ranks = servers if mode == "inplace" else max(1, servers // 2)
-    return DistCAClient.local(servers, epsilon=epsilon, mode=mode, num_ranks=ranks, backend=backend,
-                              min_shard=16, timeout_s=30)
+    plan = PlanConfig(epsilon=epsilon, mode=mode, min_shard=16)
+    return DistCAClient.local(config=JobConfig(plan=plan, servers=servers, backend=backend, timeout_s=30),
+                              num_ranks=ranks)
 
 
 @pytest.mark.parametrize("docs,hq,hkv,d,servers,epsilon,mode", CASES)
@@ -124,7 +126,7 @@ def test_bytes_moved_equal_plan_comm_bytes(mode, seed):
 def test_plan_cached_per_doc_lens_and_reused_across_layers():
     lens = [100, 3, 250]
     q, k, v, _ = make_inputs(lens, 4, 1, 32, torch.float32, 0)
-    with DistCAClient.local(3, min_shard=16) as client:
+    with DistCAClient.local(3, config=PlanConfig(min_shard=16)) as client:
         client.attend(q, k, v, lens)
         first = client.last_step
         client.attend(q * 2, k, v, torch.tensor(lens))  # next layer, same batch
@@ -136,7 +138,7 @@ def test_plan_cached_per_doc_lens_and_reused_across_layers():
 def test_softmax_scale_and_empty_servers():
     lens = [5, 2]  # fewer documents than servers: some virtual ranks and servers are empty
     q, k, v, dout = make_inputs(lens, 2, 1, 8, torch.float64, 3)
-    with DistCAClient.local(6, epsilon=0.0) as client:
+    with DistCAClient.local(6, config=PlanConfig(epsilon=0.0)) as client:
         got = run(lambda a, b, c: client.attend(a, b, c, lens, softmax_scale=0.3), q, k, v, dout)
     want = run(lambda a, b, c: attention_ref(a, b, c, lens, 0.3), q, k, v, dout)
     for g, w in zip(got, want):
@@ -171,17 +173,18 @@ def test_attend_rejects_bad_input(fragment, args, kwargs):
         assert client.last_step is None  # nothing was planned or sent
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"num_servers": 0}, "num_servers"),
-    ({"num_servers": 2, "mode": "sideways"}, "mode"),
-    ({"num_servers": 2, "num_ranks": 3}, "num_ranks"),
-    ({"num_servers": 2, "backend": "cuda_magic"}, "backend"),
-    ({"num_servers": 2, "epsilon": -0.1}, "epsilon"),
-    ({"num_servers": 2, "timeout_s": 0}, "timeout_s"),
+@pytest.mark.parametrize("make,fragment", [
+    (lambda: DistCAClient.local(0), "num_servers"),
+    (lambda: DistCAClient.local(2, config=PlanConfig(mode="sideways")), "mode"),
+    (lambda: DistCAClient.local(2, num_ranks=3), "num_ranks"),
+    (lambda: DistCAClient.local(config=JobConfig(plan=PlanConfig(), servers=2, backend="cuda_magic")),
+     "backend"),
+    (lambda: DistCAClient.local(2, config=PlanConfig(epsilon=-0.1)), "epsilon"),
+    (lambda: DistCAClient.local(config=JobConfig(plan=PlanConfig(), servers=2, timeout_s=0)), "timeout_s"),
 ])
-def test_local_rejects_bad_arguments(kwargs, fragment):
+def test_local_rejects_bad_arguments(make, fragment):
     with pytest.raises(ValueError, match=fragment):
-        DistCAClient.local(**kwargs)
+        make()
 
 
 def test_varlen_attention_matches_reference_and_attend():
@@ -190,7 +193,7 @@ def test_varlen_attention_matches_reference_and_attend():
     q, k, v, dout = make_inputs(lens, 8, 2, 32, torch.float64, 5)
     got = run(lambda a, b, c: varlen_attention(a, b, c, lens), q, k, v, dout)
     want = run(lambda a, b, c: attention_ref(a, b, c, lens, 32 ** -0.5), q, k, v, dout)
-    with DistCAClient.local(3, min_shard=16) as client:
+    with DistCAClient.local(3, config=PlanConfig(min_shard=16)) as client:
         served = run(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout)
     for g, w, s in zip(got, want, served):
         assert (g - w).abs().max().item() <= 1e-10 and (s - g).abs().max().item() <= 1e-10
@@ -202,7 +205,7 @@ def test_attend_async_handles_wait_in_any_order():
     lens_a, lens_b = [300, 7], [5, 250, 1]
     qa, ka, va, da = make_inputs(lens_a, 4, 1, 16, torch.float64, 1)
     qb, kb, vb, db = make_inputs(lens_b, 4, 1, 16, torch.float64, 2)
-    with DistCAClient.local(2, min_shard=16) as client:
+    with DistCAClient.local(2, config=PlanConfig(min_shard=16)) as client:
         leaves_a = [t.clone().requires_grad_() for t in (qa, ka, va)]
         leaves_b = [t.clone().requires_grad_() for t in (qb, kb, vb)]
         ha = client.attend_async(*leaves_a, lens_a)

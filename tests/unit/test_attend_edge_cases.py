@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from distca_client import DistCAClient, varlen_attention
 from distca_server.kernels import BACKENDS
 from distca_server.refs import attend_with_grads_ref, cu_seqlens, plain_attention
+from scheduler.config import JobConfig, PlanConfig
 
 LENS = [1, 37, 2, 130, 5, 64]  # single-token documents, odd and power-of-two lengths
 
@@ -38,8 +39,8 @@ def assert_close(got, want, rtol):
 
 
 def local_client(mode="inplace", backend="auto"):
-    return DistCAClient.local(3, mode=mode, num_ranks=3 if mode == "inplace" else 2, backend=backend,
-                              min_shard=16, timeout_s=30)
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=16), servers=3, backend=backend, timeout_s=30)
+    return DistCAClient.local(config=config, num_ranks=3 if mode == "inplace" else 2)
 
 
 # ---------------------------------------------------------------- 1. any finite softmax_scale

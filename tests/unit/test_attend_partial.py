@@ -20,7 +20,7 @@ from distca_server.refs import cu_seqlens, plain_attention
 from distca_server.refs import varlen_attention_ref as attention_ref
 from distca_server.runtime.local import split_documents
 from distca_server.wire import RowFormat
-from scheduler import CATask, Plan, plan_batch
+from scheduler import CATask, JobConfig, Plan, PlanConfig, plan_batch
 from scheduler.cost import window_kv_start
 
 
@@ -43,7 +43,8 @@ def split_keys(plan: Plan, rng: random.Random, pieces_max: int = 4) -> Plan:
 
 def _client_with_plan(lens, q, k, servers, mode, window, make_plan):
     ranks = servers if mode == "inplace" else max(1, servers // 2)
-    client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=16, timeout_s=60)
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=16), servers=servers, timeout_s=60)
+    client = DistCAClient.local(config=config, num_ranks=ranks)
     fmt = RowFormat.of(q, k)
     base = plan_batch(split_documents(lens, ranks), servers, cost=fmt.cost, mode=mode, min_shard=16,
                       window=window)

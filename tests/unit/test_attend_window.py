@@ -12,6 +12,7 @@ from test_attend import make_inputs, run
 from distca_client import DistCAClient, varlen_attention
 from distca_server.refs import cu_seqlens, plain_attention
 from distca_server.refs import varlen_attention_ref as attention_ref
+from scheduler.config import JobConfig, PlanConfig
 
 WINDOWS = [1, 7, 128, 4096, 10**6]  # 10**6: longer than every document
 DOCS = {  # odd lengths, 1-token documents, one document longer than the 4096 window
@@ -30,8 +31,8 @@ SETUPS = [  # (docs, hq, hkv, d, servers, mode)
 
 def _client(servers, mode, epsilon=0.05):
     ranks = servers if mode == "inplace" else max(1, servers // 2)
-    return DistCAClient.local(servers, epsilon=epsilon, mode=mode, num_ranks=ranks, min_shard=16,
-                              timeout_s=60)
+    plan = PlanConfig(epsilon=epsilon, mode=mode, min_shard=16)
+    return DistCAClient.local(config=JobConfig(plan=plan, servers=servers, timeout_s=60), num_ranks=ranks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,8 +155,9 @@ def test_windowed_attend_with_kept_activations(mode, servers, keep):
     lens = DOCS["odd"]
     inputs, want = _case("odd", 4, 2, 16, 7)
     ranks = servers if mode == "inplace" else 1
-    with DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=16, timeout_s=60,
-                            keep_activations=keep) as client:
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=16, keep_activations=keep), servers=servers,
+                       timeout_s=60)
+    with DistCAClient.local(config=config, num_ranks=ranks) as client:
         got = run(lambda a, b, c: client.attend(a, b, c, lens, window=7), *inputs)
         plan = client.last_plan
         moved = client.traffic()

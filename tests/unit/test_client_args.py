@@ -8,6 +8,7 @@ import torch
 
 from distca_client import DistCAClient
 from distca_server.refs import varlen_attention_ref
+from scheduler.config import JobConfig, PlanConfig
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -37,7 +38,8 @@ def test_numpy_integers_are_counts():
     doc_lens = [200, 3, 61]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(doc_lens), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    with DistCAClient.local(num_servers=np.int64(2), min_shard=np.int32(16), epsilon=np.float32(0.1)) as c:
+    config = PlanConfig(min_shard=np.int32(16), epsilon=np.float32(0.1))
+    with DistCAClient.local(num_servers=np.int64(2), config=config) as c:
         out = c.attend(q, k, v, doc_lens)
         plan = c.last_plan
     # The numpy values became the plan's settings, as plain Python numbers ...
@@ -52,4 +54,4 @@ def test_a_backend_this_install_cannot_run_is_refused_when_the_client_is_built()
     if torch.cuda.is_available():
         pytest.skip("flash_attn / torch_varlen may run here")
     with pytest.raises(ValueError, match="backend='torch_varlen'.*cannot run on this install"):
-        DistCAClient.local(num_servers=2, backend="torch_varlen")
+        DistCAClient.local(config=JobConfig(plan=PlanConfig(), servers=2, backend="torch_varlen"))

@@ -8,13 +8,14 @@ import re
 import pytest
 
 from scheduler import CostModel
+from scheduler.config import JobConfig, PlanConfig
 from scheduler.coordinator import Coordinator
 
 SHAPE = {"cost": CostModel(4, 2, 8, 2).to_wire(), "device_type": "cpu"}
 
 
 def job():
-    coord = Coordinator("tok", "inplace", min_shard=8)
+    coord = Coordinator("tok", config=JobConfig(plan=PlanConfig(mode="inplace", min_shard=8)))
     tokens = []
     for r in range(2):
         coord.register_client(r, 2, {"incarnation": f"i{r}", "node": "n"})

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from scheduler import CostModel, Plan, plan_batch
+from scheduler.config import JobConfig, PlanConfig
 from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES, Coordinator
 from scheduler.cost import is_split
 from scheduler.outcomes import Assignment
@@ -41,8 +42,9 @@ class Ticks:
 def make(mode="dedicated", clients=2, servers=2, timer=None, transport="torch_dist", node=None, step=0):
     """A coordinator with registered clients and servers, each on its own node unless ``node``;
     the clients registered at ``step`` (reports may name at most one step past the job's)."""
-    c = Coordinator("job", mode, epsilon=0.05, min_shard=8, timeout_s=10.0, failure_grace_s=GRACE,
-                    timer=timer or Ticks(1.0), transport=transport)
+    config = JobConfig(plan=PlanConfig(mode=mode, epsilon=0.05, min_shard=8), timeout_s=10.0,
+                       failure_grace_s=GRACE, transport=transport)
+    c = Coordinator("job", config=config, timer=timer or Ticks(1.0))
     for r in range(clients):
         info = {"incarnation": f"c{r}", "node": node or f"node{r}", "step": step}
         assert c.register_client(r, clients, info)["next_step"] == step
@@ -203,7 +205,7 @@ def test_unregister_only_the_same_incarnation():
 
 
 def test_unregistered_rank_gets_distca_error():
-    c = Coordinator("job", "inplace")
+    c = Coordinator("job", config=JobConfig(plan=PlanConfig(mode="inplace")))
     out = c.report(0, 0, 0, [5], SHAPE)
     assert out.answer == {"error": "DistCAError", "message": "rank 0 is not registered with job 'job'",
                           "register": True}
@@ -547,7 +549,8 @@ def test_fail_step_gives_every_client_the_same_value_error():
     ([1] * 65, r"rank 1 reported 65 documents; one report holds at most 64 \(max_report_docs\)"),
     ([1000, 25], r"rank 1 reported 1025 tokens; one report holds at most 1024 \(max_report_tokens\)")])
 def test_oversized_report_is_a_value_error_naming_the_limit(lens, match):
-    c = Coordinator("job", "inplace", min_shard=8, max_report_docs=64, max_report_tokens=1024)
+    plan = PlanConfig(mode="inplace", min_shard=8)
+    c = Coordinator("job", config=JobConfig(plan=plan, max_report_docs=64, max_report_tokens=1024))
     for r in range(2):
         c.register_client(r, 2, {"incarnation": f"c{r}"})
     c.report(0, 0, 0, [5], SHAPE)
@@ -558,7 +561,7 @@ def test_oversized_report_is_a_value_error_naming_the_limit(lens, match):
     first = c.report(1, 0, 0, lens, SHAPE)  # refused before the others report, too
     assert first.resolved and first.answer["error"] == "ValueError"
     with pytest.raises(ValueError, match="max_report_docs must be a positive int, got 0"):
-        Coordinator("job", max_report_docs=0)
+        Coordinator("job", config=JobConfig(max_report_docs=0))
 
 
 def test_default_bounds_refuse_ten_million_documents_at_once():
@@ -574,7 +577,8 @@ def test_restart_rebuilds_step_and_epoch_from_registrations():
     """A fresh coordinator (the restarted actor) learns where the job was from the members
     re-registering: epochs are numbered past every member's last one and steps go on after the
     one that was in flight, whichever member registers first."""
-    c = Coordinator("job", "dedicated", min_shard=8, timeout_s=10.0, failure_grace_s=GRACE, timer=Ticks(1.0))
+    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), timeout_s=10.0, failure_grace_s=GRACE)
+    c = Coordinator("job", config=config, timer=Ticks(1.0))
     c.register_server(0, {"incarnation": "s0", "node": "srv0", "epoch": 4})
     assert c.register_client(1, 2, {"incarnation": "c1", "node": "node1", "step": 12, "epoch": 4})["next_step"] == 12
     # rank 1 is first: its report of step 12 waits ...
@@ -688,13 +692,13 @@ def test_status_rows_inplace():
 
 def test_bad_mode_and_server_index():
     with pytest.raises(ValueError, match="'sideways'"):
-        Coordinator("job", "sideways")
+        Coordinator("job", config=JobConfig(plan=PlanConfig(mode="sideways")))
     with pytest.raises(ValueError, match="-1"):
         Coordinator("job").register_server(-1, {})
     with pytest.raises(ValueError, match="epsilon must be a finite number >= 0, got -0.5"):
-        Coordinator("job", epsilon=-0.5)
+        Coordinator("job", config=JobConfig(plan=PlanConfig(epsilon=-0.5)))
     with pytest.raises(ValueError, match="min_shard must be a positive int, got 0"):
-        Coordinator("job", min_shard=0)
+        Coordinator("job", config=JobConfig(plan=PlanConfig(min_shard=0)))
     c = make()
     assert c.report(0, 0, [0], [5], SHAPE).answer["error"] == "DistCAError"  # an unhashable rank
 
@@ -708,12 +712,13 @@ def test_coordinator_imports_neither_torch_nor_ray():
 
 
 def test_partial_kv_plans_split_key_blocks():
-    """``Coordinator(partial_kv=True)`` (``launch(partial_kv=...)``) plans with key splits where the
-    bands cannot balance: one 2,048-token document over 4 servers at min_shard 512."""
+    """A coordinator with ``PlanConfig(partial_kv=True)`` (``launch(config=...)``) plans with key
+    splits where the bands cannot balance: one 2,048-token document over 4 servers at min_shard 512."""
     lens = [[2048], [5]]
     for partial_kv in (False, True):
-        c = Coordinator("job", "dedicated", epsilon=0.05, min_shard=512, timeout_s=10.0,
-                        failure_grace_s=GRACE, timer=Ticks(1.0), partial_kv=partial_kv)
+        config = JobConfig(plan=PlanConfig(mode="dedicated", epsilon=0.05, min_shard=512,
+                                           partial_kv=partial_kv), timeout_s=10.0, failure_grace_s=GRACE)
+        c = Coordinator("job", config=config, timer=Ticks(1.0))
         for r in range(2):
             c.register_client(r, 2, {"incarnation": f"c{r}", "node": "n"})
         for s in range(4):
@@ -724,4 +729,4 @@ def test_partial_kv_plans_split_key_blocks():
         assert bool(is_split(arr[:, 3], arr[:, 4], arr[:, 5], arr[:, 6], None).any()) is partial_kv
         assert (plan.imbalance()[1] <= 1.05 + 1e-9) is partial_kv
     with pytest.raises(ValueError, match="partial_kv must be a bool"):
-        Coordinator("job", partial_kv="yes")
+        Coordinator("job", config=JobConfig(plan=PlanConfig(partial_kv="yes")))

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening  # noq
 
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.integrations import hf  # noqa: E402
+from scheduler.config import PlanConfig  # noqa: E402
 
 VOCAB = 61
 # Odd lengths and 1-token documents; min_shard below splits the long ones across servers.
@@ -101,7 +102,7 @@ def _check_against_reference(family, client, batch):
 @pytest.mark.parametrize("mode", ["inplace", "dedicated"])
 @pytest.mark.parametrize("num_servers", [1, 2, 3, 4])
 def test_packed_batch_equals_sdpa_per_document(family, mode, num_servers):
-    client = DistCAClient.local(num_servers, mode=mode, min_shard=4)
+    client = DistCAClient.local(num_servers, config=PlanConfig(mode=mode, min_shard=4))
     _check_against_reference(family, client, _packed_batch())
     if num_servers > 1:  # the documents really were spread over the servers
         assert sum(1 for tasks in client.last_plan.server_tasks if tasks) > 1
@@ -111,7 +112,7 @@ def test_cu_seq_lens_kwargs_give_the_documents():
     """cu_seq_lens_q/k win over position_ids, here deliberately wrong (one document)."""
     batch = _packed_batch(with_cu=True)
     batch["position_ids"] = torch.arange(sum(DOC_LENS))[None]
-    _check_against_reference("llama", DistCAClient.local(2, min_shard=4), batch)
+    _check_against_reference("llama", DistCAClient.local(2, config=PlanConfig(min_shard=4)), batch)
 
 
 def test_rows_without_position_ids_are_one_document_each():
@@ -178,7 +179,7 @@ def test_windowed_and_full_layers_get_one_plan_each():
     """Qwen2 with a window on layer 1 only: a step binds two batches of the same documents, one
     planned with the window and one without, and the result still equals sdpa."""
     assert _config("qwen2_mixed").layer_types == ["full_attention", "sliding_attention"]
-    client = DistCAClient.local(3, min_shard=2)
+    client = DistCAClient.local(3, config=PlanConfig(min_shard=2))
     _check_against_reference("qwen2_mixed", client, _packed_batch())
     windows = sorted((b.plan.window or 0) for b in client._step_batches)
     assert windows == [0, 3]
@@ -202,7 +203,7 @@ def test_left_and_right_padding_equal_transformers_on_real_tokens(reference):
     mask[1, 9:] = 0  # right padding
     real = mask.bool()
     weights = torch.randn(3, 12, VOCAB, generator=torch.Generator().manual_seed(6)) * real[..., None]
-    hf.register(DistCAClient.local(2, min_shard=2))
+    hf.register(DistCAClient.local(2, config=PlanConfig(min_shard=2)))
     got, got_grads = _padded_run("distca", ids, mask, weights)
     want, want_grads = _padded_run(reference, ids, mask, weights)
     assert _rel(got[real], want[real]) <= 1e-5

@@ -13,7 +13,7 @@ import torch
 from distca_client import DistCAClient
 from distca_server.errors import DistCAError
 from distca_server.refs import varlen_attention_ref as attention_ref
-from scheduler import CostModel, Plan, plan_batch
+from scheduler import CostModel, JobConfig, Plan, PlanConfig, plan_batch
 from scheduler.cost import KEPT_TENSORS, MERGED_TENSORS, RoundKind
 
 LAYERS = 3
@@ -49,8 +49,8 @@ def _stack(attend, layers, dout):
 
 def _client(servers, mode, keep=True, **kw):
     ranks = servers if mode == "inplace" else max(1, servers // 2 + 1)
-    return DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=16, timeout_s=30,
-                              keep_activations=keep, **kw)
+    plan = PlanConfig(mode=mode, min_shard=16, keep_activations=keep, **kw)
+    return DistCAClient.local(config=JobConfig(plan=plan, servers=servers, timeout_s=30), num_ranks=ranks)
 
 
 CASES = [  # (seed, hq, hkv, d, servers, mode)
@@ -283,7 +283,7 @@ def test_local_client_passes_the_cap():
     lens = [700, 5, 300, 1, 41]
     layers, _ = layer_inputs(lens, 4, 2, 32, torch.float32, 9)
     with pytest.raises(ValueError, match="max_held_bytes_per_server"):
-        DistCAClient.local(2, keep_activations=False, max_held_bytes_per_server=10)
+        DistCAClient.local(2, config=PlanConfig(keep_activations=False, max_held_bytes_per_server=10))
     with _client(3, "dedicated", max_held_bytes_per_server=10) as client:
         with pytest.raises(ValueError, match="infeasible"):
             client.attend(*layers[0], lens)

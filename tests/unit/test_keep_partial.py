@@ -24,7 +24,7 @@ from distca_server.refs import cu_seqlens, plain_attention
 from distca_server.refs import varlen_attention_ref as attention_ref
 from distca_server.runtime.local import split_documents
 from distca_server.wire import RowFormat
-from scheduler import CATask, CostModel, Plan, plan_batch
+from scheduler import CATask, CostModel, JobConfig, Plan, PlanConfig, plan_batch
 from scheduler.cost import is_split
 
 LAYERS = 2
@@ -53,8 +53,9 @@ def _kept(plan: Plan) -> Plan:
 
 def _client(lens, servers, mode, ranks, fmt, window, make_plan):
     """A local client whose plan for ``lens`` is ``make_plan(planned batch)``."""
-    client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=16, timeout_s=60,
-                                keep_activations=True)
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=16, keep_activations=True), servers=servers,
+                       timeout_s=60)
+    client = DistCAClient.local(config=config, num_ranks=ranks)
     base = plan_batch(split_documents(lens, ranks), servers, cost=fmt.cost, mode=mode, min_shard=16,
                       window=window)
     plan = make_plan(base)
@@ -157,7 +158,8 @@ def test_planned_partial_kept_plans_through_attend(mode, servers):
     layers, dout = layer_inputs(lens, 4, 2, 16, torch.float64, 1, layers=LAYERS)
     ranks = servers if mode == "inplace" else 1
     fmt = RowFormat.of(*layers[0][:2])
-    client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=300, timeout_s=60)
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=300), servers=servers, timeout_s=60)
+    client = DistCAClient.local(config=config, num_ranks=ranks)
     plan = plan_batch(split_documents(lens, ranks), servers, cost=fmt.cost, mode=mode, min_shard=300,
                       partial_kv=True)
     assert plan.keep_activations and plan.split_row_matrix.sum() > 0
@@ -255,15 +257,16 @@ def test_held_cap_keeps_unsplit_plan_when_splits_break_it():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_local_client_plans_partial_kv(keep):
-    """``DistCAClient.local(partial_kv=True)``: a document the head-tail bands cannot balance
-    (2,048 tokens over 4 dedicated servers at min_shard 512: two bands, max/mean 2) gets key
-    blocks split onto the idle servers, and attend stays exact, kept or stateless."""
+    """``DistCAClient.local`` with ``PlanConfig(partial_kv=True)``: a document the head-tail bands
+    cannot balance (2,048 tokens over 4 dedicated servers at min_shard 512: two bands, max/mean 2)
+    gets key blocks split onto the idle servers, and attend stays exact, kept or stateless."""
     lens = [2048, 5]
     layers, dout = layer_inputs(lens, 4, 2, 16, torch.float64, 4, layers=LAYERS)
     balance = {}
     for partial_kv in (False, True):
-        with DistCAClient.local(4, mode="dedicated", num_ranks=1, min_shard=512, timeout_s=60,
-                                keep_activations=keep, partial_kv=partial_kv) as client:
+        config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=512, keep_activations=keep,
+                                           partial_kv=partial_kv), servers=4, timeout_s=60)
+        with DistCAClient.local(config=config, num_ranks=1) as client:
             got = _stack(lambda q, k, v: client.attend(q, k, v, lens, softmax_scale=SCALE), layers, dout)
             plan = client.last_plan
             arr = plan.task_array
@@ -272,4 +275,4 @@ def test_local_client_plans_partial_kv(keep):
             _check(got, _want(lens, layers, dout), torch.float64)
     assert balance[False] >= 1.9 and balance[True] <= 1.05 + 1e-9
     with pytest.raises(ValueError, match="partial_kv must be a bool, got 1"):
-        DistCAClient.local(2, partial_kv=1)
+        DistCAClient.local(2, config=PlanConfig(partial_kv=1))

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.integrations.megatron import DistCACoreAttention, core_attention_spec  # noqa: E402
+from scheduler.config import PlanConfig  # noqa: E402
 
 DOC_LENS = [7, 1, 13, 1, 5, 2]
 HEADS, GROUPS, HEAD_DIM = 4, 2, 16
@@ -132,7 +133,7 @@ def test_thd_packed_equals_megatron_dot_product_attention_per_document(megatron_
                                                                          num_servers):
     q, k, v, dout = _qkvd(sum(DOC_LENS))
     want = _per_document_reference(megatron_reference, q, k, v, dout)
-    client = DistCAClient.local(num_servers, mode=mode, min_shard=4)
+    client = DistCAClient.local(num_servers, config=PlanConfig(mode=mode, min_shard=4))
     core = DistCACoreAttention(_config(), 1, AttnMaskType.causal, "self", client=client)
     cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -193,7 +194,7 @@ def test_window_size_equals_megatron_sliding_window(megatron_dpa, window_size, s
     cfg = _config(window_size=window_size, window_attn_skip_freq=skip_freq)
     dpa = megatron_dpa(cfg, layer_number=layer)
     core = DistCACoreAttention(cfg, layer, AttnMaskType.causal, "self",
-                               client=DistCAClient.local(2, min_shard=2))
+                               client=DistCAClient.local(2, config=PlanConfig(min_shard=2)))
     q, k, v, dout = _qkvd(sum(DOC_LENS), seed=5)
     cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
     got = _with_grads(lambda *t: core(*t, None, packed_seq_params=_packed_params(cu)), q, k, v, dout)
@@ -226,7 +227,8 @@ def test_sbhd_padding_masks_equal_megatron_on_real_tokens(megatron_dpa, mask_typ
     q, k, v, dout = _sbhd(36, 12, seed=7)
     dout = dout * real[:, :, None]
     want = _with_grads(lambda *t: megatron_dpa(_config(), mask_type)(*t, mask), q, k, v, dout)
-    core = DistCACoreAttention(_config(), 1, mask_type, "self", client=DistCAClient.local(2, min_shard=2))
+    client = DistCAClient.local(2, config=PlanConfig(min_shard=2))
+    core = DistCACoreAttention(_config(), 1, mask_type, "self", client=client)
     got = _with_grads(lambda *t: core(*t, mask), q, k, v, dout)
     assert _rel(got[0][real], want[0][real]) <= 1e-5
     for g, w in zip(got[1:], want[1:]):

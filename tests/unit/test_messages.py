@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from scheduler import CostModel
+from scheduler.config import JobConfig, PlanConfig
 from scheduler.coordinator import Coordinator
 from scheduler.messages import decode_answer, decode_report, encode_answer, encode_report
 from scheduler.parts import PlanPart
@@ -80,7 +81,7 @@ def test_reports_through_the_wire_plan_like_in_process_ones():
     lens = [[300, 20, 5], [90, 1]]
     answers = {}
     for wire in (False, True):
-        coord = Coordinator("wire", "inplace", min_shard=8)
+        coord = Coordinator("wire", config=JobConfig(plan=PlanConfig(mode="inplace", min_shard=8)))
         for r in range(2):
             coord.register_client(r, 2, {"incarnation": f"i{r}"})
         for r in range(2):
@@ -97,7 +98,7 @@ def test_reports_through_the_wire_plan_like_in_process_ones():
 
 
 def test_error_answers_round_trip_and_bad_answers_are_refused():
-    coord = Coordinator("wire", "inplace")
+    coord = Coordinator("wire", config=JobConfig(plan=PlanConfig(mode="inplace")))
     answer = coord.report(0, 0, 0, [5], SHAPE).answer  # not registered
     assert decode_answer(encode_answer(answer)) == answer and answer["register"] is True
     for data, message in ((b"\xc1", "not valid msgpack"), (msgpack.packb([1]), "must be a map, got list")):
@@ -113,7 +114,7 @@ def _shape(dtype, cost=COST):
 
 def _report_both(shapes, lens=([5, 7], [9])):
     """Both clients of a fresh in-place job report step 0 with ``shapes[r]``; rank 1's outcome."""
-    coord = Coordinator("dtypes", "inplace", min_shard=8)
+    coord = Coordinator("dtypes", config=JobConfig(plan=PlanConfig(mode="inplace", min_shard=8)))
     for r in range(2):
         coord.register_client(r, 2, {"incarnation": f"i{r}"})
     coord.report(*decode_report(encode_report(0, 0, 0, lens[0], shapes[0])))

@@ -24,7 +24,7 @@ from distca_client import DistCAClient
 from distca_server.runtime.local import PLANS_KEPT, split_documents
 from distca_server.wire import RowFormat
 from distca_sim import systems
-from scheduler import CostModel
+from scheduler import CostModel, PlanConfig
 
 THREADS, SHAPES = 8, 20
 COST = CostModel(num_heads_q=4, num_heads_kv=2, head_dim=8, dtype_bytes=4)
@@ -72,7 +72,7 @@ def test_local_runtime_plan_cache(tight_switching):
     assert SHAPES > PLANS_KEPT  # evictions happen while others look up
     shapes = _shapes()
     fmt = RowFormat(COST, torch.float32)
-    with DistCAClient.local(3, mode="dedicated", num_ranks=2, min_shard=8) as client:
+    with DistCAClient.local(3, config=PlanConfig(mode="dedicated", min_shard=8), num_ranks=2) as client:
         runtime = client._runtime
         wrong: list[str] = []
 

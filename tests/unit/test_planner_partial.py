@@ -15,7 +15,7 @@ from distca_client import DistCAClient
 from distca_server.refs import varlen_attention_ref as attention_ref
 from distca_server.runtime.local import split_documents
 from distca_server.wire import RowFormat
-from scheduler import CostModel, Plan, plan_batch
+from scheduler import CostModel, JobConfig, Plan, PlanConfig, plan_batch
 
 COST = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
 
@@ -78,7 +78,8 @@ def test_planned_partial_plans_through_attend(mode, servers):
     q, k, v, dout = make_inputs(lens, 4, 2, 16, torch.float64, 0)
     want = run(lambda a, b, c: attention_ref(a, b, c, lens, 0.25), q, k, v, dout)
     ranks = servers if mode == "inplace" else 1
-    client = DistCAClient.local(servers, mode=mode, num_ranks=ranks, min_shard=300, timeout_s=60)
+    config = JobConfig(plan=PlanConfig(mode=mode, min_shard=300), servers=servers, timeout_s=60)
+    client = DistCAClient.local(config=config, num_ranks=ranks)
     fmt = RowFormat.of(q, k)
     plan = plan_batch(split_documents(lens, ranks), servers, cost=fmt.cost, mode=mode, min_shard=300,
                       partial_kv=True, keep_activations=False)

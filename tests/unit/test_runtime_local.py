@@ -10,6 +10,7 @@ import torch
 from distca_client import DistCAClient, DistCAError
 from distca_server.refs import varlen_attention_ref
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, StepState, sum_traffic
+from scheduler.config import PlanConfig
 from scheduler.cost import RoundKind
 
 
@@ -42,7 +43,7 @@ def _nonzero(traffic):
 
 def test_interface_and_parts():
     lens = [40, 3, 77, 1, 20]
-    with DistCAClient.local(3, mode="dedicated", num_ranks=2, min_shard=8) as client:
+    with DistCAClient.local(3, config=PlanConfig(mode="dedicated", min_shard=8), num_ranks=2) as client:
         assert isinstance(client._runtime, Runtime)
         assert client.last_step is None and client.last_plan is None and client.traffic() == {}
         _grad_step(client, lens)
@@ -60,7 +61,7 @@ def test_interface_and_parts():
 
 def test_step_ends_after_as_many_backward_as_counted_forward_rounds():
     lens = [50, 9, 31]
-    with DistCAClient.local(2, min_shard=8) as client:
+    with DistCAClient.local(2, config=PlanConfig(min_shard=8)) as client:
         runtime = client._runtime
         q, k, v, dout = _inputs(lens)
         # forward rounds without grad do not count: the step never ends by itself
@@ -95,7 +96,7 @@ def test_step_ends_after_as_many_backward_as_counted_forward_rounds():
 
 def test_new_step_ends_a_forward_only_step_and_stale_batches_refuse_rounds():
     lens = [30, 30]
-    with DistCAClient.local(2, min_shard=8) as client:
+    with DistCAClient.local(2, config=PlanConfig(min_shard=8)) as client:
         q, k, v, dout = _inputs(lens)
         leaves = [t.requires_grad_() for t in (q, k, v)]
         out = client.attend(*leaves, lens)
@@ -114,7 +115,7 @@ def test_new_step_ends_a_forward_only_step_and_stale_batches_refuse_rounds():
 
 def test_traffic_is_the_last_steps_and_equals_comm_bytes():
     a, b = [70, 5, 140, 2, 33], [9, 200, 40]
-    with DistCAClient.local(3, mode="dedicated", num_ranks=2, min_shard=8) as client:
+    with DistCAClient.local(3, config=PlanConfig(mode="dedicated", min_shard=8), num_ranks=2) as client:
         _grad_step(client, a, layers=2)
         assert _nonzero(client.traffic()) == _comm(client.last_plan, times=2)
         _grad_step(client, a, seed=5)  # next step, same shape: counters start again
@@ -136,7 +137,7 @@ def test_traffic_is_the_last_steps_and_equals_comm_bytes():
 
 
 def test_batches_of_a_step_are_bounded():
-    with DistCAClient.local(2, min_shard=8) as client, torch.no_grad():
+    with DistCAClient.local(2, config=PlanConfig(min_shard=8)) as client, torch.no_grad():
         shapes = [[n, 3] for n in range(1, BATCHES_KEPT + 3)]
         for lens in shapes:
             client.attend(*_inputs(lens)[:3], lens)
@@ -149,7 +150,7 @@ def test_batches_of_a_step_are_bounded():
 
 def test_closed_runtime_refuses_rounds():
     lens = [10, 10]
-    client = DistCAClient.local(2, min_shard=8)
+    client = DistCAClient.local(2, config=PlanConfig(min_shard=8))
     q, k, v, _ = _inputs(lens)
     client.attend(q, k, v, lens)
     client.close()
@@ -200,7 +201,7 @@ def test_step_state_counts_and_evicts():
 
 def test_a_batch_shape_seen_before_reuses_its_participants_layouts_and_stays_exact():
     lens = [300, 7, 1, 90, 33]
-    with DistCAClient.local(num_servers=3, epsilon=0.0, min_shard=4) as client:
+    with DistCAClient.local(num_servers=3, config=PlanConfig(epsilon=0.0, min_shard=4)) as client:
         steps = []
         for seed in range(3):  # one layer per step: every step binds the same plan anew
             q, k, v, dout = _inputs(lens, seed)

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distca_client import DistCAClient
 from distca_server.refs import attend_with_grads_ref, varlen_attention_ref
+from scheduler.config import JobConfig, PlanConfig
 
 LENS = [100, 1, 37, 118]
 HQ, HKV, D = 4, 2, 8
@@ -23,8 +24,9 @@ LAYERS = 3
 
 
 def _client(keep=True, servers=2, min_shard=16, **kw):
-    return DistCAClient.local(servers, backend="reference", min_shard=min_shard, timeout_s=30,
-                              keep_activations=keep, **kw)
+    plan = PlanConfig(min_shard=min_shard, keep_activations=keep)
+    return DistCAClient.local(config=JobConfig(plan=plan, servers=servers, backend="reference", timeout_s=30),
+                              **kw)
 
 
 def _tensors(lens, seed, layers=1):

@@ -11,6 +11,7 @@ import torch
 from distca_client import DistCAClient
 from distca_server.refs import varlen_attention_ref
 from distca_server.runtime.base import StepState
+from scheduler.config import JobConfig, PlanConfig
 from scheduler.cost import RoundKind
 
 
@@ -90,7 +91,8 @@ def test_local_ping_pong_with_identical_nano_batches_is_exact():
     lens = [100, 28]
     g = torch.Generator().manual_seed(0)
     runs = [[torch.randn(128, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2)] for _ in range(2)]
-    with DistCAClient.local(2, min_shard=8, backend="reference") as client, torch.no_grad():
+    config = JobConfig(plan=PlanConfig(min_shard=8), servers=2, backend="reference")
+    with DistCAClient.local(config=config) as client, torch.no_grad():
         for _ in range(2):  # two layers, each nano-batch back on its own batch
             handles = [client.attend_async(q, k, v, lens) for q, k, v in runs]
             batches = [h._pending.step for h in handles]

@@ -331,6 +331,7 @@ def test_attention_rounds_over_the_symmetric_transport_equal_the_local_transport
     one-sided exchange, whose buffers are then symmetric and received into in place."""
     from distca_client import DistCAClient
     import distca_server.runtime.local as runtime_local
+    from scheduler.config import PlanConfig
 
     def step(client, seed):
         g = torch.Generator().manual_seed(seed)
@@ -342,7 +343,7 @@ def test_attention_rounds_over_the_symmetric_transport_equal_the_local_transport
         (out * dout).sum().backward()
         return [out.detach()] + [t.grad for t in leaves]
 
-    kwargs = dict(mode=mode, num_ranks=ranks, min_shard=8)
+    kwargs = dict(config=PlanConfig(mode=mode, min_shard=8), num_ranks=ranks)
     with DistCAClient.local(servers, **kwargs) as client:
         want = [step(client, seed) for seed in range(3)]
     _ShmGroup.made.clear()
