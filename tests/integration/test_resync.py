@@ -90,6 +90,9 @@ def test_a_killed_client_replaced_after_the_failed_step_meets_its_peer_at_once(j
     result = ray.get(job["workers"][0].step.remote(LENS[0], job["seed"][0], layers=1), timeout=300)
     assert not result["ok"] and "ranks [1] did not report" in result["message"], result
     job["workers"][1] = job["make_worker"](1)
+    # Registered before the next iteration, as in the test above: a replacement still importing
+    # torch on a busy machine would miss the step's deadline for its start-up, not for the resync.
+    ray.get(job["workers"][1].pid.remote(), timeout=300)
     _every_later_step_runs(job)
 
 
