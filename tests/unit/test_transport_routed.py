@@ -13,6 +13,7 @@ a thread (transport/pe_stream.py HostStream): what CI can test of issue 22 item 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -89,12 +90,22 @@ def heap():
         destroy_heap(h)
 
 
+@contextlib.contextmanager
+def routed_group(heap, P: int, timeout_s: float):
+    """``P`` routed transports over a fresh shared-memory heap, closed afterwards."""
+    h = heap(P)
+    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=timeout_s) for r in range(P)]
+    try:
+        yield ts
+    finally:
+        for t in ts:
+            t.close()
+
+
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_routed_exchanges_equal_the_local_transport(heap, P):
     plan = schedule(P, 24, seed=P)
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         got = in_threads(P, lambda r: play(ts[r], plan))
         group = LocalGroup(P, timeout_s=60)
         want = in_threads(P, lambda r: play(group.endpoint(r), plan))
@@ -109,9 +120,6 @@ def test_routed_exchanges_equal_the_local_transport(heap, P):
         assert sorted(map(str, ts[0].routes)) == sorted(map(str, ts[1].routes))
         # bytes_sent counts other participants' bytes, device-driven exchanges included.
         assert ts[0].bytes_sent == sum(sum(row) - row[0] for _, sp in plan for row in sp[0])
-    finally:
-        for t in ts:
-            t.close()
 
 
 def installed(ts, name="r", splits=None, P=None):
@@ -126,9 +134,7 @@ def installed(ts, name="r", splits=None, P=None):
 
 def test_a_route_is_installed_by_its_second_exchange_and_reinstalled_after_growth(heap):
     P = 2
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         r = [[[64] * P] for _ in range(P)]
         big = [[[5000] * P] for _ in range(P)]
         # 1: the buffer grows; 2: installs; 3-6: device-driven; "big" grows another array, which
@@ -136,16 +142,11 @@ def test_a_route_is_installed_by_its_second_exchange_and_reinstalled_after_growt
         plan = [("r", r)] * 6 + [(None, big)] + [("r", r)] * 3
         in_threads(P, lambda k: play(ts[k], plan))
         assert [t.device_exchanges for t in ts] == [6, 6]
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_an_installed_route_returns_before_any_peer_enters(heap):
     P = 2
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         splits = installed(ts)
         rs = recv_splits(splits, 0)
         bufs = [[t.buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(recv_splits(splits, t.rank))] for t in ts]
@@ -159,16 +160,11 @@ def test_an_installed_route_returns_before_any_peer_enters(heap):
         assert torch.equal(bufs[0][0][64:], payload(1, splits, 7)[0][:64])
         assert torch.equal(bufs[1][0][:64], payload(0, splits, 7)[0][64:])
         assert ts[0].device_exchanges == ts[1].device_exchanges == 1
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_silent_peer_fails_the_others_after_the_deadline_naming_it(heap):
     P, timeout = 3, 1.0
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=timeout) for r in range(P)]
-    try:
+    with routed_group(heap, P, timeout) as ts:
         splits = installed(ts)
 
         def live(r):
@@ -189,16 +185,11 @@ def test_silent_peer_fails_the_others_after_the_deadline_naming_it(heap):
         # The group stays broken for the next exchange, at once.
         with pytest.raises(DistCAError, match="aborted"):
             play(ts[0], [("r", splits)])
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_misused_route_is_refused_and_its_peers_fail_at_once(heap):
     P = 3
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         splits = installed(ts)
 
         def step(r):
@@ -219,16 +210,11 @@ def test_misused_route_is_refused_and_its_peers_fail_at_once(heap):
             elapsed, msg = got[r]
             assert "participant 0 found a size mismatch" in msg, msg
             assert elapsed < 30, "the peers fail on participant 0's abort, not at their 60 s deadline"
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_peers_that_disagree_on_the_route_fail_instead_of_mixing_bytes(heap):
     P = 2
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         a = installed(ts, "a", [[[64, 64]], [[64, 64]]])
         b = installed(ts, "b", [[[64, 32]], [[32, 64]]])  # its buffers grew: "a" is installed anew
         installed(ts, "a", a)
@@ -245,9 +231,6 @@ def test_peers_that_disagree_on_the_route_fail_instead_of_mixing_bytes(heap):
         msgs = in_threads(P, step)
         assert [t.device_exchanges for t in ts] == [n + 1 for n in devices]  # both ran device-driven
         assert any("under another route" in m for m in msgs), msgs
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_peer_that_closes_fails_the_others(heap):
@@ -352,9 +335,7 @@ def test_unwaited_device_driven_exchanges_complete_before_a_host_driven_one(heap
     """A GPU caller does not wait on every handle: a host-driven exchange (here unrouted) first
     lets every device-driven one in flight finish, and both deliver."""
     P = 2
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=60) for r in range(P)]
-    try:
+    with routed_group(heap, P, 60) as ts:
         splits = installed(ts)
         other = route_data(7, P)
 
@@ -374,16 +355,11 @@ def test_unwaited_device_driven_exchanges_complete_before_a_host_driven_one(heap
                                   for src in range(P)])
                 assert torch.equal(outs[r][s], want)
         assert ts[0].device_exchanges == 3 and not ts[0]._unresolved()
-    finally:
-        for t in ts:
-            t.close()
 
 
 def test_a_shorter_wait_bound_ends_a_silent_exchange_early(heap):
     P, timeout = 2, 60.0
-    h = heap(P)
-    ts = [RoutedTransport(ShmHeap(h, r), timeout_s=timeout) for r in range(P)]
-    try:
+    with routed_group(heap, P, timeout) as ts:
         splits = installed(ts)
         rs = recv_splits(splits, 0)
         handle = ts[0].exchange(payload(0, splits, 40), splits[0], [ts[0].buffer("recv-r-0", sum(rs[0]))], rs,
@@ -392,6 +368,3 @@ def test_a_shorter_wait_bound_ends_a_silent_exchange_early(heap):
         with pytest.raises(DistCAError, match="did not finish within 0.5 s"):
             handle.wait(0.5)  # participant 1 never comes; the transport's deadline is 60 s
         assert time.monotonic() - t0 < timeout / 2
-    finally:
-        for t in ts:
-            t.close()
