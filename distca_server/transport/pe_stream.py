@@ -166,31 +166,35 @@ class HostStream:
     def begin(self) -> None:
         return None  # the caller's CPU work is complete when it queues ours
 
+    def _enqueue(self, fn, *args, always: bool = False) -> None:
+        """Queue ``fn(*args)``; after a failure only ``always`` operations (markers) still run."""
+        self._queue.put((fn, args, always))
+
     def put(self, pe: int, offset: int, src: torch.Tensor, credit: int | None = None) -> None:
         if src.numel():
-            self._queue.put((self._put, (pe, offset, src, credit)))
+            self._enqueue(self._put, pe, offset, src, credit)
 
     def put_signal(self, pe: int, offset: int, src: torch.Tensor, slot: int, value: int,
                    credit: int | None = None) -> None:
-        self._queue.put((self._put_signal, (pe, offset, src, slot, int(value), credit)))
+        self._enqueue(self._put_signal, pe, offset, src, slot, int(value), credit)
 
     def signal(self, pe: int, slot: int, value: int) -> None:
-        self._queue.put((self.heap.signal, (pe, slot, int(value))))
+        self._enqueue(self.heap.signal, pe, slot, int(value))
 
     def wait_ge(self, slot: int, value: int) -> None:
-        self._queue.put((self._wait_ge, (slot, int(value))))
+        self._enqueue(self._wait_ge, slot, int(value))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._queue.put((self.heap.copy, (dst, src)))
+        self._enqueue(self.heap.copy, dst, src)
 
     def snapshot(self, offset: int, nbytes: int) -> Snapshot:
         snap = Snapshot()
-        self._queue.put((self._snapshot, (snap, offset, nbytes)))
+        self._enqueue(self._snapshot, snap, offset, nbytes)
         return snap
 
     def mark(self) -> _Event:
         marker = _Event()
-        self._queue.put((marker._event.set, ()))
+        self._enqueue(marker._event.set, always=True)
         return marker
 
     def force(self, slot: int, value: int) -> None:
@@ -237,18 +241,14 @@ class HostStream:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args = item
-            if self.error is not None and not _is_marker(fn):
+            fn, args, always = item
+            if self.error is not None and not always:
                 continue
             try:
                 fn(*args)
             except BaseException as exc:  # noqa: BLE001 - kept; the transport reports it
                 if self.error is None:
                     self.error = exc
-
-
-def _is_marker(fn) -> bool:
-    return getattr(fn, "__name__", "") == "set" and isinstance(getattr(fn, "__self__", None), threading.Event)
 
 
 __all__ = ["HostStream", "Marker", "PeStream", "POLL_S", "Snapshot"]

@@ -58,8 +58,8 @@ import torch
 from ..errors import DistCAError
 from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
-from .symmetric import (_LOW, _REPORT, _WHY, ABORT, ANNOUNCE, DATA, GEN_SHIFT, MAX_SEGMENTS, MISMATCH, PEER_FAILED,
-                        TIMED_OUT, SymmetricTransport)
+from .symmetric import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, MAX_SEGMENTS, MISMATCH, PEER_FAILED, TIMED_OUT,
+                        SymmetricTransport)
 
 GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
 MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
@@ -374,8 +374,7 @@ class RoutedTransport(SymmetricTransport):
             entered = {pe for pe in r.send_to if self._landed(int(words[self._slot(ANNOUNCE, pe)]), e.seq)}
             missing = self._pending(e, words)
             # Peers whose deadline passed as ours did have aborted too: alive, not silent.
-            gave_up = {pe for pe in missing if int(words[self._slot(ABORT, pe)]) >> GEN_SHIFT == self.generation
-                       and int(words[self._slot(ABORT, pe)]) & _LOW}
+            gave_up = {pe for pe in missing if self._abort_code(words, pe)}
             silent, held = sorted(missing - entered - gave_up), sorted((missing & entered) - gave_up)
             e.expired = why or (f"participant {me} did not hear from participants {silent} within the deadline"
                                 + (f"; participants {held} entered the exchange but their rows did not come"
@@ -447,7 +446,8 @@ class RoutedTransport(SymmetricTransport):
             return
         for e in self._unresolved():
             if not e.marker.done():
-                self._expire(e, f"participant {self.rank} closed the transport during the exchange")
+                # CLOSED, not TIMED_OUT: only the peers waiting on this one fail, and say it left
+                self._expire(e, f"participant {self.rank} closed the transport during the exchange", code=CLOSED)
         if self._stream is not None:
             for e in self._unresolved():
                 e.marker.wait(GRACE_S)

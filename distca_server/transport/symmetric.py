@@ -262,8 +262,7 @@ class SymmetricTransport:
         (PEER_FAILED last). ABORT words of older generations are ignored."""
         echo = None
         for pe in self._peers():
-            word = int(sig[self._slot(ABORT, pe)])
-            code = word & _LOW if word >> GEN_SHIFT == self.generation else 0
+            code = self._abort_code(sig, pe)
             if pe in pending and any(int(sig[self._slot(k, pe)]) >> GEN_SHIFT > self.generation
                                      for k in range(SIGNAL_KINDS)):
                 code = MOVED_ON
@@ -272,6 +271,12 @@ class SymmetricTransport:
             if code == PEER_FAILED and pe in pending and echo is None:
                 echo = pe, code
         return echo
+
+    def _abort_code(self, sig: np.ndarray, pe: int) -> int:
+        """What ``pe``'s ABORT word in ``sig`` says in this generation (0: nothing; older
+        generations' words are ignored)."""
+        word = int(sig[self._slot(ABORT, pe)])
+        return word & _LOW if word >> GEN_SHIFT == self.generation else 0
 
     def _landed(self, word: int, seq: int) -> bool:
         """Whether a signal word says exchange ``seq`` of this generation has reached us (a word of
