@@ -76,6 +76,7 @@ import torch  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.kernels import BACKENDS, get_backend  # noqa: E402
 from distca_server.refs import relative_error  # noqa: E402
+from distca_server.transport.local_heap import heap_bytes_for  # noqa: E402
 from distca_sim.hardware import get_model  # noqa: E402
 from distca_sim.profile import ProfileTable  # noqa: E402
 from distca_sim.simulate import format_table  # noqa: E402
@@ -252,8 +253,7 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
-    # the heap holds a round's buffers, which grow to about twice the largest batch's Q, K, V
-    heap_bytes = -(-(4 * max(cfg["tokens"]) * (2 * hq + 2 * hkv) * dim * dtype.itemsize + (64 << 20)) // 256) * 256
+    heap_bytes = heap_bytes_for(max(cfg["tokens"]), (hq + 2 * hkv) * dim * dtype.itemsize)
     job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(),
                     transport="nvshmem" if exchange == "heap" else "torch_dist", heap_bytes=heap_bytes)
     client = DistCAClient.local(config=job)

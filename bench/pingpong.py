@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
+from distca_server.transport.local_heap import heap_bytes_for  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     xs = [torch.randn(sum(doc_lens), args.model_dim, generator=g, device=device, dtype=dtype) for doc_lens in lens]
     layers = make_layers(args, device, dtype)
     row_bytes = (args.heads_q + 2 * args.heads_kv) * args.head_dim * dtype.itemsize
-    heap = -(-(8 * args.tokens * row_bytes + (64 << 20)) // 256) * 256
+    heap = heap_bytes_for(args.tokens, row_bytes)
     job = JobConfig(servers=args.participants, transport="nvshmem" if gpu else "shm", heap_bytes=heap,
                     plan=PlanConfig(), timeout_s=120)
     t_start = time.perf_counter()

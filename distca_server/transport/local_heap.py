@@ -23,8 +23,18 @@ import torch
 from scheduler.config import DEFAULT_HEAP_BYTES
 
 from ..errors import DistCAError
+from .base import aligned
 from .routed import RoutedTransport
+from .shm import host_copy
 from .symmetric import check_heap_bytes, signal_words
+
+
+def heap_bytes_for(tokens: int, row_bytes: int) -> int:
+    """Arena bytes per participant for rounds of up to ``tokens`` rows of ``row_bytes`` each (a
+    token's Q, K and V): two transport buffers ("client", "server"), each holding at most a round's
+    rows and growing by doubling without reusing old generations (under 4x its largest size), plus
+    64 MiB for the tables and staging; a multiple of the heap's alignment."""
+    return aligned(8 * int(tokens) * int(row_bytes) + (64 << 20))
 
 
 class LocalHeap:
@@ -93,9 +103,7 @@ class LocalHeapEndpoint:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._cpu:
-            # numpy's single-threaded copy (as the shm heap): torch's wakes OpenMP workers whose
-            # spinning starves the other participants' threads on a small machine
-            np.copyto(dst.numpy(), src.reshape(-1).numpy())
+            host_copy(dst, src)
         else:
             dst.copy_(src.reshape(-1))
 
@@ -181,4 +189,4 @@ class HeapGroup:
             t.close()
 
 
-__all__ = ["HeapGroup", "LocalHeap", "LocalHeapEndpoint"]
+__all__ = ["HeapGroup", "LocalHeap", "LocalHeapEndpoint", "heap_bytes_for"]
