@@ -262,7 +262,7 @@ class LocalRuntime(Runtime):
         if self._stopped:
             raise DistCAError("this DistCAClient is closed")
         if self._group is None or self._group.broken:
-            if self._group is not None and hasattr(self._group, "close"):
+            if self._group is not None:
                 self._group.close()  # its transports' threads, if any
             self._group = self.group_factory(self.world_size, self.timeout_s)
         group = self._group
@@ -339,7 +339,7 @@ class LocalRuntime(Runtime):
         self._stopped = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self._group is not None and hasattr(self._group, "close"):
+        if self._group is not None:
             self._group.close()
         self._plans.clear()
         self._state.advance()

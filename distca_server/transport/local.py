@@ -51,6 +51,10 @@ class LocalGroup:
     def _endpoint_class(self) -> type:
         return LocalTransport
 
+    def close(self) -> None:
+        """Nothing to release (the runtime closes every group it replaces; a heap group's
+        transports have threads)."""
+
     def abort(self, rank: int, reason: str) -> None:
         """Mark ``rank`` as failed and wake every peer waiting on it."""
         with self._lock:
