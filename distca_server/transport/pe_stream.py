@@ -15,6 +15,7 @@ watchdog, with a thread where the GPU has a stream.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Protocol
@@ -92,6 +93,11 @@ class PeStream(Protocol):
         """A marker after every operation queued so far."""
         ...
 
+    def fill(self, slot: int, count: int, value: int) -> None:
+        """Set this PE's own words ``[slot, slot + count)`` to ``value``, in stream order (a
+        captured exchange resets the words of its other set, :mod:`.exchange_graph`)."""
+        ...
+
     def force(self, slot: int, value: int) -> None:
         """Set this PE's own word ``slot`` to ``value`` *now*, not in stream order: the watchdog's
         way to end a wait that would never end (called from the watchdog's thread)."""
@@ -99,6 +105,20 @@ class PeStream(Protocol):
 
     def close(self) -> None:
         """Stop the stream once its queued work has run (its waits must be able to end)."""
+        ...
+
+
+class Capturable(Protocol):
+    """A :class:`PeStream` that can record its operations once and run them again."""
+
+    def capture(self):
+        """A context manager: operations queued inside it are recorded, not run; it yields the
+        recording, which :meth:`replay` queues again (its snapshots and markers are the ones the
+        recorded calls returned, valid again once the replay's markers are done)."""
+        ...
+
+    def replay(self, recording) -> None:
+        """Queue every operation of ``recording`` again, in order (returns at once)."""
         ...
 
 
@@ -134,6 +154,16 @@ class _Event:
         return None
 
 
+class Recording:
+    """What :meth:`HostStream.capture` recorded: the queued operations and the markers among them."""
+
+    __slots__ = ("items", "markers")
+
+    def __init__(self):
+        self.items: list = []
+        self.markers: list[_Event] = []
+
+
 class HostStream:
     """A :class:`PeStream` on the CPU: a daemon thread runs the queued operations against
     ``heap`` in order (puts are copies into the peers' mapped arenas, a wait reads this PE's
@@ -159,6 +189,7 @@ class HostStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted: set[int] = set()  # slots whose last wait was ended by the abort value
         self._closing = False
+        self._recording: Recording | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -167,8 +198,12 @@ class HostStream:
         return None  # the caller's CPU work is complete when it queues ours
 
     def _enqueue(self, fn, *args, always: bool = False) -> None:
-        """Queue ``fn(*args)``; after a failure only ``always`` operations (markers) still run."""
-        self._queue.put((fn, args, always))
+        """Queue ``fn(*args)`` (or record it, while capturing); after a failure only ``always``
+        operations (markers) still run."""
+        if self._recording is not None:
+            self._recording.items.append((fn, args, always))
+        else:
+            self._queue.put((fn, args, always))
 
     def put(self, pe: int, offset: int, src: torch.Tensor, credit: int | None = None) -> None:
         if src.numel():
@@ -192,10 +227,34 @@ class HostStream:
         self._enqueue(self._snapshot, snap, offset, nbytes)
         return snap
 
+    def fill(self, slot: int, count: int, value: int) -> None:
+        self._enqueue(self._fill, slot, int(count), int(value))
+
     def mark(self) -> _Event:
         marker = _Event()
         self._enqueue(marker._event.set, always=True)
+        if self._recording is not None:
+            self._recording.markers.append(marker)
         return marker
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record instead of queue (see :class:`Capturable`); yields the :class:`Recording`."""
+        if self._recording is not None:
+            raise RuntimeError("HostStream.capture: already capturing")
+        self._recording = Recording()
+        try:
+            yield self._recording
+        finally:
+            self._recording = None
+
+    def replay(self, recording: Recording) -> None:
+        """Queue ``recording``'s operations again; its markers pass anew (the caller saw the
+        previous replay's markers done)."""
+        for marker in recording.markers:
+            marker._event.clear()
+        for item in recording.items:
+            self._queue.put(item)
 
     def force(self, slot: int, value: int) -> None:
         # One 8-byte store into our own word, past a lease that may have ended (the word is ours);
@@ -217,6 +276,10 @@ class HostStream:
                     credit: int | None) -> None:
         if credit is None or credit not in self._aborted:
             self.heap.put_signal(pe, offset, src, slot, value)
+
+    def _fill(self, slot: int, count: int, value: int) -> None:
+        for k in range(slot, slot + count):
+            self.heap.signal(self.heap.rank, k, value)
 
     def _snapshot(self, snap: Snapshot, offset: int, nbytes: int) -> None:
         snap.words = self.heap.signals()
@@ -251,4 +314,4 @@ class HostStream:
                     self.error = exc
 
 
-__all__ = ["HostStream", "Marker", "PeStream", "POLL_S", "Snapshot"]
+__all__ = ["Capturable", "HostStream", "Marker", "PeStream", "POLL_S", "Recording", "Snapshot"]

@@ -50,7 +50,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -58,8 +58,11 @@ import torch
 from ..errors import DistCAError
 from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
-from .symmetric import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, MAX_SEGMENTS, MISMATCH, PEER_FAILED, TIMED_OUT,
-                        SymmetricTransport)
+from .symmetric import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
+                        PEER_FAILED, TIMED_OUT, SymmetricTransport)
+
+if TYPE_CHECKING:
+    from .exchange_graph import ExchangeGraph
 
 GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
 MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
@@ -107,12 +110,16 @@ def _pointers(bufs: Sequence[torch.Tensor]) -> list[int]:
 
 
 class _Entry:
-    """One device-driven exchange in flight."""
+    """One device-driven exchange in flight: ``seq`` the value its words must reach, ``credits`` and
+    ``arrivals`` this PE's words (by source PE) it waits on for each peer's credit and rows."""
 
-    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "expired", "error", "resolved")
+    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "credits", "arrivals", "label", "expired",
+                 "error", "resolved")
 
-    def __init__(self, seq: int, deadline: float, route: _Route, snapshot, marker):
+    def __init__(self, seq: int, deadline: float, route: _Route, snapshot, marker, credits: dict[int, int],
+                 arrivals: dict[int, int], label: str):
         self.seq, self.deadline, self.route, self.snapshot, self.marker = seq, deadline, route, snapshot, marker
+        self.credits, self.arrivals, self.label = credits, arrivals, label
         self.expired: str | None = None  # why the watchdog ended its waits
         self.error: BaseException | None = None
         self.resolved = False
@@ -167,14 +174,16 @@ class Watchdog:
                 try:
                     if e.marker.done():
                         t._resolve(e)
-                    elif e.expired is None and now >= e.deadline:
+                    elif e.expired is not None:  # a captured exchange's reset may have undone a force
+                        t._force_waits()
+                    elif now >= e.deadline:
                         t._expire(e)
-                    elif e.expired is None:  # a peer this exchange waits on may have failed or left
+                    else:  # a peer this exchange waits on may have failed or left
                         words = t.heap.signals() if words is None else words
                         t._check_peers(e, words)
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one failure
-                    t._fail(e, DistCAError(f"participant {t.rank}: the watchdog failed on exchange "
-                                           f"{e.seq & _LOW}: {type(exc).__name__}: {exc}"))
+                    t._fail(e, DistCAError(f"participant {t.rank}: the watchdog failed on {e.label}: "
+                                           f"{type(exc).__name__}: {exc}"))
 
 
 class RoutedTransport(SymmetricTransport):
@@ -198,6 +207,12 @@ class RoutedTransport(SymmetricTransport):
         self._lock = threading.RLock()
         self._watchdog: Watchdog | None = None
         self._naming: Hashable | None = None  # the route of the host-driven exchange running now
+        self._capture = None  # the exchange_graph._Capture recording exchanges now, if any
+        # captured exchanges (exchange_graph): the graph holding each block of words, the blocks in
+        # capture order, and the captures so far (a graph's signal value)
+        self._graphs: list = [None] * GRAPH_BLOCKS
+        self._graph_order: list[int] = []
+        self._graph_tag = 0
         self.device_exchanges = 0  # exchanges that ran device-driven (for tests and benchmarks)
         # A benchmark's control (bench/pingpong.py, the paper's Fig. 11): device-driven exchanges
         # put 1 byte per peer and segment instead of their rows, with every signal and wait kept.
@@ -244,6 +259,8 @@ class RoutedTransport(SymmetricTransport):
                 passed its deadline.
         """
         rid = route_id(route) if route is not None else 0
+        if self._capture is not None:
+            return self._capture.exchange(self._routes.get(rid), route, send, send_splits, recv, recv_splits)
         found = self._routes.get(rid) if rid else None
         if found is not None and found.growths == self._growths and self._pe_stream() is not None:
             self._routes.move_to_end(rid)
@@ -262,7 +279,9 @@ class RoutedTransport(SymmetricTransport):
         while len(self._routes) > MAX_ROUTES:  # every PE installs and uses routes in the same order
             self._routes.popitem(last=False)
 
-    def _device_exchange(self, r: _Route, send, send_splits, recv, recv_splits, timeout_s) -> _Handle:
+    def _check_route(self, r: _Route, send, send_splits, recv, recv_splits) -> None:
+        """Refuse (ValueError, and abort the group) an exchange of route ``r`` whose sizes or
+        receive buffers are not the ones it was installed with; DistCAError on a broken group."""
         P, me = self.world_size, self.rank
         check_exchange(send, send_splits, recv, recv_splits, P, me)
         self._settle()
@@ -278,29 +297,41 @@ class RoutedTransport(SymmetricTransport):
             self._abort(MISMATCH, f"route {r.name!r} misused")
             raise ValueError(f"participant {me}: an exchange of route {r.name!r} has other {what} than the "
                              f"exchange that installed it")
-        if self._seq >= _LOW - 1:
-            raise DistCAError(f"participant {me}: group epoch {self.epoch} ran {self._seq} exchanges, the most "
-                              f"one generation numbers; form a new group epoch")
-        self._seq += 1
-        seq = self._base | self._seq
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
-        st = self._stream
+
+    def _queue(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot):
+        """Queue one exchange of route ``r`` on the stream: its words are ``credit_slot(src)`` and
+        ``arrival_slot(src)`` (this PE's words a source PE sets; the same index on every PE), and
+        every signal and wait uses ``value``. Returns ``(snapshot, marker, credits, arrivals)``."""
+        me, st = self.rank, self._stream
         st.begin()
         for pe in r.recv_from:  # 1. credit: our buffers may take this exchange's rows
-            st.signal(pe, self._slot(ANNOUNCE, me), seq)
+            st.signal(pe, credit_slot(me), value)
         for pe in r.send_to:  # 2. data, each peer once its credit came
-            credit = self._slot(ANNOUNCE, pe)
-            st.wait_ge(credit, seq)
+            credit = credit_slot(pe)
+            st.wait_ge(credit, value)
             for s, a, off, n in r.puts[pe]:
                 st.put(pe, off, send[s][a:a + (1 if self.signal_only else n)], credit=credit)
-            st.put_signal(pe, self._report_at + me * _REPORT * 8, r.reports[pe], self._slot(DATA, me), seq,
+            st.put_signal(pe, self._report_at + me * _REPORT * 8, r.reports[pe], arrival_slot(me), value,
                           credit=credit)
         for s, a, b, n in r.own:  # 3. own split, then every peer's rows
             st.copy(recv[s][b:b + n], send[s][a:a + n])
         for pe in r.recv_from:
-            st.wait_ge(self._slot(DATA, pe), seq)
-        snapshot = st.snapshot(self._report_at, P * _REPORT * 8)  # 4. what the waits saw
-        entry = _Entry(seq, deadline, r, snapshot, st.mark())
+            st.wait_ge(arrival_slot(pe), value)
+        snapshot = st.snapshot(self._report_at, self.world_size * _REPORT * 8)  # 4. what the waits saw
+        return (snapshot, st.mark(), {pe: credit_slot(pe) for pe in r.send_to},
+                {pe: arrival_slot(pe) for pe in r.recv_from})
+
+    def _device_exchange(self, r: _Route, send, send_splits, recv, recv_splits, timeout_s) -> _Handle:
+        self._check_route(r, send, send_splits, recv, recv_splits)
+        if self._seq >= _LOW - 1:
+            raise DistCAError(f"participant {self.rank}: group epoch {self.epoch} ran {self._seq} exchanges, the "
+                              f"most one generation numbers; form a new group epoch")
+        self._seq += 1
+        seq = self._base | self._seq
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
+        queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe), lambda pe: self._slot(DATA, pe))
+        entry = _Entry(seq, deadline, r, *queued,
+                       label=f"device-driven exchange {self._seq} of route {r.name!r}, group epoch {self.epoch}")
         with self._lock:
             self._inflight.append(entry)
         self._watch().poke()
@@ -329,6 +360,11 @@ class RoutedTransport(SymmetricTransport):
                 raise DistCAError(f"all-to-all on participant {self.rank} of group epoch {self.epoch}: the "
                                   f"group is aborted: {self._broken}")
             return
+        self._finish(e, timeout_s)
+
+    def _finish(self, e: _Entry, timeout_s: float | None = None) -> None:
+        """Block until ``e``'s marker passed (bounded by its deadline, or ``timeout_s``), resolve it
+        and raise its failure."""
         if not e.marker.done():
             bound = max(0.0, e.deadline - time.monotonic()) + GRACE_S
             if timeout_s is not None:
@@ -349,9 +385,8 @@ class RoutedTransport(SymmetricTransport):
 
     def _pending(self, e: _Entry, words) -> set[int]:
         """The peers whose credit or rows exchange ``e`` still waits for, by ``words``."""
-        r, seq = e.route, e.seq
-        return ({pe for pe in r.recv_from if not self._landed(int(words[self._slot(DATA, pe)]), seq)}
-                | {pe for pe in r.send_to if not self._landed(int(words[self._slot(ANNOUNCE, pe)]), seq)})
+        return ({pe for pe, slot in e.arrivals.items() if not self._landed(int(words[slot]), e.seq)}
+                | {pe for pe, slot in e.credits.items() if not self._landed(int(words[slot]), e.seq)})
 
     def _check_peers(self, e: _Entry, words) -> None:
         """Expire ``e`` at once when a peer it waits for aborted or left (its ABORT word), rather
@@ -367,11 +402,10 @@ class RoutedTransport(SymmetricTransport):
         with self._lock:
             if e.resolved or e.expired is not None:
                 return
-            words = self.heap.signals()
-            r, me = e.route, self.rank
+            words, me = self.heap.signals(), self.rank
             # A peer we send to that gave its credit has entered the exchange: its rows may be held
             # up by another peer. The others never showed up (as far as this PE can tell).
-            entered = {pe for pe in r.send_to if self._landed(int(words[self._slot(ANNOUNCE, pe)]), e.seq)}
+            entered = {pe for pe, slot in e.credits.items() if self._landed(int(words[slot]), e.seq)}
             missing = self._pending(e, words)
             # Peers whose deadline passed as ours did have aborted too: alive, not silent.
             gave_up = {pe for pe in missing if self._abort_code(words, pe)}
@@ -381,9 +415,18 @@ class RoutedTransport(SymmetricTransport):
                                    if held else "")
                                 + (f"; participants {sorted(gave_up)} gave up waiting too" if gave_up else ""))
             self._abort(code, e.expired)
-            for pe in self._peers():  # our own waits end, whatever they wait on
-                for kind in (ANNOUNCE, DATA):
-                    self._stream.force(self._slot(kind, pe), self.abort_value)
+            self._force_waits()
+
+    def _force_waits(self) -> None:
+        """End every wait of this PE's stream: the abort value into its own exchange words and the
+        words of every captured exchange in flight."""
+        with self._lock:
+            slots = {self._slot(kind, pe) for pe in self._peers() for kind in (ANNOUNCE, DATA)}
+            for e in self._inflight:
+                if not e.resolved:
+                    slots.update(e.credits.values(), e.arrivals.values())
+        for slot in sorted(slots):
+            self._stream.force(slot, self.abort_value)
 
     def _fail(self, e: _Entry, error: BaseException) -> None:
         """Resolve ``e`` as failed with ``error`` (the group is broken from now on)."""
@@ -399,8 +442,7 @@ class RoutedTransport(SymmetricTransport):
             if e.resolved:
                 return
             e.resolved = True
-            r, seq, me = e.route, e.seq, self.rank
-            where = f"device-driven exchange {seq & _LOW} of route {r.name!r}, group epoch {self.epoch}"
+            r, me, where = e.route, self.rank, e.label
             error = getattr(self._stream, "error", None)
             code = None  # what to tell the peers: nothing when they know already
             if error is not None:
@@ -455,6 +497,11 @@ class RoutedTransport(SymmetricTransport):
         if self._watchdog is not None:
             self._watchdog.stop()
         super().close()
+
+    def graph(self, fn) -> "ExchangeGraph":
+        """Capture the exchanges ``fn()`` makes, to replay them (:class:`.exchange_graph.ExchangeGraph`)."""
+        from .exchange_graph import ExchangeGraph
+        return ExchangeGraph(self, fn)
 
 
 __all__ = ["GRACE_S", "RoutedTransport", "Watchdog", "route_id"]

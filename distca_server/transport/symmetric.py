@@ -92,9 +92,15 @@ DIRECT, STAGED = 0, 1
 STAGING = 1  # the staging array's key id (buffer keys hash to ids >= 2)
 
 
+# Words of captured exchanges (:mod:`.exchange_graph`), after the SIGNAL_KINDS rows: per graph
+# block, two sets, per exchange of the graph a credit and an arrival word per source PE.
+GRAPH_BLOCKS, GRAPH_EXCHANGES = 4, 8
+
+
 def signal_words(world_size: int) -> int:
-    """How many signal words a heap of ``world_size`` PEs needs for :class:`SymmetricTransport`."""
-    return SIGNAL_KINDS * int(world_size)
+    """How many signal words a heap of ``world_size`` PEs needs for :class:`SymmetricTransport`
+    and the captured exchanges of :mod:`.exchange_graph`."""
+    return (SIGNAL_KINDS + GRAPH_BLOCKS * 2 * GRAPH_EXCHANGES * 2) * int(world_size)
 
 
 def table_bytes(world_size: int) -> int:

@@ -1,0 +1,242 @@
+"""Captured exchanges (transport/exchange_graph.py) over the CPU shared-memory heap, whose stream is
+a thread that records and replays its operations: what CI can test of issue 22 item 4.
+
+- every replay delivers exactly the bytes an uncaptured exchange would, with new send data each
+  time, at 2-4 PEs, a route twice in one graph, zero-byte peers and own splits;
+- replays queued back to back without waiting, with one peer late, stay exact (the two word sets
+  and their resets);
+- replays mix with uncaptured device- and host-driven exchanges;
+- a silent peer during a replay fails the others with ``DistCAError`` naming it, bounded, and the
+  next replay fails at once; the next group epoch over the same heap captures and replays exactly;
+- refused: an uninstalled route, too many exchanges, fn making different exchanges, a replay after
+  the buffers grew or after its block went to a later graph.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from distca_server.errors import DistCAError
+from distca_server.transport.exchange_graph import ExchangeGraph, graph_slot, set_words
+from distca_server.transport.routed import GRACE_S, RoutedTransport
+from distca_server.transport.shm import ShmHeap
+from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
+from test_transport_routed import SLACK_S, heap, installed, payload, play, recv_splits, route_data, routed_group  # noqa: F401
+from test_transport_symmetric import in_threads
+
+
+def expected(splits, me: int, step: int) -> list[torch.Tensor]:
+    """What ``me`` receives when every PE sends ``payload(src, splits, step)``."""
+    P = len(splits)
+    return [torch.cat([payload(src, splits, step)[s][sum(splits[src][s][:me]):sum(splits[src][s][:me + 1])]
+                       for src in range(P)]) for s in range(len(splits[0]))]
+
+
+class Static:
+    """One PE's static buffers for a list of (name, splits) exchanges: send buffers refilled before
+    each replay, the installed routes' receive buffers."""
+
+    def __init__(self, t, exchanges):
+        me = t.rank
+        self.t, self.exchanges = t, exchanges
+        self.send = [[torch.zeros(sum(row), dtype=torch.uint8) for row in sp[me]] for _, sp in exchanges]
+        self.recv = [[t.buffer(f"recv-{name}-{s}", sum(x)) for s, x in enumerate(recv_splits(sp, me))]
+                     for name, sp in exchanges]
+
+    def fill(self, step: int) -> None:
+        for j, (_, sp) in enumerate(self.exchanges):
+            for dst, src in zip(self.send[j], payload(self.t.rank, sp, step + 100 * j)):
+                dst.copy_(src)
+
+    def run(self) -> list:
+        """The exchanges, in order (what the graph records); their handles."""
+        me = self.t.rank
+        return [self.t.exchange(self.send[j], sp[me], self.recv[j], recv_splits(sp, me), route=("test", name))
+                for j, (name, sp) in enumerate(self.exchanges)]
+
+    def check(self, step: int) -> None:
+        # only the last exchange of a route twice in the graph is left in its buffers
+        last = {name: j for j, (name, _) in enumerate(self.exchanges)}
+        for name, j in last.items():
+            want = expected(self.exchanges[j][1], self.t.rank, step + 100 * j)
+            for s, (a, b) in enumerate(zip(self.recv[j], want)):
+                assert torch.equal(a, b), f"participant {self.t.rank} replay {step} exchange {j} segment {s}"
+
+
+def capture(ts, exchanges, also=()):
+    """Install the routes of ``exchanges`` and ``also``, then capture ``exchanges`` on every PE:
+    per PE, (Static, ExchangeGraph)."""
+    P, routes = len(ts), list({name: sp for name, sp in list(exchanges) + list(also)}.items())
+    in_threads(P, lambda r: play(ts[r], routes * 2))  # the arrays grow, then every route installs
+    assert all(("test", name) in t.routes for t in ts for name, _ in routes)
+    statics = [Static(t, exchanges) for t in ts]
+    graphs = in_threads(P, lambda r: ts[r].graph(lambda: [h.wait() for h in statics[r].run()]))
+    return statics, graphs
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_replays_deliver_what_the_exchanges_would(heap, P):
+    a, b, c = (route_data(P * 10 + i, P) for i in range(3))
+    exchanges = [("a", a), ("b", b), ("a", a), ("c", c)]  # a twice: its words differ per exchange
+    with routed_group(heap, P, 60) as ts:
+        statics, graphs = capture(ts, exchanges)
+        assert all(isinstance(g, ExchangeGraph) and g.exchanges == 4 for g in graphs)
+        before = [t.device_exchanges for t in ts]
+
+        def replays(r):
+            for step in range(6):
+                statics[r].fill(step)
+                graphs[r].replay().wait()
+                statics[r].check(step)
+        in_threads(P, replays)
+        assert [t.device_exchanges - n for t, n in zip(ts, before)] == [24] * P
+        # an uncaptured exchange of the same routes afterwards is still exact
+        in_threads(P, lambda r: (statics[r].fill(50), [h.wait() for h in statics[r].run()], statics[r].check(50)))
+
+
+def test_replays_back_to_back_with_a_late_peer_stay_exact(heap):
+    P = 3
+    exchanges = [("a", route_data(7, P)), ("b", route_data(8, P))]
+    with routed_group(heap, P, 60) as ts:
+        statics, graphs = capture(ts, exchanges)
+
+        def run(r):
+            statics[r].fill(3)
+            if r == 2:
+                time.sleep(0.3)  # the others queue all their replays first
+            handles = [graphs[r].replay() for _ in range(5)]  # the third waits for the first
+            for h in handles:
+                h.wait()
+            statics[r].check(3)
+        in_threads(P, run)
+
+
+def test_replays_mix_with_uncaptured_exchanges(heap):
+    P = 2
+    other, unrouted = route_data(2, P), route_data(30, P)
+    with routed_group(heap, P, 60) as ts:
+        in_threads(P, lambda r: unrouted_exchange(ts[r], unrouted, 0))  # its staging array grows now
+        statics, graphs = capture(ts, [("a", route_data(1, P))], also=[("o", other)])
+        o = [Static(t, [("o", other)]) for t in ts]
+
+        def run(r):
+            for step in range(4):
+                statics[r].fill(step)
+                o[r].fill(step)
+                h = graphs[r].replay()
+                for x in o[r].run():  # device-driven, queued behind the replay
+                    x.wait()
+                h.wait()
+                statics[r].check(step)
+                o[r].check(step)
+                unrouted_exchange(ts[r], unrouted, step)  # host-driven: the stream drains first
+        in_threads(P, run)
+        assert all(g.replays == 4 for g in graphs)
+
+
+def unrouted_exchange(t, splits, step: int) -> None:
+    rs = recv_splits(splits, t.rank)
+    recv = [torch.empty(sum(x), dtype=torch.uint8) for x in rs]
+    t.exchange(payload(t.rank, splits, step), splits[t.rank], recv, rs).wait()
+    assert all(torch.equal(x, y) for x, y in zip(recv, expected(splits, t.rank, step)))
+
+
+def test_a_silent_peer_fails_a_replay_naming_it_and_the_next_replay_at_once(heap):
+    P, timeout = 3, 1.0
+    with routed_group(heap, P, timeout) as ts:
+        statics, graphs = capture(ts, [("a", [[[64] * P] for _ in range(P)])])
+
+        def live(r):
+            t0 = time.monotonic()
+            handle = graphs[r].replay()
+            with pytest.raises(DistCAError) as err:
+                handle.wait()
+            elapsed = time.monotonic() - t0
+            with pytest.raises(DistCAError, match="aborted"):
+                graphs[r].replay()
+            return elapsed, str(err.value)
+        for r, (elapsed, msg) in enumerate(in_threads(2, live)):  # participant 2 never replays
+            assert timeout <= elapsed < timeout + GRACE_S + SLACK_S, (r, elapsed)
+            assert "did not hear from participants [2]" in msg and "captured exchange 0" in msg, msg
+
+
+def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay(heap):
+    P = 2
+    h = heap(P)
+    heaps = [ReusableHeap(ShmHeap(h, r)) for r in range(P)]
+    ex = [("a", route_data(4, P))]
+    old = [RoutedTransport(heaps[r].lease(1), timeout_s=0.5, epoch=1) for r in range(P)]
+    _, graphs = capture(old, ex)
+    in_threads(P, lambda r: graphs[r].replay().wait())  # both sets' words now hold epoch 1's values
+    in_threads(P, lambda r: graphs[r].replay().wait())
+    with pytest.raises(DistCAError):  # participant 1 stays away: participant 0's words are forced
+        graphs[0].replay().wait()
+    for t in old:
+        t.close()
+    new = [RoutedTransport(heaps[r].lease(2), timeout_s=60, epoch=2) for r in range(P)]
+    try:
+        statics, graphs = capture(new, ex)
+
+        def run(r):
+            for step in range(4):
+                statics[r].fill(step)
+                graphs[r].replay().wait()
+                statics[r].check(step)
+        in_threads(P, run)
+    finally:
+        for t in new:
+            t.close()
+        for x in heaps:
+            x.close()
+
+
+def test_what_cannot_be_captured_is_refused(heap):
+    P = 2
+    a = [[[64] * P] for _ in range(P)]
+    with routed_group(heap, P, 60) as ts:
+        s0 = [Static(t, [("new", a)]) for t in ts]
+        with pytest.raises(ValueError, match=r"route \('test', 'new'\) is not installed"):
+            ts[0].graph(lambda: s0[0].run())
+        installed(ts, "a", a)
+        many = [Static(t, [("a", a)] * (GRAPH_EXCHANGES + 1)) for t in ts]
+        with pytest.raises(ValueError, match=f"at most {GRAPH_EXCHANGES} exchanges"):
+            ts[0].graph(lambda: many[0].run())
+        calls = []
+
+        def changing():  # one exchange, then two
+            calls.append(1)
+            for _ in calls:
+                many[0].t.exchange(many[0].send[0], a[0], many[0].recv[0], recv_splits(a, 0), route=("test", "a"))
+        with pytest.raises(ValueError, match="different exchanges"):
+            ts[0].graph(changing)
+        assert ts[0]._capture is None
+
+
+def test_a_replay_after_growth_or_after_its_block_was_taken_is_refused(heap):
+    P = 2
+    a = [[[64] * P] for _ in range(P)]
+    with routed_group(heap, P, 60) as ts:
+        statics, graphs = capture(ts, [("a", a)])
+        later = [in_threads(P, lambda r: ts[r].graph(lambda: statics[r].run())) for _ in range(GRAPH_BLOCKS)]
+        assert later[-1][0]._block == graphs[0]._block  # every block taken since: the first went back
+        with pytest.raises(ValueError, match="released"):
+            graphs[0].replay()
+        in_threads(P, lambda r: later[-1][r].replay().wait())
+        big = [[[1 << 16] * P] for _ in range(P)]  # grows another array: every route moves
+        in_threads(P, lambda r: ts[r].exchange(payload(r, big, 0), big[r],
+                                               [ts[r].buffer("big", sum(recv_splits(big, r)[0]))],
+                                               recv_splits(big, r)).wait())
+        with pytest.raises(ValueError, match="grew"):
+            later[-1][0].replay()
+
+
+def test_graph_words_lie_after_the_exchange_words_and_fit_the_heap():
+    P = 3
+    first, count = set_words(P, 0, 0)
+    assert first == 3 * P and count == GRAPH_EXCHANGES * 2 * P
+    assert set_words(P, 0, 1)[0] == first + count
+    last = graph_slot(P, GRAPH_BLOCKS - 1, 1, GRAPH_EXCHANGES - 1, 1, P - 1)
+    assert last == signal_words(P) - 1
