@@ -181,12 +181,16 @@ class ExchangeGraph:
                 raise DistCAError(f"graph replay on participant {t.rank} of group epoch {t.epoch}: the group is "
                                   f"{'closed' if t._closed else 'aborted: ' + t._broken}")
             from .routed import _Entry
-            entries = [_Entry(t._base | self._tag, deadline, r, snap, marker, credits, arrivals,
+            entries = [_Entry(t._base | self._tag, deadline, r, snap, None, credits, arrivals,
                               label=f"captured exchange {j} of route {r.name!r} (replay {self.replays}), group "
                                     f"epoch {t.epoch}")
-                       for j, (r, (snap, marker, credits, arrivals)) in enumerate(self._records[v])]
-            t._inflight.extend(entries)
+                       for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
+            t._stream.begin()  # after the caller's work (the send rows)
             t._stream.replay(self._recordings[v])
+            marker = t._stream.mark()  # not the recorded markers: a GPU's recorded event passes early
+            for e in entries:
+                e.marker = marker
+            t._inflight.extend(entries)
         self._last[v], self._next = entries, 1 - v
         self.replays += 1
         t._watch().poke()

@@ -29,6 +29,7 @@ for the first PE's rows (the watchdog ends that, as a failure).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -235,6 +236,33 @@ class MemopStream:
         self._cuda.copy(dst, src, self._comm)
         self._cuda.keep(src, self._comm)
         self._cuda.keep(dst, self._comm)
+
+    def fill(self, slot: int, count: int, value: int) -> None:
+        """This PE's words ``[slot, slot + count)`` = ``value``: a fill kernel on the communication
+        stream (raises as :meth:`signal`)."""
+        self._open()
+        self._word(self.rank, slot + count - 1)
+        with self._cuda.use(self._comm):
+            self._words[self.rank][slot:slot + count].fill_(int(value))
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the operations queued inside it, and whatever else the calling thread queues on
+        the communication stream (current meanwhile), into a CUDA graph: the stream memory
+        operations become graph nodes. Yields the graph for :meth:`replay`."""
+        self._open()
+        graph = self._cuda.graph()
+        self._cuda.capture_begin(graph, self._comm)
+        try:
+            with self._cuda.use(self._comm):
+                yield graph
+        finally:
+            self._cuda.capture_end(graph, self._comm)
+
+    def replay(self, graph) -> None:
+        """Launch ``graph`` on the communication stream."""
+        self._open()
+        self._cuda.replay(graph, self._comm)
 
     def snapshot(self, offset: int, nbytes: int) -> DeviceSnapshot:
         """Copies, in stream order, into pinned host memory of this PE's int64 [signal words] and of

@@ -31,6 +31,7 @@ operations are skipped, markers still pass, and the transport raises from the er
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -80,6 +81,24 @@ class TorchCuda:
 
     def handle(self, stream) -> int:
         return stream.cuda_stream
+
+    def graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def capture_begin(self, graph, stream) -> None:
+        """Start capturing ``stream`` (made current on this thread) into ``graph``. Relaxed: the
+        other PEs' threads keep queueing work, and a snapshot's pinned buffer is allocated while
+        the stream captures."""
+        with self.use(stream):
+            graph.capture_begin(capture_error_mode="relaxed")
+
+    def capture_end(self, graph, stream) -> None:
+        with self.use(stream):
+            graph.capture_end()
+
+    def replay(self, graph, stream) -> None:
+        with self.use(stream):
+            graph.replay()
 
 
 class CudaMarker:
@@ -261,6 +280,27 @@ class NvshmemStream:
     def wait_ge(self, slot: int, value: int) -> None:
         self._enqueue(self._b.signal_wait_until_on_stream, self._word(slot), self._ge, int(value), self._h)
 
+    def fill(self, slot: int, count: int, value: int) -> None:
+        """This PE's words ``[slot, slot + count)`` = ``value``, a fill kernel on the communication
+        stream (ValueError: the range outside the words)."""
+        self._word(slot + count - 1)
+        self._enqueue(self._fill, self._words[slot:slot + count], int(value))
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the operations queued inside it into a CUDA graph of the communication stream,
+        captured on the host thread (where they are issued); yields the graph for :meth:`replay`."""
+        graph = self._cuda.graph()
+        self._enqueue(self._cuda.capture_begin, graph, self._comm)
+        try:
+            yield graph
+        finally:
+            self._enqueue(self._cuda.capture_end, graph, self._comm, always=True)
+
+    def replay(self, graph) -> None:
+        """Launch ``graph`` on the communication stream, from the host thread."""
+        self._enqueue(self._cuda.replay, graph, self._comm)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the communication stream (both contiguous on this device, equal
         sizes; raises ValueError otherwise)."""
@@ -343,6 +383,10 @@ class NvshmemStream:
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._cuda.use(self._comm):
             dst.copy_(src, non_blocking=True)
+
+    def _fill(self, words: torch.Tensor, value: int) -> None:
+        with self._cuda.use(self._comm):
+            words.fill_(value)
 
     def _snapshot(self, snap: DeviceSnapshot, offset: int, nbytes: int) -> None:
         with self._cuda.use(self._comm):

@@ -113,8 +113,8 @@ class Capturable(Protocol):
 
     def capture(self):
         """A context manager: operations queued inside it are recorded, not run; it yields the
-        recording, which :meth:`replay` queues again (its snapshots and markers are the ones the
-        recorded calls returned, valid again once the replay's markers are done)."""
+        recording, which :meth:`replay` queues again. The recorded snapshots are written again
+        by each replay; the recorded markers say nothing about a replay (mark after it)."""
         ...
 
     def replay(self, recording) -> None:
@@ -155,13 +155,12 @@ class _Event:
 
 
 class Recording:
-    """What :meth:`HostStream.capture` recorded: the queued operations and the markers among them."""
+    """What :meth:`HostStream.capture` recorded: the queued operations."""
 
-    __slots__ = ("items", "markers")
+    __slots__ = ("items",)
 
     def __init__(self):
         self.items: list = []
-        self.markers: list[_Event] = []
 
 
 class HostStream:
@@ -233,8 +232,6 @@ class HostStream:
     def mark(self) -> _Event:
         marker = _Event()
         self._enqueue(marker._event.set, always=True)
-        if self._recording is not None:
-            self._recording.markers.append(marker)
         return marker
 
     @contextlib.contextmanager
@@ -249,10 +246,7 @@ class HostStream:
             self._recording = None
 
     def replay(self, recording: Recording) -> None:
-        """Queue ``recording``'s operations again; its markers pass anew (the caller saw the
-        previous replay's markers done)."""
-        for marker in recording.markers:
-            marker._event.clear()
+        """Queue ``recording``'s operations again (a marker queued after them says when they ran)."""
         for item in recording.items:
             self._queue.put(item)
 

@@ -14,6 +14,10 @@ a thread that records and replays its operations: what CI can test of issue 22 i
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,6 +25,7 @@ import torch
 
 from distca_server.errors import DistCAError
 from distca_server.transport.exchange_graph import ExchangeGraph, graph_slot, set_words
+from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport
 from distca_server.transport.shm import ShmHeap
 from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
@@ -42,7 +47,8 @@ class Static:
     def __init__(self, t, exchanges):
         me = t.rank
         self.t, self.exchanges = t, exchanges
-        self.send = [[torch.zeros(sum(row), dtype=torch.uint8) for row in sp[me]] for _, sp in exchanges]
+        self.send = [[torch.zeros(sum(row), dtype=torch.uint8, device=t.device) for row in sp[me]]
+                     for _, sp in exchanges]
         self.recv = [[t.buffer(f"recv-{name}-{s}", sum(x)) for s, x in enumerate(recv_splits(sp, me))]
                      for name, sp in exchanges]
 
@@ -63,7 +69,7 @@ class Static:
         for name, j in last.items():
             want = expected(self.exchanges[j][1], self.t.rank, step + 100 * j)
             for s, (a, b) in enumerate(zip(self.recv[j], want)):
-                assert torch.equal(a, b), f"participant {self.t.rank} replay {step} exchange {j} segment {s}"
+                assert torch.equal(a.cpu(), b), f"participant {self.t.rank} replay {step} exchange {j} segment {s}"
 
 
 def capture(ts, exchanges, also=()):
@@ -240,3 +246,55 @@ def test_graph_words_lie_after_the_exchange_words_and_fit_the_heap():
     assert set_words(P, 0, 1)[0] == first + count
     last = graph_slot(P, GRAPH_BLOCKS - 1, 1, GRAPH_EXCHANGES - 1, 1, P - 1)
     assert last == signal_words(P) - 1
+
+
+def replay_steps(ts, statics, graphs, steps, stream=lambda: None):
+    """Every PE in a thread of its own (on its own CUDA stream where ``stream()`` makes one):
+    ``steps`` replays, each with new send data, each checked."""
+    def run(r):
+        st = stream()
+        with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
+            for step in range(steps):
+                statics[r].fill(step)
+                graphs[r].replay().wait()
+                if st is not None:
+                    st.synchronize()
+                statics[r].check(step)
+    in_threads(len(ts), run)
+
+
+def test_replays_over_the_in_process_heap_are_exact():
+    P = 3
+    group = HeapGroup(P, timeout_s=60)
+    ts = [group.endpoint(r) for r in range(P)]
+    try:
+        statics, graphs = capture(ts, [("a", route_data(5, P)), ("b", route_data(6, P))])
+        replay_steps(ts, statics, graphs, 5)
+    finally:
+        group.close()
+
+
+def _gpu_replays() -> None:
+    """Two and three PEs of one process on CUDA (stream memory operations in a CUDA graph)."""
+    for P in (2, 3):
+        group = HeapGroup(P, timeout_s=20)
+        ts = [group.endpoint(r, "cuda") for r in range(P)]
+        try:
+            statics, graphs = capture(ts, [("a", route_data(5, P)), ("b", route_data(6, P)), ("a", route_data(5, P))])
+            replay_steps(ts, statics, graphs, 6, stream=torch.cuda.Stream)
+        finally:
+            group.close()
+
+
+@pytest.mark.gpu
+def test_replays_over_the_in_process_heap_on_the_gpu_are_exact():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_exchange_graph as t; t._gpu_replays()"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(here)),
+                             capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the replays did not finish within 180 s (a wait was never ended)")
+    assert out.returncode == 0, out.stdout + out.stderr

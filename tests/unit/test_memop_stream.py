@@ -15,6 +15,7 @@ timeout (a wait that never ends cannot hang the test run).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -160,6 +161,23 @@ class FakeCuda:
     def handle(self, stream):
         return stream.cuda_stream
 
+    @contextlib.contextmanager
+    def use(self, stream):
+        self.log.append(("use", (stream.name,), threading.get_ident()))
+        yield
+
+    def graph(self):
+        return "graph"
+
+    def capture_begin(self, graph, stream):
+        self.log.append(("capture_begin", (graph, stream.name), threading.get_ident()))
+
+    def capture_end(self, graph, stream):
+        self.log.append(("capture_end", (graph, stream.name), threading.get_ident()))
+
+    def replay(self, graph, stream):
+        self.log.append(("replay", (graph, stream.name), threading.get_ident()))
+
     def copy(self, dst, src, stream):
         self.log.append(("copy", (stream.name, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()),
                          threading.get_ident()))
@@ -251,6 +269,30 @@ def test_operations_map_to_memops_and_copies_in_order_on_the_comm_stream(env):
     # The sources (and the copy's destination) are kept for the comm stream.
     kept = {a[1] for n, a, _ in env.log if n == "keep" and a[0] == "s1001"}
     assert kept == {a.data_ptr(), b.data_ptr(), c.data_ptr(), env.arenas[0].data_ptr() + 256}
+
+
+def test_fill_is_a_fill_and_capture_records_the_comm_stream_into_a_graph(env):
+    st = env.make(rank=0)
+    h = st._h
+    env.log.clear()
+    st.fill(2, 3, seq(7))
+    assert env.words[0][:6].tolist() == [0, 0, seq(7), seq(7), seq(7), 0] and not env.words[1].any()
+    with st.capture() as graph:
+        st.wait_ge(4, seq(8))
+        st.signal(1, 3, seq(8))
+    st.replay(graph)
+    comm = st._comm.name
+    assert env.ops() == [
+        ("use", (comm,)),
+        ("capture_begin", ("graph", comm)),
+        ("use", (comm,)),  # the caller's work inside the capture goes to the communication stream
+        ("cuStreamWaitValue64", (h, env.word(0, 4), seq(8), GEQ)),
+        ("cuStreamWriteValue64", (h, env.word(1, 3), seq(8), WRITE)),
+        ("capture_end", ("graph", comm)),
+        ("replay", ("graph", comm)),
+    ]
+    with pytest.raises(ValueError, match="outside"):
+        st.fill(WORDS - 1, 2, 0)
 
 
 def test_64_bit_values_pass_unchanged_and_the_abort_value_ends_a_geq_wait():

@@ -113,6 +113,18 @@ class FakeCuda:
     def handle(self, stream):
         return stream.cuda_stream
 
+    def graph(self):
+        return SimpleNamespace(name="graph")
+
+    def capture_begin(self, graph, stream):
+        self.log.append(("capture_begin", stream.name, graph, threading.get_ident()))
+
+    def capture_end(self, graph, stream):
+        self.log.append(("capture_end", stream.name, graph, threading.get_ident()))
+
+    def replay(self, graph, stream):
+        self.log.append(("replay", stream.name, graph, threading.get_ident()))
+
 
 @pytest.fixture
 def env():
@@ -209,6 +221,24 @@ def test_copies_snapshots_and_markers_are_queued_in_order_on_the_host_thread(env
     assert marker.done()
     with pytest.raises(ValueError, match="not int64 words"):
         st.snapshot(0, 12)
+
+
+def test_fill_and_capture_run_on_the_host_thread_around_the_recorded_calls(env):
+    st = env.make()
+    st.fill(2, 3, 7)
+    with st.capture() as graph:
+        st.wait_ge(5, 9)
+        st.signal(1, 4, 9)
+    st.replay(graph)
+    env.flush()
+    assert env.words[:6].tolist() == [0, 0, 7, 7, 7, 0]
+    # capture begins and ends on the host thread, around the calls issued there, on the comm stream
+    log = [(x[0], x[1]) for x in env.cuda.log if x[0] in ("use", "capture_begin", "capture_end", "replay")]
+    assert log == [("use", "comm"), ("capture_begin", "comm"), ("capture_end", "comm"), ("replay", "comm")]
+    assert {x[-1] for x in env.cuda.log if x[0] != "keep"} == {env.host.ident}
+    assert names(env.b.calls) == ["signal_wait_until_on_stream", "signal_op_on_stream"]
+    with pytest.raises(ValueError, match="outside"):
+        st.fill(WORDS - 1, 2, 0)
 
 
 def test_markers_poll_their_event_within_the_bound_and_join_the_callers_stream(env):
