@@ -17,8 +17,9 @@
 #   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
 #              CUDA client runs under it; reported either way, stopped afterwards (issue 22)
 #   env        the device, torch, distca's backends, nvshmem4py's version
-#   ktests     the gpu-marked tests: kernels (torch_varlen / flash_attn against the references), and
-#              rounds on the GPU (lock-step local participants; stream ordering of rounds)
+#   ktests     the gpu-marked tests: kernels (torch_varlen / flash_attn against the references),
+#              rounds on the GPU (lock-step local participants; stream ordering of rounds), stream
+#              memory operations and captured exchanges (CUDA graphs) of in-process participants
 #   kernels    bench/gpu_kernels.py (fused shards, distca overhead, a measured ProfileTable)
 #   ntests     the nvshmem-marked tests (the exchange against LocalTransport, attend over NVSHMEM
 #              against the float64 reference, a dead or departed PE)
@@ -184,8 +185,9 @@ for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
         env) stage env 60 env_info ;;
-        ktests) stage ktests 150 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py tests/unit/test_kernels_cudnn.py tests/unit/test_gpu_rounds.py tests/unit/test_memop_stream.py \
-                     tests/unit/test_kernels_fa4.py ;;
+        ktests) stage ktests 150 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py \
+                    tests/unit/test_kernels_cudnn.py tests/unit/test_gpu_rounds.py tests/unit/test_memop_stream.py \
+                    tests/unit/test_exchange_graph.py tests/unit/test_kernels_fa4.py ;;
         # GPU_KERNELS_ARGS: e.g. "--device cpu --quick" for a dry run anywhere, or fewer repeats
         # shellcheck disable=SC2086
         kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$OUT/kernels.json" \

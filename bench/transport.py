@@ -15,11 +15,13 @@ nothing to itself (rows that stay home never pass through a transport). The symm
 receives into its ``buffer`` (symmetric memory after the first exchange grew it), the baseline into a
 preallocated tensor. Both endpoints live in the same processes and run each size back to back.
 
-The one-sided exchange runs twice per size: host-driven (no route: every exchange announces its
-offsets and the host waits for every signal) and device-driven (a route, installed by its first
-exchanges: :mod:`distca_server.transport.routed`; on the CPU its "stream" is a thread). Every
-exchange's received bytes are compared: device-driven against host-driven always, and against the
-baseline where it is an all-to-all (not ``copy``).
+The one-sided exchange runs three ways per size: host-driven (no route: every exchange announces
+its offsets and the host waits for every signal), device-driven (a route, installed by its first
+exchanges: :mod:`distca_server.transport.routed`; on the CPU its "stream" is a thread) and graphed
+(the device-driven exchange captured once and replayed: :mod:`distca_server.transport.exchange_graph`).
+Every exchange's received bytes are compared: device-driven and graphed against host-driven always,
+and against the baseline where it is an all-to-all (not ``copy``). Besides each exchange's time, the
+host's part is reported: how long ``exchange`` (or ``replay``) holds the caller before it returns.
 
 Per size: ``--warmup`` exchanges, then ``--iters`` timed ones (fewer for large sizes: at least 3,
 at most enough to move ~2 GiB); a participant's time is its median exchange (GPU: synchronized);
@@ -104,18 +106,26 @@ def heap_bytes(P: int, sizes: list[int]) -> int:
 
 def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, cuda: bool,
                     **route) -> float:
-    times = []
+    return _time_calls(lambda: transport.exchange([send], [ss], [recv_of()], [rs], **route), iters, warmup, cuda)[0]
+
+
+def _time_calls(issue, iters: int, warmup: int, cuda: bool) -> tuple[float, float]:
+    """Medians of ``issue().wait()`` (GPU: synchronized) and of ``issue()`` alone (the host's part:
+    how long the caller is held before it may queue more work)."""
+    times, issued = [], []
     for i in range(warmup + iters):
-        recv = recv_of()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        transport.exchange([send], [ss], [recv], [rs], **route).wait()
+        handle = issue()
+        t1 = time.perf_counter()
+        handle.wait()
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            issued.append(t1 - t0)
+    return statistics.median(times), statistics.median(issued)
 
 
 class _CopyOnly:
@@ -177,9 +187,14 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         route = {"route": ("bench", size)}
         before = sym.device_exchanges
         # warmup >= 2: a route's first exchanges grow its buffer and install it
-        t_routed = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, max(2, warmup),
-                                   cuda, **route)
+        t_routed, issue_routed = _time_calls(
+            lambda: sym.exchange([send], [ss], [sym.buffer("bench", sum(rs))], [rs], **route), n, max(2, warmup), cuda)
         device_driven = sym.device_exchanges - before  # at least the timed ones, once installed
+        # The same exchange captured (exchange_graph): one replay per exchange.
+        fixed = sym.buffer("bench", sum(rs))
+        graph = sym.graph(lambda: sym.exchange([send], [ss], [fixed], [rs], **route))
+        t_graph, issue_graph = _time_calls(graph.replay, n, warmup, cuda)
+        graphed = fixed.clone()
         t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
         # Every way delivered the same bytes.
@@ -189,8 +204,10 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         sym.exchange([send], [ss], [a], [rs]).wait()
         base.exchange([send], [ss], [recv_base], [rs]).wait()
         rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
+                     "graph_s": t_graph, "issue_routed_s": issue_routed, "issue_graph_s": issue_graph,
                      "base_s": t_base, "device_driven": device_driven,
-                     "equal": bool(torch.equal(routed, a)) and (baseline == "copy" or bool(torch.equal(a, recv_base)))})
+                     "equal": bool(torch.equal(routed, a)) and bool(torch.equal(graphed, a))
+                     and (baseline == "copy" or bool(torch.equal(a, recv_base)))})
     return rows
 
 
@@ -269,12 +286,14 @@ def _rows(P: int, sizes: list[int], per_rank: dict) -> list[dict]:
     for i, size in enumerate(sizes):
         mine = [per_rank[r][i] for r in range(P)]
         sym, base = max(m["sym_s"] for m in mine), max(m["base_s"] for m in mine)
-        routed = max(m["routed_s"] for m in mine)
+        routed, graph = max(m["routed_s"] for m in mine), max(m["graph_s"] for m in mine)
         sent = statistics.mean(m["sent"] for m in mine)
         rows.append({"procs": P, "size": size, "iters": mine[0]["iters"], "sym_ms": 1e3 * sym,
                      "routed_ms": 1e3 * routed, "base_ms": 1e3 * base, "sym_gbs": sent / sym / 1e9,
                      "routed_gbs": sent / routed / 1e9, "base_gbs": sent / base / 1e9,
-                     "speedup": base / sym, "routed_speedup": sym / routed,
+                     "speedup": base / sym, "routed_speedup": sym / routed, "graph_ms": 1e3 * graph,
+                     "issue_routed_us": 1e6 * max(m["issue_routed_s"] for m in mine),
+                     "issue_graph_us": 1e6 * max(m["issue_graph_s"] for m in mine),
                      "device_driven": min(m["device_driven"] for m in mine),
                      "equal": all(m["equal"] for m in mine)})
     return rows
@@ -323,14 +342,15 @@ def main() -> None:
 
     def table() -> None:
         t = args.transport
-        print(f"| P | bytes sent per participant | {t} host-driven ms | {t} device-driven ms | {baseline} ms | "
-              f"device-driven GB/s | {baseline} GB/s | host/device-driven time | {baseline}/host-driven time "
-              f"| same bytes |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        print(f"| P | bytes sent per participant | {t} host-driven ms | {t} device-driven ms | graphed ms | "
+              f"{baseline} ms | device-driven GB/s | {baseline} GB/s | host/device-driven time | "
+              f"{baseline}/host-driven time | host µs to queue: device-driven, graphed | same bytes |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in rows:
             print(f"| {r['procs']} | {fmt_size(r['size'])} | {r['sym_ms']:.3f} | {r['routed_ms']:.3f} | "
-                  f"{r['base_ms']:.3f} | {r['routed_gbs']:.2f} | {r['base_gbs']:.2f} | {r['routed_speedup']:.2f} | "
-                  f"{r['speedup']:.2f} | {r['equal']} |")
+                  f"{r['graph_ms']:.3f} | {r['base_ms']:.3f} | {r['routed_gbs']:.2f} | {r['base_gbs']:.2f} | "
+                  f"{r['routed_speedup']:.2f} | {r['speedup']:.2f} | {r['issue_routed_us']:.0f}, "
+                  f"{r['issue_graph_us']:.0f} | {r['equal']} |")
 
     big = [r for r in rows if r["size"] == sizes[-1]]
     small = [r for r in rows if r["size"] == sizes[0]]

@@ -21,8 +21,8 @@ route is queued on the PE's stream (:mod:`.pe_stream`) and the host returns at o
 Signal values carry the generation and ``seq`` as in :mod:`.symmetric`; ``seq`` counts host- and
 device-driven exchanges alike, so the two never mix.
 
-**Every wait is bounded.** A :class:`Watchdog` thread (it never blocks the thread that queues
-work) looks at the exchanges in flight every :data:`WATCH_POLL_S`. When one passes its deadline it
+**Every wait is bounded.** A :class:`~.watchdog.Watchdog` thread (it never blocks the thread that
+queues work) looks at the exchanges in flight every :data:`~.watchdog.WATCH_POLL_S`. When one passes its deadline it
 names the peers whose words did not arrive, marks the group broken, sets ``ABORT[me] = TIMED_OUT``
 on every peer, and writes the abort value (``generation << 32 | 0xffffffff``) into this PE's own
 words (:meth:`~.pe_stream.PeStream.force`), so its stream drains. A PE only ever forces its own
@@ -60,13 +60,13 @@ from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
 from .symmetric import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
                         PEER_FAILED, TIMED_OUT, SymmetricTransport)
+from .watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .exchange_graph import ExchangeGraph
 
 GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
 MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
-WATCH_POLL_S = 0.05  # the watchdog's longest sleep while exchanges are in flight
 
 
 def route_id(route: Hashable) -> int:
@@ -135,55 +135,6 @@ class _Handle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         self._transport._wait_entry(self._entry, timeout_s)
-
-
-class Watchdog:
-    """A daemon thread that bounds a transport's device-driven exchanges: it resolves those whose
-    marker passed and expires those past their deadline (:meth:`RoutedTransport._expire`)."""
-
-    def __init__(self, transport: "RoutedTransport"):
-        self._transport = transport
-        self._wake = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"distca-watchdog-{transport.rank}", daemon=True)
-        self._thread.start()
-
-    def poke(self) -> None:
-        with self._wake:
-            self._wake.notify()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        t = self._transport
-        while True:
-            with self._wake:
-                if self._stop:
-                    return
-                # Deadlines are seconds: looking every WATCH_POLL_S while anything is in flight
-                # keeps a failure within GRACE_S of its deadline; idle, it sleeps until poked.
-                self._wake.wait(WATCH_POLL_S if t._unresolved() else None)
-                if self._stop:
-                    return
-            now, words = time.monotonic(), None
-            for e in t._unresolved():
-                try:
-                    if e.marker.done():
-                        t._resolve(e)
-                    elif e.expired is not None:  # a captured exchange's reset may have undone a force
-                        t._force_waits()
-                    elif now >= e.deadline:
-                        t._expire(e)
-                    else:  # a peer this exchange waits on may have failed or left
-                        words = t.heap.signals() if words is None else words
-                        t._check_peers(e, words)
-                except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one failure
-                    t._fail(e, DistCAError(f"participant {t.rank}: the watchdog failed on {e.label}: "
-                                           f"{type(exc).__name__}: {exc}"))
 
 
 class RoutedTransport(SymmetricTransport):
@@ -504,4 +455,4 @@ class RoutedTransport(SymmetricTransport):
         return ExchangeGraph(self, fn)
 
 
-__all__ = ["GRACE_S", "RoutedTransport", "Watchdog", "route_id"]
+__all__ = ["GRACE_S", "RoutedTransport", "route_id"]

@@ -29,7 +29,8 @@ from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport
 from distca_server.transport.shm import ShmHeap
 from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
-from test_transport_routed import SLACK_S, heap, installed, payload, play, recv_splits, route_data, routed_group  # noqa: F401
+from test_transport_routed import heap  # noqa: F401 - the fixture
+from test_transport_routed import SLACK_S, installed, payload, play, recv_splits, route_data, routed_group
 from test_transport_symmetric import in_threads
 
 

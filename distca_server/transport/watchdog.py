@@ -1,0 +1,67 @@
+"""The watchdog of a PE's device-driven exchanges (:mod:`.routed`, :mod:`.exchange_graph`): a
+daemon thread that never blocks the thread queueing work. It resolves the exchanges whose marker
+passed, expires those past their deadline (the transport names the silent peers, tells them, and
+forces the abort value into its own words so the stream drains), expires at once an exchange whose
+peer aborted or left, and forces again while an expired exchange has not drained.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..errors import DistCAError
+
+WATCH_POLL_S = 0.05  # the watchdog's longest sleep while exchanges are in flight
+
+
+class Watchdog:
+    """A daemon thread that bounds a transport's device-driven exchanges: it resolves those whose
+    marker passed and expires those past their deadline (:meth:`.routed.RoutedTransport._expire`)."""
+
+    def __init__(self, transport):
+        self._transport = transport
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"distca-watchdog-{transport.rank}", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        t = self._transport
+        while True:
+            with self._wake:
+                if self._stop:
+                    return
+                # Deadlines are seconds: looking every WATCH_POLL_S while anything is in flight
+                # keeps a failure within GRACE_S of its deadline; idle, it sleeps until poked.
+                self._wake.wait(WATCH_POLL_S if t._unresolved() else None)
+                if self._stop:
+                    return
+            now, words = time.monotonic(), None
+            for e in t._unresolved():
+                try:
+                    if e.marker.done():
+                        t._resolve(e)
+                    elif e.expired is not None:  # a captured exchange's reset may have undone a force
+                        t._force_waits()
+                    elif now >= e.deadline:
+                        t._expire(e)
+                    else:  # a peer this exchange waits on may have failed or left
+                        words = t.heap.signals() if words is None else words
+                        t._check_peers(e, words)
+                except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one failure
+                    t._fail(e, DistCAError(f"participant {t.rank}: the watchdog failed on {e.label}: "
+                                           f"{type(exc).__name__}: {exc}"))
+
+
+__all__ = ["WATCH_POLL_S", "Watchdog"]
