@@ -299,7 +299,7 @@ def _rows(P: int, sizes: list[int], per_rank: dict) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--transport", choices=["shm", "nvshmem", "local"], default="shm",
                     help="local: participants are threads of one process over an in-process heap")
@@ -314,7 +314,7 @@ def main() -> None:
                     help="auto: gloo for shm; for nvshmem NCCL with a GPU per PE, else a device copy "
                          "(nccl forces NCCL, e.g. to see whether it runs several ranks on one GPU)")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     procs = args.procs or ([2] if args.quick else [2, 4])
     lo, hi = parse_size(args.min_size), parse_size("4MiB" if args.quick else args.max_size)
     iters = 5 if args.quick else args.iters
@@ -370,7 +370,11 @@ def main() -> None:
     for r in rows:
         if r["procs"] == 2 and r["size"] == 64 * KiB:
             summary = {f"exchange_us_64KiB_2pe{where}": 1e3 * r["routed_ms"],
-                       f"exchange_us_64KiB_2pe{where}_host_driven": 1e3 * r["sym_ms"]}
+                       f"exchange_us_64KiB_2pe{where}_host_driven": 1e3 * r["sym_ms"],
+                       f"exchange_us_64KiB_2pe{where}_graphed": 1e3 * r["graph_ms"],
+                       # the caller's part: how long exchange() / replay() held it
+                       f"exchange_host_us_64KiB_2pe{where}": r["issue_routed_us"],
+                       f"exchange_host_us_64KiB_2pe{where}_graphed": r["issue_graph_us"]}
     finish(table, headline, elapsed, json_path, {
         "benchmark": "transport", "transport": args.transport, "baseline": baseline, "device": device,
         "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows,

@@ -110,8 +110,10 @@ class ExchangeGraph:
     ``fn`` makes exchanges of installed routes only (run them once before), at most
     :data:`~.symmetric.GRAPH_EXCHANGES`, into receive buffers that stay allocated while the graph
     is used; a replay reads the send buffers as they are when its exchanges run, and writes the
-    receive buffers. On a GPU, whatever else ``fn`` queues on the PE's stream is recorded with the
-    exchanges; on the CPU only the exchanges are (``fn``'s CPU work runs once per recording).
+    receive buffers. Over in-process PEs on CUDA (:class:`~.memop_stream.MemopStream`) ``fn``'s
+    torch work goes to the communication stream, made current while it runs, and is recorded with
+    the exchanges; over NVSHMEM and on the CPU only the exchanges are recorded (``fn``'s other work
+    runs once per recording, when it is called).
 
     Raises:
         ValueError: the transport's stream cannot record; an exchange in ``fn`` without an
