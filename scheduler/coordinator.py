@@ -42,49 +42,32 @@ their next report, in lock-step loops as in free-running ones. Steps are bounded
 Deadlines are computed from a ``now`` the caller passes (any monotonic clock). The only clock
 read here is ``timer`` (``time.perf_counter`` unless given), which measures how long planning
 and cutting took for the record of the last plan.
+
+Membership lives in :mod:`scheduler.coordinator_membership`, group epochs and failure verdicts in
+:mod:`scheduler.coordinator_epochs`: :class:`Coordinator` inherits both (their constants are
+re-exported here).
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from functools import partial
 from typing import Callable
 
 from .arbitration import Arbitration, Member
-import msgpack
-
-from .checks import bad_lengths, is_int, positive_int
+from .checks import bad_lengths, is_int
 from .config import MAX_REPORT_DOCS, MAX_REPORT_TOKENS, JobConfig, legacy_fields, legacy_job_config
+from .coordinator_epochs import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES, TRANSPORT_DEVICES, GroupEpochsMixin
+from .coordinator_membership import MAX_STEP, SERVER_STATES, STEPS_AHEAD, MembershipMixin
 from .cost import CostModel
 from .messages import agreed_shape, error_answer, same_report
-from .outcomes import (Assignment, EpochDecision, FailureOutcome, PlanCut, PlanOutcome, ReportOutcome,
-                       plan_and_cut)
+from .outcomes import PlanCut, PlanOutcome, ReportOutcome, plan_and_cut
 from .tasks import Plan
 
 _KEEP_STEPS = 2  # batches of steps older than (last planned step - _KEEP_STEPS) are forgotten
-KEEP_EPOCHS = 2  # bootstrap values and failure verdicts of older epochs are forgotten
 PLANS_KEPT = 16  # whole plans kept for plan_descriptor (clients read them lazily, for last_plan)
 # A report is bounded (JobConfig.max_report_docs, max_report_tokens: defaults MAX_REPORT_DOCS,
 # MAX_REPORT_TOKENS, in scheduler.config) before anything else looks at it.
-# Steps are ints below this (a job at 1000 steps a second takes 35 years to reach it): a step a
-# member claims at registration above it is refused, so no report, abort or floor ever nears the
-# int64 limits that torch and msgpack put on the step a round header carries.
-MAX_STEP = 1 << 40
-# A report, a client's failure or a check-in may name at most this many steps past the job's step
-# (max(next_step, floor)): a client's own counter is never ahead of it, since every step it enters
-# was resolved, failed or raised by its registration here. One step of slack, no more: a report far
-# ahead would otherwise move the floor, and with it every client's counter, to its step.
-STEPS_AHEAD = 1
-SERVER_STATES = ("alive", "suspect", "dead")
-# The device types each transport of scheduler.checks.TRANSPORTS moves (groups.py forms them):
-# torch.distributed (gloo on CPU, NCCL on GPU), the one-sided exchange over shared memory between
-# the processes of one host (CPU tensors), or over NVSHMEM symmetric GPU memory.
-TRANSPORT_DEVICES = {"torch_dist": ("cpu", "cuda"), "shm": ("cpu",), "nvshmem": ("cuda",)}
-# A bootstrap value is plain msgpack data, at most this many bytes packed (a TCPStore address, a
-# heap handle and an NVSHMEM unique id take ~20-200): members hand it to each other through the
-# scheduler, which must not hold whatever a buggy or hostile member publishes.
-MAX_BOOTSTRAP_BYTES = 4096
 
 
 class _Batch:
@@ -96,7 +79,7 @@ class _Batch:
         self.answers: dict[int, dict] | None = None  # set once resolved
 
 
-class Coordinator:
+class Coordinator(MembershipMixin, GroupEpochsMixin):
     """The scheduler of job ``name``: membership, plans, group epochs, failure verdicts.
 
     Args:
@@ -161,211 +144,6 @@ class Coordinator:
         self.last: dict = {}
         self.plans: dict[tuple[int, int], bytes] = {}  # (step, batch) -> plan descriptor, newest PLANS_KEPT
         self._resolved: list[tuple[int, int]] = []  # batches resolved since the last drain_resolved
-
-    # ---- membership --------------------------------------------------------------------------
-    def register_client(self, rank: int, world_size: int, info: dict) -> dict:
-        """Client ``rank`` of ``world_size`` joins (or rejoins after a restart with a new
-        ``info["incarnation"]``, which makes the next batch form a new epoch).
-
-        ``info`` may carry ``"step"`` (the step the client goes on with) and ``"epoch"`` (the last
-        group epoch it was in): a client re-registering with a restarted scheduler rebuilds the
-        job's step and epoch numbering this way.
-
-        Returns:
-            ``{"name", "mode", "timeout_s", "backend", "next_step", "keep_activations",
-            "transport", "config"}``: the job's settings (``config``: all of them,
-            :meth:`JobConfig.to_dict <scheduler.config.JobConfig.to_dict>`) and the step the
-            client must start at.
-
-        Raises:
-            ValueError: rank out of range or a world size other than the job's.
-        """
-        positive_int("world_size", world_size)
-        if self.world_size is None:
-            self.world_size = int(world_size)
-        elif world_size != self.world_size:
-            raise ValueError(f"job {self.name!r} has {self.world_size} clients, not {world_size}")
-        if not is_int(rank) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-        self._check_claimed_step(info.get("step"), f"client rank {rank}")
-        self.clients[int(rank)] = dict(info, rank=int(rank))
-        self._rebuild(info)
-        return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
-                "backend": self.backend, "next_step": max(self.next_step, self.floor),
-                "keep_activations": self.keep_activations, "transport": self.transport,
-                "config": self.config.to_dict()}
-
-    def _rebuild(self, info: dict) -> None:
-        """Take a registering member's last step and epoch into account (after a scheduler
-        restart the coordinator starts empty): steps before it are over, and epochs are numbered
-        past it, so no member mistakes a new group for one it was in."""
-        step, epoch = info.get("step"), info.get("epoch")
-        if is_int(step) and step > self.floor:
-            self._raise_floor(int(step))
-        if is_int(epoch) and epoch > self.epoch:
-            self.epoch, self.members = int(epoch), None
-
-    @staticmethod
-    def _check_claimed_step(step, who: str) -> None:
-        """A registering member's last step: None, or an int in ``[0, MAX_STEP)``.
-
-        Raises:
-            ValueError: naming ``who`` and the step.
-        """
-        if step is not None and not (is_int(step) and 0 <= step < MAX_STEP):
-            raise ValueError(f"{who} registered with step {step!r}; steps are ints in [0, {MAX_STEP})")
-
-    def _check_step(self, step, what: str) -> None:
-        """A step a client names in ``what`` (a report, a failure): an int from 0 to
-        :data:`STEPS_AHEAD` past the job's step.
-
-        Raises:
-            ValueError: naming the step, the job's step and ``what``.
-        """
-        if not is_int(step) or step < 0:
-            raise ValueError(f"{what}: step must be an int >= 0, got {step!r}")
-        job_step = max(self.next_step, self.floor)
-        if step > job_step + STEPS_AHEAD:
-            raise ValueError(f"{what}: step {step} is ahead of job {self.name!r}, which is at step {job_step} "
-                             f"(a client's step is never more than {STEPS_AHEAD} ahead of it)")
-
-    def unregister_client(self, rank: int, incarnation: str) -> None:
-        """Client ``rank`` leaves, unless a newer incarnation already took its place."""
-        if self.clients.get(rank, {}).get("incarnation") == incarnation:
-            del self.clients[rank]
-
-    def issue_token(self, rank: int) -> str:
-        """A new secret for registered client ``rank``, replacing its earlier one (the wrapper
-        hands it out with each registration): :meth:`check_member` asks for it. Kept in the
-        client's info, which :meth:`status` never shows.
-
-        Raises:
-            ValueError: ``rank`` is not a registered client.
-        """
-        if not is_int(rank) or rank not in self.clients:
-            raise ValueError(f"rank {rank!r} is not registered with job {self.name!r}")
-        token = self.clients[rank]["token"] = secrets.token_hex(16)
-        return token
-
-    def check_member(self, rank, token, call: str) -> None:
-        """Refuse ``call`` (what changes the job, or reveals its documents) unless ``rank`` is a
-        registered client and ``token`` the secret :meth:`issue_token` gave it last.
-
-        Raises:
-            ValueError: naming the rank and the call.
-        """
-        held = self.clients.get(rank, {}).get("token") if is_int(rank) else None
-        given = token.encode("utf-8", "surrogatepass") if type(token) is str else None
-        if held is None or given is None or not secrets.compare_digest(held.encode(), given):
-            raise ValueError(f"job {self.name!r} refused {call} from rank {rank!r}: the caller is not that "
-                             f"registered client (it needs the token rank {rank!r} got when it registered)")
-
-    def register_server(self, index: int, info: dict) -> None:
-        """Dedicated server ``index`` (re)starts, or re-registers with a restarted scheduler
-        (``info["epoch"]``: its last group epoch); it joins the next group epoch.
-
-        Raises:
-            ValueError: ``index`` not an int >= 0.
-        """
-        if not is_int(index) or index < 0:
-            raise ValueError(f"server index must be an int >= 0, got {index!r}")
-        self.servers[int(index)] = dict(info, index=int(index), state="alive")
-        self._rebuild({"epoch": info.get("epoch")})
-
-    def servers_to_ping(self) -> dict[int, str]:
-        """``{server id: state}`` of every server not known dead, ascending: the wrapper pings
-        these ("suspect" ones briefly: they are left out until they answer)."""
-        return {i: s["state"] for i, s in sorted(self.servers.items()) if s["state"] != "dead"}
-
-    def servers_pinged(self, states: dict[int, str]) -> list[int]:
-        """Record ping results, ``{server id: "alive" (answered and ready) | "suspect" (no answer
-        in time, or not ready) | "dead" (its actor died)}``; returns the live ids, ascending.
-        A suspect server is pinged again at the next plan; a dead one waits until it registers.
-
-        Raises:
-            ValueError: a state other than those three.
-        """
-        for sid, state in states.items():
-            if state not in SERVER_STATES:
-                raise ValueError(f"server {sid}: state must be one of {SERVER_STATES}, got {state!r}")
-            if sid in self.servers:
-                self.servers[sid]["state"] = state
-        return sorted(sid for sid, state in states.items() if state == "alive" and sid in self.servers)
-
-    # ---- group epochs ------------------------------------------------------------------------
-    def epoch_for(self, live_servers, device_type: str) -> EpochDecision:
-        """The group for the next batch: the current epoch if nobody joined, left or restarted
-        and the device type is the same, else a new epoch.
-
-        Args:
-            live_servers: dedicated server ids that answered, in plan order (ignored in-place).
-            device_type: ``"cpu"`` or ``"cuda"`` (the transport's backend follows it).
-        """
-        servers = tuple(live_servers) if self.mode == "dedicated" else ()
-        W = self.world_size or 0
-        clients = tuple(self.clients.get(r, {}).get("incarnation") for r in range(W))
-        members = (clients, tuple((sid, self.servers.get(sid, {}).get("incarnation")) for sid in servers),
-                   device_type)
-        if members == self.members:
-            return EpochDecision(self.epoch, self.epoch_servers)
-        self.epoch += 1
-        self.members, self.epoch_servers = members, servers
-        self.groups[self.epoch] = self._describe(servers)
-        for table in (self.bootstraps, self.failures, self.groups):
-            for old in [e for e in table if e < self.epoch - KEEP_EPOCHS]:
-                del table[old]
-        world = W + len(servers)
-        return EpochDecision(self.epoch, servers, tuple(
-            Assignment(sid, self.epoch, W + i, world, i, device_type) for i, sid in enumerate(servers)))
-
-    def publish_bootstrap(self, epoch: int, value) -> None:
-        """World rank 0 of group ``epoch`` publishes what the others need to join it (opaque here:
-        see the module doc). Kept as its msgpack round trip (lists for tuples), so every member
-        looks up plain data.
-
-        Raises:
-            ValueError: ``epoch`` not an int >= 0, ``value`` None, not msgpack data, or more than
-                :data:`MAX_BOOTSTRAP_BYTES` packed.
-        """
-        if not is_int(epoch) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        if value is None:
-            raise ValueError(f"group epoch {epoch}: the bootstrap value must not be None")
-        try:
-            packed = msgpack.packb(value, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"group epoch {epoch}: the bootstrap value must be msgpack data, got "
-                             f"{type(value).__name__} ({exc})") from None
-        if len(packed) > MAX_BOOTSTRAP_BYTES:
-            raise ValueError(f"group epoch {epoch}: the bootstrap value takes {len(packed)} bytes packed, "
-                             f"more than {MAX_BOOTSTRAP_BYTES}")
-        self.bootstraps[int(epoch)] = msgpack.unpackb(packed, raw=False)
-
-    def bootstrap(self, epoch: int):
-        """Group ``epoch``'s bootstrap value, or None while none was published (or once the
-        epoch is forgotten)."""
-        return self.bootstraps.get(epoch)
-
-    def _transport_error(self, device_type: str, servers) -> dict | None:
-        """The error answer of a batch the job's transport cannot carry: a device type it does
-        not move, or (``shm``) members on several nodes; None if it can."""
-        if device_type not in TRANSPORT_DEVICES[self.transport]:
-            return error_answer("ValueError", f"job {self.name!r} runs transport {self.transport!r}, which "
-                                              f"moves {' or '.join(TRANSPORT_DEVICES[self.transport])} "
-                                              f"tensors, not {device_type}")
-        if self.transport != "shm":
-            return None
-        nodes: dict[str, list[str]] = {}
-        for r in range(self.world_size or 0):
-            nodes.setdefault(str(self.clients.get(r, {}).get("node", "?")), []).append(f"client rank {r}")
-        for sid in servers if self.mode == "dedicated" else ():
-            nodes.setdefault(str(self.servers.get(sid, {}).get("node", "?")), []).append(f"attention server {sid}")
-        if len(nodes) <= 1:
-            return None
-        where = "; ".join(f"node {n}: {', '.join(who)}" for n, who in sorted(nodes.items()))
-        return error_answer("DistCAError", f"job {self.name!r} runs transport 'shm', which needs every "
-                                           f"member of a group on one node, but they are on {len(nodes)} "
-                                           f"nodes ({where})")
 
     # ---- one step ----------------------------------------------------------------------------
     def report(self, step: int, batch: int, rank: int, doc_lens, shape) -> ReportOutcome:
@@ -615,92 +393,6 @@ class Coordinator:
                      "num_tasks": sum(tasks), "epoch": self.epoch}
         return self.last
 
-    # ---- failures ----------------------------------------------------------------------------
-    def failure(self, epoch: int, world_rank: int, step: int, now: float, reached: int = 0,
-                cause: str | None = None, detected: bool = False, in_round: bool = True) -> FailureOutcome:
-        """World rank ``world_rank`` of group ``epoch`` checks in to a failure of the epoch.
-
-        A member checks in when a round failed for it (``cause``: what went wrong; ``detected``:
-        it found the problem itself, e.g. a part that does not match its peers', rather than seeing
-        a collective fail) or, alive and told that the epoch's arbitration opened, with
-        ``cause=None``. ``reached`` is how many rounds of the epoch it
-        reached (completed, plus the one it is in or waiting for); ``in_round`` whether it is in
-        one (a server waiting for the next round's header is); ``step`` the step it was in (-1 if
-        it does not know, e.g. a server).
-
-        The first check-in opens the epoch's arbitration (deadline ``now + failure_grace_s``;
-        ``opened``). The verdict is decided in the call where the last member checks in, or by
-        :meth:`close_failure` at the deadline; who is lost and which cause everyone reads is
-        :class:`~scheduler.arbitration.Arbitration`'s rule (the silent, and the late). An epoch
-        that is not current and has no arbitration (already over) is answered at once, naming
-        nobody. Every verdict ends its epoch (the next batch forms a new group), ends the step
-        (the job goes on at the step after), and leaves lost servers out of plans until they
-        answer a ping again.
-        """
-        if step != -1:  # a server does not know the step; a client's is bounded like its reports
-            self._check_step(step, f"world rank {world_rank}'s failure of group epoch {epoch}")
-        fail = self.failures.get(epoch)
-        opened = False
-        if fail is None:
-            if epoch != self.epoch or epoch not in self.groups or self.members is None:
-                return FailureOutcome({"epoch": epoch, "lost": [], "lost_ranks": [],
-                                       "next_step": max(self.next_step, self.floor, step + 1),
-                                       "cause": f"group epoch {epoch} is over", "detected": False},
-                                      now)
-            fail = self.failures[epoch] = Arbitration(epoch, self.groups[epoch], now + self.failure_grace_s,
-                                                      self.failure_grace_s)
-            opened = True
-        if fail.verdict is None:
-            fail.check_in(world_rank, step, reached, in_round, cause, detected)
-            if fail.complete:
-                self._decide(fail)
-        return FailureOutcome(fail.verdict, fail.deadline, opened)
-
-    def close_failure(self, epoch: int, now: float) -> dict | None:
-        """The verdict of group ``epoch``'s failure: decided now if the grace period is over
-        (``now >= deadline``), else None (still waiting). An epoch without arbitration names
-        nobody."""
-        fail = self.failures.get(epoch)
-        if fail is None:
-            return {"epoch": epoch, "lost": [], "lost_ranks": [], "next_step": max(self.next_step, self.floor),
-                    "cause": f"group epoch {epoch} is over", "detected": False}
-        if fail.verdict is None and now >= fail.deadline:
-            self._decide(fail)
-        return fail.verdict
-
-    def arbitration(self, epoch: int) -> str | None:
-        """``"open"`` while group ``epoch``'s failure is being arbitrated (members must check in),
-        ``"decided"`` once its verdict is out, None if the epoch has not failed."""
-        fail = self.failures.get(epoch)
-        return None if fail is None else ("open" if fail.verdict is None else "decided")
-
-    def _decide(self, fail: Arbitration) -> None:
-        """Decide ``fail``'s verdict and act on it: lost servers out of plans until they answer a
-        ping, a fresh group for the next batch, the step failed for every later report."""
-        lost = fail.lost()
-        for r, _ in lost:
-            server = self.servers.get(fail.members[r].server)
-            if server is not None and server["state"] == "alive":
-                server["state"] = "suspect"
-        if fail.epoch == self.epoch:
-            self.members = None  # whatever happened, the next batch forms a fresh group
-        cause, detected = fail.cause()
-        if fail.step >= 0:
-            self._fail_step(fail.step, error_answer("DistCAError", f"step {fail.step} failed in group "
-                                                                    f"epoch {fail.epoch}: {cause}"[:500]))
-        fail.verdict = {"epoch": fail.epoch, "lost": [why for _, why in lost], "lost_ranks": [r for r, _ in lost],
-                        "next_step": max(self.next_step, self.floor), "cause": cause, "detected": detected}
-
-    def _describe(self, servers) -> dict[int, Member]:
-        """World rank -> member of a group of the clients and ``servers`` (in plan order)."""
-        W = self.world_size or 0
-        out = {r: Member(f"client rank {r} (node {self.clients.get(r, {}).get('node', '?')})", True, None)
-               for r in range(W)}
-        for plan_index, sid in enumerate(servers):
-            out[W + plan_index] = Member(
-                f"attention server {sid} (node {self.servers.get(sid, {}).get('node', '?')})", False, sid)
-        return out
-
     # ---- inspection --------------------------------------------------------------------------
     def status(self) -> dict:
         """Job state for ``distca status``: settings, clients, epoch, last plan, and one row per
@@ -729,4 +421,5 @@ class Coordinator:
                 "steps_planned": self.steps_planned, "last": self.last, "servers": servers}
 
 
-__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_BOOTSTRAP_BYTES", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS"]
+__all__ = ["Coordinator", "KEEP_EPOCHS", "MAX_BOOTSTRAP_BYTES", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS",
+           "MAX_STEP", "SERVER_STATES", "STEPS_AHEAD", "TRANSPORT_DEVICES"]
