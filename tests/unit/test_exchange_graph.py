@@ -22,12 +22,13 @@ import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from distca_server.errors import DistCAError
 from distca_server.transport.exchange_graph import ExchangeGraph, graph_slot, set_words
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport
-from distca_server.transport.shm import ShmHeap
+from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
 from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
 from test_transport_routed import heap  # noqa: F401 - the fixture
 from test_transport_routed import SLACK_S, installed, payload, play, recv_splits, route_data, routed_group
@@ -198,6 +199,51 @@ def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay
             t.close()
         for x in heaps:
             x.close()
+
+
+# ---- a peer process that dies between replays ------------------------------------------------------
+def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
+    t = RoutedTransport(ShmHeap(handle, rank), timeout_s=timeout)
+    splits = [[[4096] * P] for _ in range(P)]
+    rs = recv_splits(splits, rank)
+    send = payload(rank, splits, 0)
+    for _ in range(2):  # grow, install
+        recv = [t.buffer("recv", sum(rs[0]))]
+        t.exchange(send, splits[rank], recv, rs, route="r").wait()
+    graph = t.graph(lambda: t.exchange(send, splits[rank], recv, rs, route="r"))
+    for _ in range(3):  # both sets, then the first again
+        graph.replay().wait()
+    if rank == P - 1:
+        os._exit(0)  # dies with the graph captured, before the next replay
+    t0 = time.monotonic()
+    try:
+        graph.replay().wait()
+        results.put((rank, "ok", time.monotonic() - t0))
+    except DistCAError as exc:
+        results.put((rank, str(exc), time.monotonic() - t0))
+
+
+def test_peer_process_that_dies_fails_the_others_replays_within_the_deadline():
+    P, timeout = 3, 1.0
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    handle = create_heap(P, heap_bytes=4 << 20)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, P, handle, timeout, results)) for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        got = {r: (msg, elapsed) for r, msg, elapsed in (results.get(timeout=120) for _ in range(P - 1))}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        destroy_heap(handle)
+    assert set(got) == {0, 1}
+    for r, (msg, elapsed) in got.items():
+        assert "captured exchange 0" in msg and (f"participants [{P - 1}]" in msg or "gave up" in msg), msg
+        assert timeout <= elapsed < timeout + GRACE_S + SLACK_S, (r, elapsed)
 
 
 def test_what_cannot_be_captured_is_refused(heap):
