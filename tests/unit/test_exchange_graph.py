@@ -22,16 +22,16 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distca_server.errors import DistCAError
 from distca_server.transport.exchange_graph import ExchangeGraph, graph_slot, set_words
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport
-from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
+from distca_server.transport.shm import ShmHeap
 from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
 from test_transport_routed import heap  # noqa: F401 - the fixture
-from test_transport_routed import SLACK_S, installed, payload, play, recv_splits, route_data, routed_group
+from test_transport_routed import (SLACK_S, installed, payload, play, recv_splits, route_data, routed_group,
+                                   run_dying_group)
 from test_transport_symmetric import in_threads
 
 
@@ -93,13 +93,7 @@ def test_replays_deliver_what_the_exchanges_would(heap, P):
         statics, graphs = capture(ts, exchanges)
         assert all(isinstance(g, ExchangeGraph) and g.exchanges == 4 for g in graphs)
         before = [t.device_exchanges for t in ts]
-
-        def replays(r):
-            for step in range(6):
-                statics[r].fill(step)
-                graphs[r].replay().wait()
-                statics[r].check(step)
-        in_threads(P, replays)
+        replay_steps(ts, statics, graphs, 6)
         assert [t.device_exchanges - n for t, n in zip(ts, before)] == [24] * P
         # an uncaptured exchange of the same routes afterwards is still exact
         in_threads(P, lambda r: (statics[r].fill(50), [h.wait() for h in statics[r].run()], statics[r].check(50)))
@@ -187,13 +181,7 @@ def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay
     new = [RoutedTransport(heaps[r].lease(2), timeout_s=60, epoch=2) for r in range(P)]
     try:
         statics, graphs = capture(new, ex)
-
-        def run(r):
-            for step in range(4):
-                statics[r].fill(step)
-                graphs[r].replay().wait()
-                statics[r].check(step)
-        in_threads(P, run)
+        replay_steps(new, statics, graphs, 4)
     finally:
         for t in new:
             t.close()
@@ -225,21 +213,7 @@ def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
 
 def test_peer_process_that_dies_fails_the_others_replays_within_the_deadline():
     P, timeout = 3, 1.0
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", __name__])
-    handle = create_heap(P, heap_bytes=4 << 20)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, handle, timeout, results)) for r in range(P)]
-    try:
-        for p in procs:
-            p.start()
-        got = {r: (msg, elapsed) for r, msg, elapsed in (results.get(timeout=120) for _ in range(P - 1))}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        destroy_heap(handle)
+    got = run_dying_group(_worker, __name__, P, timeout)
     assert set(got) == {0, 1}
     for r, (msg, elapsed) in got.items():
         assert "captured exchange 0" in msg and (f"participants [{P - 1}]" in msg or "gave up" in msg), msg

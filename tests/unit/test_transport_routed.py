@@ -307,23 +307,30 @@ def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
         results.put((rank, str(exc), time.monotonic() - t0, t.device_exchanges))
 
 
-def test_peer_process_that_dies_fails_the_others_within_the_deadline():
-    P, timeout = 3, 1.0
+def run_dying_group(worker, module: str, P: int, timeout: float) -> dict:
+    """``worker(rank, P, heap handle, timeout, results)`` in ``P`` processes over a fresh
+    shared-memory heap (``module``, the worker's, preloaded), the last of which dies; the others'
+    reports ``(rank, *rest)`` as ``{rank: rest}``."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", __name__])
+    ctx.set_forkserver_preload(["torch", module])
     handle = create_heap(P, heap_bytes=4 << 20)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, handle, timeout, results)) for r in range(P)]
+    procs = [ctx.Process(target=worker, args=(r, P, handle, timeout, results)) for r in range(P)]
     try:
         for p in procs:
             p.start()
-        got = {r: (msg, elapsed, n) for r, msg, elapsed, n in (results.get(timeout=120) for _ in range(P - 1))}
+        return {r: tuple(rest) for r, *rest in (results.get(timeout=120) for _ in range(P - 1))}
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
         destroy_heap(handle)
+
+
+def test_peer_process_that_dies_fails_the_others_within_the_deadline():
+    P, timeout = 3, 1.0
+    got = run_dying_group(_worker, __name__, P, timeout)
     assert set(got) == {0, 1}
     for r, (msg, elapsed, n) in got.items():
         assert n == 2, "the exchange that failed ran device-driven"
