@@ -1,7 +1,8 @@
 """The communication-aware greedy planner (DistCA §4.2 and Appendix B), improved: :func:`plan_batch`.
 
 Code: :mod:`scheduler.bands` (band arithmetic), :mod:`scheduler.placement` (steps 1-2),
-:mod:`scheduler.greedy` (step 3 and the last pass), this module (the runs, the guarantees);
+:mod:`scheduler.greedy` (step 3; the last pass in :mod:`scheduler.greedy_settle`), this module (the
+runs, the guarantees);
 with a time model, :mod:`scheduler.time_refine` refines the FLOP plan at ε = 0 in predicted seconds
 (:mod:`scheduler.time_cost`; its guarantee: never above that FLOP plan's predicted maximum).
 
