@@ -2,9 +2,9 @@
 
 Code: :mod:`scheduler.bands` (band arithmetic), :mod:`scheduler.placement` (steps 1-2),
 :mod:`scheduler.greedy` (step 3; the last pass in :mod:`scheduler.greedy_settle`), this module (the
-runs, the guarantees);
-with a time model, :mod:`scheduler.time_refine` refines the FLOP plan at ε = 0 in predicted seconds
-(:mod:`scheduler.time_cost`; its guarantee: never above that FLOP plan's predicted maximum).
+runs, the guarantees); with a time model, :mod:`scheduler.time_refine` refines the FLOP plan at
+ε = 0 in predicted seconds (:mod:`scheduler.time_cost`; its guarantee: never above that FLOP plan's
+predicted maximum).
 
 Vocabulary. A document of ``l`` tokens is *folded*: folded position ``f`` in ``[0, c)``,
 ``c = ceil(l / 2)``, stands for the head token ``f`` and its mirror ``l - 1 - f`` (one token at the
