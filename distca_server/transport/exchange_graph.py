@@ -36,7 +36,7 @@ from typing import Callable, Hashable
 
 from ..errors import DistCAError
 from .base import ExchangeHandle
-from .symmetric import _LOW, GRAPH_BLOCKS, GRAPH_EXCHANGES, SIGNAL_KINDS
+from .symmetric_words import _LOW, GRAPH_BLOCKS, GRAPH_EXCHANGES, SIGNAL_KINDS
 
 CREDIT, ARRIVED = 0, 1  # the two words per source PE of a captured exchange
 

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ..errors import DistCAError
-from .symmetric import MAX_GENERATION, SymmetricHeap
+from .symmetric_heap import SymmetricHeap
+from .symmetric_words import MAX_GENERATION
 
 
 class ReusableHeap:

@@ -26,7 +26,7 @@ from ..errors import DistCAError
 from .base import aligned
 from .routed import RoutedTransport
 from .shm import host_copy
-from .symmetric import check_heap_bytes, signal_words
+from .symmetric_words import check_heap_bytes, signal_words
 
 
 def heap_bytes_for(tokens: int, row_bytes: int) -> int:

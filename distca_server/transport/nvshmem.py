@@ -65,7 +65,8 @@ from scheduler.config import DEFAULT_HEAP_BYTES
 from ..errors import DistCAError
 from .base import aligned
 from .host_thread import HostBoundHeap, HostThread
-from .symmetric import ReusableHeap, SymmetricTransport, check_heap_bytes, signal_words
+from .symmetric import ReusableHeap, SymmetricTransport
+from .symmetric_words import check_heap_bytes, signal_words
 FINALIZE_TIMEOUT_S = 60.0  # finalize's bound at exit before any group set one
 
 

@@ -58,8 +58,9 @@ import torch
 from ..errors import DistCAError
 from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
-from .symmetric import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
-                        PEER_FAILED, TIMED_OUT, SymmetricTransport)
+from .symmetric import SymmetricTransport
+from .symmetric_words import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
+                              PEER_FAILED, TIMED_OUT)
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from scheduler.config import DEFAULT_HEAP_BYTES
 
 from ..errors import DistCAError
 from .routed import RoutedTransport
-from .symmetric import check_heap_bytes, signal_words
+from .symmetric_words import check_heap_bytes, signal_words
 HEAP_PREFIX = "distca-heap-"  # every heap directory's name starts so
 
 

@@ -28,7 +28,8 @@ from distca_server.transport.exchange_graph import ExchangeGraph, graph_slot, se
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport
 from distca_server.transport.shm import ShmHeap
-from distca_server.transport.symmetric import GRAPH_BLOCKS, GRAPH_EXCHANGES, ReusableHeap, signal_words
+from distca_server.transport.symmetric import ReusableHeap
+from distca_server.transport.symmetric_words import GRAPH_BLOCKS, GRAPH_EXCHANGES, signal_words
 from test_transport_routed import heap  # noqa: F401 - the fixture
 from test_transport_routed import (SLACK_S, installed, payload, play, recv_splits, route_data, routed_group,
                                    run_dying_group)

@@ -28,8 +28,8 @@ from distca_server.errors import DistCAError
 from distca_server.transport.base import ALIGN
 from distca_server.transport.nvshmem import HostBoundHeap, HostThread, NvshmemRuntime
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
-from distca_server.transport.symmetric import (ABORT, ANNOUNCE, DATA, GEN_SHIFT, ReusableHeap,
-                                               SymmetricTransport)
+from distca_server.transport.symmetric import ReusableHeap, SymmetricTransport
+from distca_server.transport.symmetric_words import ABORT, ANNOUNCE, DATA, GEN_SHIFT
 from scheduler.config import DEFAULT_HEAP_BYTES, HEAP_ALIGN, ConfigError, JobConfig
 
 from test_transport_symmetric import expected_digests, in_threads, run_rounds

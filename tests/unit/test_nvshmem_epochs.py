@@ -22,7 +22,7 @@ pytestmark = pytest.mark.nvshmem
 
 def _worker(rank: int, P: int, rounds: int, boots, results) -> None:
     from distca_server.transport.nvshmem import join_nvshmem, runtime
-    from distca_server.transport.symmetric import DATA, GEN_SHIFT
+    from distca_server.transport.symmetric_words import DATA, GEN_SHIFT
     device = torch.device("cuda", rank % torch.cuda.device_count())
     out = {}
     for epoch in (1, 2):

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from distca_server.errors import DistCAError
 from distca_server.transport.local import LocalGroup
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
-from distca_server.transport.symmetric import DATA, SymmetricTransport, key_id, signal_words
+from distca_server.transport.symmetric import SymmetricTransport, key_id
+from distca_server.transport.symmetric_words import DATA, signal_words
 
 TIMEOUT_S = 2.0
 SIZES = [0, 0, 1, 3, 64, 255, 256, 1000, 4096, 20000]  # zero-byte peers are common
