@@ -9,7 +9,7 @@ import torch
 
 from distca_server.errors import DistCAError
 from distca_server.transport.local import LocalGroup
-from bench.roundtrip import CountingGroup  # the one counting wrapper: the benchmark counts with it too
+from bench.roundtrip_runtimes import CountingGroup  # the one counting wrapper: the benchmark counts with it too
 from test_groups import _join_all
 from test_transport_symmetric import in_threads
 
