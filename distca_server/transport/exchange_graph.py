@@ -21,12 +21,14 @@ exchange in which this PE and that peer exchange rows again (both recordings mak
 exchanges). That peer started its next replay after finishing this one's exchange with us, which
 waited for a signal that this PE sent after its reset. Within a replay no word is reset, so the
 watchdog reads exactly who has not yet answered, and the abort value ends every wait
-(:meth:`.routed.RoutedTransport._force_waits`; it forces again while an expired exchange has not
-drained, since a reset may undo a force on a queued replay).
+(:meth:`.routed.RoutedTransport._force_waits`).
 
 A graph replays at most one recording of each set at a time. A replay whose set's previous replay
 has not finished waits for it (bounded by its deadline), so the host runs at most two replays
-ahead of its stream, and the recordings' snapshots and markers are free to be used again.
+ahead of its stream, and the recordings' snapshots and markers are free to be used again. This
+also keeps a reset from undoing the watchdog's force: a queued replay resets the words of the
+other set, whose exchanges queued before it have already run to their end or are the ones being
+forced, and whose next replay is queued only after those finished.
 """
 
 from __future__ import annotations
@@ -98,8 +100,16 @@ class _ReplayHandle:
         self._transport, self._entries = transport, entries
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for every exchange of the replay (none is left unresolved), then raise the first
+        failure."""
+        first = None
         for e in self._entries:
-            self._transport._wait_entry(e, timeout_s)
+            try:
+                self._transport._wait_entry(e, timeout_s)
+            except (DistCAError, ValueError) as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 class ExchangeGraph:

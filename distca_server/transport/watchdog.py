@@ -2,7 +2,7 @@
 daemon thread that never blocks the thread queueing work. It resolves the exchanges whose marker
 passed, expires those past their deadline (the transport names the silent peers, tells them, and
 forces the abort value into its own words so the stream drains), expires at once an exchange whose
-peer aborted or left, and forces again while an expired exchange has not drained.
+peer aborted or left.
 """
 
 from __future__ import annotations
@@ -52,11 +52,9 @@ class Watchdog:
                 try:
                     if e.marker.done():
                         t._resolve(e)
-                    elif e.expired is not None:  # a captured exchange's reset may have undone a force
-                        t._force_waits()
-                    elif now >= e.deadline:
+                    elif e.expired is None and now >= e.deadline:
                         t._expire(e)
-                    else:  # a peer this exchange waits on may have failed or left
+                    elif e.expired is None:  # a peer this exchange waits on may have failed or left
                         words = t.heap.signals() if words is None else words
                         t._check_peers(e, words)
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one failure

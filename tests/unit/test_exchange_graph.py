@@ -166,6 +166,26 @@ def test_a_silent_peer_fails_a_replay_naming_it_and_the_next_replay_at_once(heap
             assert "did not hear from participants [2]" in msg and "captured exchange 0" in msg, msg
 
 
+def test_replays_queued_back_to_back_all_end_when_a_peer_is_silent(heap):
+    """Both sets in flight when the deadline passes: every queued exchange drains and fails (the
+    second replay's reset of the first set's words comes after the first replay ended), and none
+    is left unresolved."""
+    P, timeout = 3, 1.0
+    with routed_group(heap, P, timeout) as ts:
+        statics, graphs = capture(ts, [("a", [[[64] * P] for _ in range(P)]), ("b", route_data(3, P))])
+
+        def live(r):
+            t0 = time.monotonic()
+            handles = [graphs[r].replay(), graphs[r].replay()]  # both sets queued, nothing waited
+            for h in handles:
+                with pytest.raises(DistCAError):
+                    h.wait()
+            return time.monotonic() - t0
+        for r, elapsed in enumerate(in_threads(2, live)):  # participant 2 never replays
+            assert timeout <= elapsed < timeout + 2 * GRACE_S + SLACK_S, (r, elapsed)
+        assert all(not t._unresolved() for t in ts[:2])
+
+
 def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay(heap):
     P = 2
     h = heap(P)
