@@ -28,6 +28,11 @@
 #   inproc     bench/transport.py --transport local --device cuda: 2 and 4 participants of one
 #              process over plain device buffers, device-driven (stream memory operations) against
 #              host-driven and the in-process copy (exchange_us_64KiB_2pe in its JSON's summary)
+#   graphs     bench/transport.py with captured exchanges (issue 22 item 4), in-process participants
+#              (CUDA graphs of stream memory operations): the host's time to queue a device-driven
+#              exchange against a replay (exchange_host_us_64KiB_2pe_graphed); apart from inproc, so
+#              that a capture failing on this GPU costs inproc nothing
+#   ngraphs    the same over 2 NVSHMEM PEs (CUDA graphs of NVSHMEM's on-stream calls)
 #   dead       bench/dead_peer.py --transport nvshmem: a PE exits mid-run; seconds until the others
 #              raise DistCAError (dead_pe_error_s)
 #   pingpong   bench/pingpong.py: two nano-batches per layer over 2 in-process participants,
@@ -39,13 +44,15 @@
 #              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most per call, two folders deep: all stages write 11, so run them over two calls, e.g.
-# `mps env ktests kernels ntests transport`, then `inproc dead pingpong train`; afterwards
-# `python bench/gpu_summary.py bench/results/gpu/<device>` writes summary.json): session.log (every stage's output), kernels.json, kernels.png,
-# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json, transport_local.json,
-# dead_peer_nvshmem.json, pingpong.json, train.json (loss
-# agreement, step time and tokens/s of both runs: train_loss_max_rel_diff_10_steps,
-# train_tokens_per_s_distca, train_tokens_per_s_local, ...), train_loss.png.
+# most per call, two folders deep: all stages write 13, so run them over two calls,
+# `mps env ktests kernels ntests transport`, then `inproc graphs ngraphs dead pingpong train` (8
+# files each); afterwards `python bench/gpu_summary.py bench/results/gpu/<device>` writes
+# summary.json): session.log (every stage's output), kernels.json, kernels.png,
+# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json,
+# transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
+# dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time and tokens/s of both
+# runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca, train_tokens_per_s_local,
+# ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
 # (committed; .gitignore keeps that folder) and try
 #   distca simulate --gpu h200 --attn-profile bench/results/gpu/<slug>/kernels_profile/llama3-8b-tp8
@@ -180,7 +187,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc dead pingpong train
+[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc graphs ngraphs dead pingpong train
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -196,17 +203,23 @@ for s in "$@"; do
                     tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py ;;
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
-                       --max-size 1GiB --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
+                       --max-size 1GiB --graph off --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
         # in-process participants over plain device buffers (issue 22 item 2a): device-driven
         # (stream memory operations) against host-driven exchanges and the in-process copy
         # shellcheck disable=SC2086
         inproc) stage inproc "${INPROC_LIMIT:-120}" "$PY" bench/transport.py --transport local --device cuda \
-                    --procs 2 4 --max-size 1GiB --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
+                    --procs 2 4 --max-size 1GiB --graph off --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
+        # captured exchanges (issue 22 item 4), apart: a capture that fails on this GPU must not
+        # cost the stages above their numbers
+        graphs) stage graphs "${GRAPHS_LIMIT:-90}" "$PY" bench/transport.py --transport local --device cuda \
+                    --procs 2 4 --max-size 16MiB --json "$OUT/transport_local_graph.json" ;;
+        ngraphs) stage ngraphs "${GRAPHS_LIMIT:-90}" "$PY" bench/transport.py --transport nvshmem --procs 2 \
+                     --max-size 16MiB --json "$OUT/transport_nvshmem_graph.json" ;;
         dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
                   --json "$OUT/dead_peer_nvshmem.json" ;;
         pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$OUT/pingpong.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, dead, pingpong, train)" >&2
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train)" >&2
            status=1 ;;
     esac
 done

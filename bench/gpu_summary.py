@@ -10,9 +10,10 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 
 | key | from |
 |---|---|
-| ``exchange_us_64KiB_2pe`` (``_host_driven``, ``_graphed``) | ``transport_local.json`` (in-process PEs) |
-| ``exchange_host_us_64KiB_2pe`` (``_graphed``) | the same: how long ``exchange`` / ``replay`` held the host |
-| ``exchange_us_64KiB_2pe_processes`` (``_host_driven``, ``_graphed``) | ``transport_nvshmem.json`` (NVSHMEM PEs) |
+| ``exchange_us_64KiB_2pe`` (``_host_driven``) | ``transport_local.json`` (in-process PEs) |
+| ``exchange_us_64KiB_2pe_graphed`` | ``transport_local_graph.json`` (the ``graphs`` stage) |
+| ``exchange_host_us_64KiB_2pe`` (``_graphed``) | the same two: how long ``exchange`` / ``replay`` held the host |
+| ``exchange_us_64KiB_2pe_processes`` (``_host_driven``; ``_graphed``) | ``transport_nvshmem.json``; ``_graph.json`` |
 | ``host_us_per_layer`` | ``kernels.json`` overhead, 2 participants over the heap, 8K tokens |
 | ``host_us_per_layer_lockstep`` | the same, 2 participants in lock step |
 | ``host_us_per_layer_graphed`` | nothing yet (exchanges are captured, a layer's rounds not yet) |
@@ -48,16 +49,17 @@ def collect(folder: Path) -> dict:
     """The summary of the session whose files are in ``folder``."""
     out: dict = {}
     missing: dict = dict(NOT_BUILT)
-    for name, prefix in (("transport_local.json", "exchange_us_64KiB_2pe"),
-                         ("transport_nvshmem.json", "exchange_us_64KiB_2pe_processes")):
-        got = (_load(folder, name) or {}).get("summary") or {}
-        keys = [prefix, prefix + "_host_driven", prefix + "_graphed"]
-        if name == "transport_local.json":
-            keys += ["exchange_host_us_64KiB_2pe", "exchange_host_us_64KiB_2pe_graphed"]
-        for key in keys:
-            out[key] = got.get(key)
+    for name, where in (("transport_local", ""), ("transport_nvshmem", "_processes")):
+        main = (_load(folder, name + ".json") or {}).get("summary") or {}
+        graphs = (_load(folder, name + "_graph.json") or {}).get("summary") or {}
+        prefix, host = "exchange_us_64KiB_2pe" + where, "exchange_host_us_64KiB_2pe" + where
+        # the main stage's run (without graphs) first; the graphs stage's for the captured keys
+        for key, first, then in ((prefix, main, graphs), (prefix + "_host_driven", main, graphs),
+                                 (host, main, graphs), (prefix + "_graphed", graphs, main),
+                                 (host + "_graphed", graphs, main)):
+            out[key] = first.get(key, then.get(key))
             if out[key] is None:
-                missing[key] = f"{name} absent or without the 2-PE 64 KiB row"
+                missing[key] = f"{name}.json / {name}_graph.json absent or without the 2-PE 64 KiB row"
     kernels = _load(folder, "kernels.json")
     for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep")):
         row = _overhead(kernels, exchange)

@@ -143,7 +143,7 @@ class _CopyOnly:
 
 
 def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int,
-            handle, uids, stores, results) -> None:
+            graph: bool, handle, uids, stores, results) -> None:
     from distca_server.transport.torch_dist import join_group
     cuda = kind == "nvshmem"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -162,7 +162,7 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
         base = join_group(epoch=0, rank=rank, world_size=P, host="127.0.0.1", timeout_s=120, device=device,
                           publish=lambda host, port: [stores.put((host, port)) for _ in range(P - 1)],
                           lookup=lambda: stores.get(timeout=120))
-    results.put((rank, _measure(rank, P, sym, base, baseline, sizes, iters, warmup, device)))
+    results.put((rank, _measure(rank, P, sym, base, baseline, sizes, iters, warmup, device, graph)))
     sym.close()
     base.close()
     if cuda:
@@ -172,9 +172,10 @@ def _worker(rank: int, P: int, kind: str, baseline: str, sizes: list[int], iters
 
 
 def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iters: int, warmup: int,
-             device: torch.device) -> list[dict]:
-    """One participant's rows: per size, its median host-driven, device-driven and baseline
-    exchange, and whether they delivered the same bytes."""
+             device: torch.device, graph: bool = True) -> list[dict]:
+    """One participant's rows: per size, its median host-driven, device-driven, captured
+    (``graph``; None where off or failed, the failure in ``graph_error``) and baseline exchange,
+    and whether they delivered the same bytes."""
     cuda = device.type == "cuda"
     rows = []
     for size in sizes:
@@ -190,11 +191,6 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         t_routed, issue_routed = _time_calls(
             lambda: sym.exchange([send], [ss], [sym.buffer("bench", sum(rs))], [rs], **route), n, max(2, warmup), cuda)
         device_driven = sym.device_exchanges - before  # at least the timed ones, once installed
-        # The same exchange captured (exchange_graph): one replay per exchange.
-        fixed = sym.buffer("bench", sum(rs))
-        graph = sym.graph(lambda: sym.exchange([send], [ss], [fixed], [rs], **route))
-        t_graph, issue_graph = _time_calls(graph.replay, n, warmup, cuda)
-        graphed = fixed.clone()
         t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
         # Every way delivered the same bytes.
@@ -203,15 +199,24 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         routed = a.clone()
         sym.exchange([send], [ss], [a], [rs]).wait()
         base.exchange([send], [ss], [recv_base], [rs]).wait()
-        rows.append({"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
-                     "graph_s": t_graph, "issue_routed_s": issue_routed, "issue_graph_s": issue_graph,
-                     "base_s": t_base, "device_driven": device_driven,
-                     "equal": bool(torch.equal(routed, a)) and bool(torch.equal(graphed, a))
-                     and (baseline == "copy" or bool(torch.equal(a, recv_base)))})
+        row = {"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
+               "graph_s": None, "issue_routed_s": issue_routed, "issue_graph_s": None, "base_s": t_base,
+               "device_driven": device_driven,
+               "equal": bool(torch.equal(routed, a)) and (baseline == "copy" or bool(torch.equal(a, recv_base)))}
+        rows.append(row)
+        if graph:  # last: the same exchange captured (exchange_graph), one replay per exchange
+            host_driven = a.clone()
+            try:
+                captured = sym.graph(lambda: sym.exchange([send], [ss], [a], [rs], **route))
+                row["graph_s"], row["issue_graph_s"] = _time_calls(captured.replay, n, warmup, cuda)
+                row["equal"] = row["equal"] and bool(torch.equal(a, host_driven))
+            except Exception as exc:  # noqa: BLE001 - reported; the rows measured so far stand
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"
+                graph = False  # the group may be broken: later sizes would fail on it anyway
     return rows
 
 
-def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup: int) -> dict:
+def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup: int, graph: bool = True) -> dict:
     """``--transport local``: the P participants are threads of this process over an in-process
     symmetric heap (:mod:`distca_server.transport.local_heap`: plain tensors on ``device``, no
     NVSHMEM, no context switches); the baseline is the in-process transport (each receiver copies
@@ -228,7 +233,8 @@ def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup
 
     def one(r):
         try:
-            per_rank[r] = _measure(r, P, syms[r], group.endpoint(r, device), "local", sizes, iters, warmup, device)
+            per_rank[r] = _measure(r, P, syms[r], group.endpoint(r, device), "local", sizes, iters, warmup, device,
+                                   graph)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
             group.abort(r, str(exc))
@@ -245,16 +251,16 @@ def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup
 
 
 def run(P: int, kind: str, baseline: str, sizes: list[int], iters: int, warmup: int,
-        device: torch.device | None = None) -> list[dict]:
+        device: torch.device | None = None, graph: bool = True) -> list[dict]:
     if kind == "local":
-        return _rows(P, sizes, run_local(P, device, sizes, iters, warmup))
+        return _rows(P, sizes, run_local(P, device, sizes, iters, warmup, graph))
     from distca_server.transport.shm import create_heap, destroy_heap
     ctx = mp.get_context("spawn" if kind == "nvshmem" else "forkserver")  # CUDA does not survive fork
     if kind == "shm":
         ctx.set_forkserver_preload(["torch"])
     handle = create_heap(P, heap_bytes=heap_bytes(P, sizes)) if kind == "shm" else None
     uids, stores, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, kind, baseline, sizes, iters, warmup, handle, uids,
+    procs = [ctx.Process(target=_worker, args=(r, P, kind, baseline, sizes, iters, warmup, graph, handle, uids,
                                                stores, results)) for r in range(P)]
     try:
         for p in procs:
@@ -286,14 +292,16 @@ def _rows(P: int, sizes: list[int], per_rank: dict) -> list[dict]:
     for i, size in enumerate(sizes):
         mine = [per_rank[r][i] for r in range(P)]
         sym, base = max(m["sym_s"] for m in mine), max(m["base_s"] for m in mine)
-        routed, graph = max(m["routed_s"] for m in mine), max(m["graph_s"] for m in mine)
-        sent = statistics.mean(m["sent"] for m in mine)
+        routed, sent = max(m["routed_s"] for m in mine), statistics.mean(m["sent"] for m in mine)
+        graphed = None if any(m["graph_s"] is None for m in mine) else max(m["graph_s"] for m in mine)
         rows.append({"procs": P, "size": size, "iters": mine[0]["iters"], "sym_ms": 1e3 * sym,
                      "routed_ms": 1e3 * routed, "base_ms": 1e3 * base, "sym_gbs": sent / sym / 1e9,
                      "routed_gbs": sent / routed / 1e9, "base_gbs": sent / base / 1e9,
-                     "speedup": base / sym, "routed_speedup": sym / routed, "graph_ms": 1e3 * graph,
+                     "speedup": base / sym, "routed_speedup": sym / routed,
+                     "graph_ms": None if graphed is None else 1e3 * graphed,
                      "issue_routed_us": 1e6 * max(m["issue_routed_s"] for m in mine),
-                     "issue_graph_us": 1e6 * max(m["issue_graph_s"] for m in mine),
+                     "issue_graph_us": None if graphed is None else 1e6 * max(m["issue_graph_s"] for m in mine),
+                     "graph_errors": sorted({m["graph_error"] for m in mine if "graph_error" in m}),
                      "device_driven": min(m["device_driven"] for m in mine),
                      "equal": all(m["equal"] for m in mine)})
     return rows
@@ -313,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", choices=["auto", "gloo", "nccl", "copy"], default="auto",
                     help="auto: gloo for shm; for nvshmem NCCL with a GPU per PE, else a device copy "
                          "(nccl forces NCCL, e.g. to see whether it runs several ranks on one GPU)")
+    ap.add_argument("--graph", choices=["on", "off"], default="on",
+                    help="also time the exchange captured and replayed (last per size; a failure is reported "
+                         "in the JSON's graph_errors and stops graphs for the later sizes)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     procs = args.procs or ([2] if args.quick else [2, 4])
@@ -337,8 +348,11 @@ def main(argv: list[str] | None = None) -> None:
         f"gpu/transport_{args.transport}.json" if on_gpu else f"transport_{args.transport}.json"))
     t0 = time.perf_counter()
     rows = [row for P in procs for row in run(P, args.transport, baseline, sizes, iters, args.warmup,
-                                              device=local_device)]
+                                              device=local_device, graph=args.graph == "on")]
     elapsed = time.perf_counter() - t0
+
+    def opt(x, spec: str) -> str:
+        return "–" if x is None else format(x, spec)
 
     def table() -> None:
         t = args.transport
@@ -348,9 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in rows:
             print(f"| {r['procs']} | {fmt_size(r['size'])} | {r['sym_ms']:.3f} | {r['routed_ms']:.3f} | "
-                  f"{r['graph_ms']:.3f} | {r['base_ms']:.3f} | {r['routed_gbs']:.2f} | {r['base_gbs']:.2f} | "
+                  f"{opt(r['graph_ms'], '.3f')} | {r['base_ms']:.3f} | {r['routed_gbs']:.2f} | {r['base_gbs']:.2f} | "
                   f"{r['routed_speedup']:.2f} | {r['speedup']:.2f} | {r['issue_routed_us']:.0f}, "
-                  f"{r['issue_graph_us']:.0f} | {r['equal']} |")
+                  f"{opt(r['issue_graph_us'], '.0f')} | {r['equal']} |")
 
     big = [r for r in rows if r["size"] == sizes[-1]]
     small = [r for r in rows if r["size"] == sizes[0]]
@@ -364,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         headline.append("NOTE: some device-driven timings include host-driven exchanges (route not installed)")
     if not all(r["equal"] for r in rows):
         headline.append("MISMATCH: the two transports delivered different bytes")
+    errors = sorted({e for r in rows for e in r["graph_errors"]})
+    if errors:
+        headline.append(f"GRAPHS FAILED (captured exchanges not timed from there on): {errors[0]}")
     # issue 22's summary keys, from this run: in-process participants (local) or processes
     summary = {}
     where = "" if args.transport == "local" else "_processes"
@@ -371,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         if r["procs"] == 2 and r["size"] == 64 * KiB:
             summary = {f"exchange_us_64KiB_2pe{where}": 1e3 * r["routed_ms"],
                        f"exchange_us_64KiB_2pe{where}_host_driven": 1e3 * r["sym_ms"],
-                       f"exchange_us_64KiB_2pe{where}_graphed": 1e3 * r["graph_ms"],
+                       f"exchange_us_64KiB_2pe{where}_graphed": None if r["graph_ms"] is None else 1e3 * r["graph_ms"],
                        # the caller's part: how long exchange() / replay() held it
                        f"exchange_host_us_64KiB_2pe{where}": r["issue_routed_us"],
                        f"exchange_host_us_64KiB_2pe{where}_graphed": r["issue_graph_us"]}
