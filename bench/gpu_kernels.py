@@ -27,7 +27,9 @@ no Ray. Three sections (``--sections``, default all):
     ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K tokens, for
     :data:`OVERHEAD_RUNS`: one participant (no exchange at all), and two participants exchanging
     rows either in lock step on one thread (``lockstep``) or over the in-process symmetric heap,
-    device-driven once the plan's routes are installed (``heap``; issue 22 item 2a). Both timed by
+    device-driven once the plan's routes are installed (``heap``; issue 22 item 2a), the same with a
+    stateless plan (``stateless``, 8K–32K) and with its rounds replayed from CUDA graphs
+    (``graphs``, 8K–32K; issue 22 item 4: ``host ms`` with and without graphs). All timed by
     the host clock around a synchronised step, median of ``--repeats``; overhead = distca / direct
     − 1 (target <= 3%). ``host ms``: the host's time from the call to its return, before
     synchronising (the launches and Python of one layer's forward + backward: issue 22's host
@@ -239,8 +241,11 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
 
 
 # ---- section 2: distca's overhead ------------------------------------------------------------------
-OVERHEAD_RUNS = ((1, "lockstep"), (2, "lockstep"), (2, "heap"))
-"""(participants, exchange) of the overhead section."""
+OVERHEAD_RUNS = ((1, "lockstep"), (2, "lockstep"), (2, "heap"), (2, "stateless"), (2, "graphs"))
+"""(participants, exchange) of the overhead section: ``stateless`` is ``heap`` with a plan that keeps
+no activations (every backward round resends Q, K, V, O, LSE), ``graphs`` the same with its rounds
+captured as CUDA graphs after their warm-up (``JobConfig(cuda_graphs=True)``; on the CPU it runs
+as ``stateless``)."""
 
 
 def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
@@ -253,12 +258,20 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
-    heap_bytes = heap_bytes_for(max(cfg["tokens"]), (hq + 2 * hkv) * dim * dtype.itemsize)
-    job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(),
-                    transport="nvshmem" if exchange == "heap" else "torch_dist", heap_bytes=heap_bytes)
+    stateless = exchange in ("stateless", "graphs")
+    # A stateless backward round sends Q, K, V, O, LSE and dO: room for all of them, on the three
+    # smallest batches only (the host time per layer is read at 8K; 128K would need ~30 GB of heap
+    # per participant).
+    all_tokens = cfg["tokens"][:3] if stateless else cfg["tokens"]
+    row_bytes = ((3 * hq + 2 * hkv) * dim * dtype.itemsize + 4 * hq if stateless
+                 else (hq + 2 * hkv) * dim * dtype.itemsize)
+    heap_bytes = heap_bytes_for(max(all_tokens), row_bytes)
+    job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(keep_activations=not stateless),
+                    transport="torch_dist" if exchange == "lockstep" else "nvshmem", heap_bytes=heap_bytes,
+                    cuda_graphs=exchange == "graphs")
     client = DistCAClient.local(config=job)
     try:
-        for tokens in cfg["tokens"]:
+        for tokens in all_tokens:
             lens = sample_batch("pretrain", 1, tokens, seed=0, step=0)[0]
             gen = torch.Generator(dev).manual_seed(tokens)
             q, k, v, dout = (randn(tokens, h, dim, dtype, gen) for h in (hq, hkv, hkv, hq))
@@ -286,9 +299,11 @@ def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange
             t_host = timer.host_s(distca)
             if args.trace is not None and tokens == cfg["tokens"][0] and participants == 1:
                 trace_steps(args.trace, direct, distca, args.device)
+            graphs = client._runtime.graphs
             rows.append(dict(tokens=tokens, participants=participants, exchange=exchange, docs=len(lens), max_doc=mx,
                              direct_ms=t_direct * 1e3, distca_ms=t_distca * 1e3, overhead=t_distca / t_direct - 1,
-                             host_ms=t_host * 1e3))
+                             host_ms=t_host * 1e3, replays=0 if graphs is None else graphs.replays,
+                             graphs_off=None if graphs is None else graphs.disabled))
     finally:
         client.close()
     return rows

@@ -82,6 +82,10 @@ sys.exit(0 if tuple(int(x) for x in version("cuda-core").split(".")[:2]) >= (0, 
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# In-process participants hold stream waits on streams of their own (a communication, a force and
+# a replay stream each): past CUDA_DEVICE_MAX_CONNECTIONS (default 8) streams share hardware
+# queues, where one held wait could hold a peer's work (transport/memop_stream.py).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 status=0
 
 # stage NAME TIMEOUT_S COMMAND...: run it under a time limit (a shell function: without one); its

@@ -16,7 +16,8 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``exchange_us_64KiB_2pe_processes`` (``_host_driven``; ``_graphed``) | ``transport_nvshmem.json``; ``_graph.json`` |
 | ``host_us_per_layer`` | ``kernels.json`` overhead, 2 participants over the heap, 8K tokens |
 | ``host_us_per_layer_lockstep`` | the same, 2 participants in lock step |
-| ``host_us_per_layer_graphed`` | nothing yet (exchanges are captured, a layer's rounds not yet) |
+| ``host_us_per_layer_stateless`` | the same with a stateless plan (the graphs' own baseline) |
+| ``host_us_per_layer_graphed`` | the same, its rounds replayed from CUDA graphs |
 | ``overhead_pct_8K_2participants`` | ``kernels.json`` overhead, 2 participants over the heap, 8K |
 | ``overhead_pct_8K_2participants_lockstep`` | the same in lock step |
 | ``pingpong_vs_signal_only`` | ``pingpong.json`` |
@@ -30,8 +31,6 @@ import json
 import sys
 from pathlib import Path
 
-NOT_BUILT = {"host_us_per_layer_graphed": "a layer's rounds are not captured yet (issue 22 item 4: exchanges are, "
-                                          "see exchange_host_us_64KiB_2pe_graphed)"}
 
 
 def _load(folder: Path, name: str) -> dict | None:
@@ -48,7 +47,7 @@ def _overhead(kernels: dict | None, exchange: str) -> dict | None:
 def collect(folder: Path) -> dict:
     """The summary of the session whose files are in ``folder``."""
     out: dict = {}
-    missing: dict = dict(NOT_BUILT)
+    missing: dict = {}
     for name, where in (("transport_local", ""), ("transport_nvshmem", "_processes")):
         main = (_load(folder, name + ".json") or {}).get("summary") or {}
         graphs = (_load(folder, name + "_graph.json") or {}).get("summary") or {}
@@ -61,13 +60,19 @@ def collect(folder: Path) -> dict:
             if out[key] is None:
                 missing[key] = f"{name}.json / {name}_graph.json absent or without the 2-PE 64 KiB row"
     kernels = _load(folder, "kernels.json")
-    for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep")):
+    for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep"), ("stateless", "_stateless"),
+                             ("graphs", "_graphed")):
         row = _overhead(kernels, exchange)
+        if exchange == "graphs" and row is not None and not row.get("replays"):  # ran, but never replayed
+            missing["host_us_per_layer_graphed"] = (f"the graphs run replayed nothing (capture: "
+                                                    f"{row.get('graphs_off') or 'not reached'})")
+            row = None
         out["host_us_per_layer" + suffix] = None if row is None else 1e3 * row["host_ms"]
         out["overhead_pct_8K_2participants" + suffix] = None if row is None else 100 * row["overhead"]
         if row is None:
-            missing["host_us_per_layer" + suffix] = missing["overhead_pct_8K_2participants" + suffix] = (
-                f"kernels.json absent or without the 2-participant {exchange} 8K row")
+            missing.setdefault("host_us_per_layer" + suffix,
+                               f"kernels.json absent or without the 2-participant {exchange} 8K row")
+            missing["overhead_pct_8K_2participants" + suffix] = missing["host_us_per_layer" + suffix]
     train = _load(folder, "train.json") or {}
     for key in ("train_loss_max_rel_diff_10_steps", "train_tokens_per_s_distca", "train_tokens_per_s_local"):
         out[key] = train.get(key)
@@ -81,8 +86,6 @@ def collect(folder: Path) -> dict:
         "dead_pe_error_s")
     if out["dead_pe_error_s"] is None:
         missing["dead_pe_error_s"] = "dead_peer_nvshmem.json absent"
-    for key in NOT_BUILT:
-        out[key] = None
     out["missing"] = {k: v for k, v in missing.items() if out.get(k) is None}
     return out
 

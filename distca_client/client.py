@@ -9,6 +9,7 @@ import torch
 
 from distca_server.kernels import check_backend_name
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
+from distca_server.runtime.graphed import RoundGraphs
 from distca_server.runtime.local import LocalRuntime
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.wire import RowFormat
@@ -70,8 +71,9 @@ class DistCAClient:
                 for a participant, seconds; ``transport`` ``"shm"`` or ``"nvshmem"`` runs the
                 participants over an in-process symmetric heap of ``heap_bytes`` per participant,
                 the one-sided protocol, device-driven once a plan's routes are installed
-                (:mod:`distca_server.transport.local_heap`), instead of in lock step; its other
-                fields do nothing here). With a PlanConfig,
+                (:mod:`distca_server.transport.local_heap`), instead of in lock step, and with
+                ``cuda_graphs`` on CUDA replays a stateless plan's rounds from CUDA graphs
+                (:mod:`distca_server.runtime.graphed`); its other fields do nothing here). With a PlanConfig,
                 ``backend`` and ``timeout_s`` are :class:`JobConfig`'s defaults (``"auto"``, 60 s).
                 ``keep_activations``: servers keep each layer's activations from its forward round
                 until its backward round (see the class doc); False: every backward round resends
@@ -95,6 +97,7 @@ class DistCAClient:
         given = legacy_fields(entry, (), legacy, accepted=_LOCAL_LEGACY)
         problems, plan, backend, timeout_s, servers = [], None, JobConfig.backend, JobConfig.timeout_s, num_servers
         heap_bytes = None  # an in-process symmetric heap instead of lock step (JobConfig.transport)
+        cuda_graphs = False  # its rounds captured and replayed on CUDA (JobConfig.cuda_graphs)
         if given:
             if config is not None:
                 raise TypeError(f"{entry}: pass config= or the deprecated arguments ({', '.join(given)}), not both")
@@ -114,7 +117,7 @@ class DistCAClient:
         elif isinstance(config, JobConfig):
             plan, backend, timeout_s = config.plan, config.backend, config.timeout_s
             if config.transport in ("shm", "nvshmem"):
-                heap_bytes = config.heap_bytes
+                heap_bytes, cuda_graphs = config.heap_bytes, config.cuda_graphs
             if num_servers is None:
                 servers = config.servers
             elif num_servers != config.servers:
@@ -141,6 +144,7 @@ class DistCAClient:
         runtime.max_batches = int(max_batches)
         if heap_bytes is not None:
             runtime.group_factory = functools.partial(HeapGroup, heap_bytes=heap_bytes)
+            runtime.graphs = RoundGraphs() if cuda_graphs else None
         return cls(runtime)
 
     @classmethod

@@ -270,6 +270,11 @@ class JobConfig:
         "symmetric heap per participant of the shm and nvshmem transports (arena for the exchange's "
         "tables and buffers; nvshmem reserves it on the GPU once per process, shm as a sparse file); "
         "a multiple of 256. World rank 0's value is used by the whole group", "bytes"))
+    cuda_graphs: bool = field(default=False, metadata=_meta(
+        "DistCAClient.local over an in-process heap (transport shm or nvshmem) on CUDA: capture each "
+        "batch shape's rounds of a stateless plan (keep_activations=False) once, after 2 eager rounds, "
+        "as CUDA graphs and replay them in every later layer and step (distca_server.runtime.graphed); "
+        "elsewhere it does nothing"))
 
     def __post_init__(self):
         problems = [] if isinstance(self.plan, PlanConfig) else [
@@ -279,7 +284,7 @@ class JobConfig:
             ("timeout_s", finite_positive), ("failure_grace_s", finite_positive),
             ("start_timeout_s", finite_positive), ("server_restarts", _restarts),
             ("scheduler_restarts", _restarts), ("max_report_docs", positive_int),
-            ("max_report_tokens", positive_int), ("heap_bytes", _heap_bytes)))[0]
+            ("max_report_tokens", positive_int), ("heap_bytes", _heap_bytes), ("cuda_graphs", boolean)))[0]
         if problems:
             raise ConfigError("JobConfig", problems)
 

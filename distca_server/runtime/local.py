@@ -31,8 +31,10 @@ from ..errors import DistCAError
 from ..kernels import get_backend
 from ..participant import Participant, drive, drive_all
 from ..transport.local import LockstepGroup
+from ..transport.local_heap import HeapGroup
 from ..wire import RowFormat
 from .base import PlannedBatch, Runtime, StepState
+from .graphed import RoundGraphs
 from .order import RoundQueue, StreamFence
 
 PLANS_KEPT = 16
@@ -95,6 +97,22 @@ class LocalBatch(PlannedBatch):
             self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
             raise
 
+    def _replayed(self, kind: RoundKind, softmax_scale: float, inputs: tuple, outputs: tuple) -> bool:
+        """Run the round from its captured CUDA graphs where the runtime keeps them
+        (:mod:`.graphed`); False: run it eagerly."""
+        runtime, group = self.runtime, self.runtime._group
+        if (runtime.graphs is None or self.device.type != "cuda" or not isinstance(group, HeapGroup)
+                or group.broken):
+            return False
+        transports = [group.endpoint(i, self.device) for i in range(len(self.participants))]
+        try:
+            return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
+                                      [self._rows(p, inputs) for p in self.participants],
+                                      [self._rows(p, outputs) for p in self.participants], self.device)
+        except BaseException as exc:
+            self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            raise
+
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank
         whose rows stay home returns the kernel's outputs without a copy)."""
@@ -109,6 +127,8 @@ class LocalBatch(PlannedBatch):
         T = q.shape[0]
         out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
         lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
+        if keep is None and self._replayed(RoundKind.FORWARD, softmax_scale, (q, k, v), (out, lse)):
+            return out, lse
 
         def job(p):
             rq, rk, rv, ro, rl = self._rows(p, (q, k, v, out, lse))
@@ -122,6 +142,8 @@ class LocalBatch(PlannedBatch):
                                                                 softmax_scale)
                                       for p in self.participants])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if self._replayed(RoundKind.BACKWARD, softmax_scale, (q, k, v, out, lse, dout), (dq, dk, dv)):
+            return dq, dk, dv
 
         def job(p):
             rows = self._rows(p, (q, k, v, out, lse, dout, dq, dk, dv))
@@ -191,6 +213,8 @@ class LocalRuntime(Runtime):
         # batch shape -> the participants last bound to its plan (their layouts are reused)
         self._bound: dict = {}
         self._state = StepState()
+        # captured rounds (JobConfig.cuda_graphs; stateless plans over a CUDA heap), or None
+        self.graphs: RoundGraphs | None = None
         self._lock = threading.RLock()
         self._closed = False
         # Rounds run one at a time, in call order, like a distributed client's rounds.
@@ -223,6 +247,7 @@ class LocalRuntime(Runtime):
                 plan = self._plan(key, doc_lens, fmt, window)
                 found = LocalBatch(self, plan, fmt, device, self._state.step, self._state.next_batch_index(),
                                    like=self._bound.get(key))
+                found.shape_key = key  # its rounds' captured graphs, across steps
                 self._bound[key] = found.participants
                 self._state.add(key, found)
             return found
@@ -264,6 +289,8 @@ class LocalRuntime(Runtime):
         if self._group is None or self._group.broken:
             if self._group is not None:
                 self._group.close()  # its transports' threads, if any
+            if self.graphs is not None:
+                self.graphs.clear()  # recorded on the group that is gone
             self._group = self.group_factory(self.world_size, self.timeout_s)
         group = self._group
         if not isinstance(group, LockstepGroup):

@@ -167,6 +167,13 @@ class ExchangeGraph:
         self._last: list[list] = [[], []]  # the entries of each set's latest replay
         self.exchanges = len(self._records[0])
 
+    @property
+    def usable(self) -> bool:
+        """Whether :meth:`replay` can run: no later capture took the graph's words and no growth
+        moved the buffers its exchanges were recorded with."""
+        t = self._t
+        return t._graphs[self._block] is self and all(r.growths == t._growths for r, _ in self._records[0])
+
     def replay(self, timeout_s: float | None = None) -> ExchangeHandle:
         """Queue the recorded exchanges again (one host call on a GPU) and return their handle.
 

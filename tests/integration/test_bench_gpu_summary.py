@@ -17,15 +17,29 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
     (tmp_path / "kernels.json").write_text(json.dumps({"overhead": [
         {"participants": 1, "exchange": "lockstep", "tokens": 8192, "host_ms": 9.0, "overhead": 0.5},
         {"participants": 2, "exchange": "heap", "tokens": 8192, "host_ms": 0.25, "overhead": 0.021},
-        {"participants": 2, "exchange": "heap", "tokens": 16384, "host_ms": 0.5, "overhead": 0.01}]}))
+        {"participants": 2, "exchange": "heap", "tokens": 16384, "host_ms": 0.5, "overhead": 0.01},
+        {"participants": 2, "exchange": "stateless", "tokens": 8192, "host_ms": 0.3, "overhead": 0.02},
+        {"participants": 2, "exchange": "graphs", "tokens": 8192, "host_ms": 0.04, "overhead": 0.01, "replays": 9}]}))
     (tmp_path / "dead_peer_nvshmem.json").write_text(json.dumps({"summary": {"dead_pe_error_s": 2.04}}))
     assert bench.main([str(tmp_path)]) == 0
     got = json.loads((tmp_path / "summary.json").read_text())
     assert got["exchange_us_64KiB_2pe"] == 31.0 and got["exchange_us_64KiB_2pe_host_driven"] == 900.0  # main run
     assert got["host_us_per_layer"] == 250.0 and abs(got["overhead_pct_8K_2participants"] - 2.1) < 1e-9
+    assert got["host_us_per_layer_graphed"] == 40.0 and got["host_us_per_layer_stateless"] == 300.0
     assert got["dead_pe_error_s"] == 2.04 and got["exchange_host_us_64KiB_2pe_graphed"] == 6.5
-    for key in ("host_us_per_layer_lockstep", "train_tokens_per_s_local", "host_us_per_layer_graphed",
+    for key in ("host_us_per_layer_lockstep", "train_tokens_per_s_local",
                 "pingpong_vs_signal_only", "exchange_us_64KiB_2pe_processes", "exchange_us_64KiB_2pe_graphed"):
         assert got[key] is None and got["missing"][key], key
     assert "host_us_per_layer" not in got["missing"]
     assert bench.main([str(tmp_path / "absent")]) == 2
+
+
+def test_a_graphs_run_that_never_replayed_is_no_graphed_number(tmp_path):
+    bench = load_script("bench/gpu_summary.py", "bench_gpu_summary")
+    (tmp_path / "kernels.json").write_text(json.dumps({"overhead": [
+        {"participants": 2, "exchange": "graphs", "tokens": 8192, "host_ms": 0.3, "overhead": 0.02, "replays": 0,
+         "graphs_off": "RuntimeError: operation not permitted when stream is capturing"}]}))
+    assert bench.main([str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["host_us_per_layer_graphed"] is None
+    assert "not permitted when stream is capturing" in got["missing"]["host_us_per_layer_graphed"]

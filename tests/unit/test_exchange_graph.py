@@ -336,7 +336,8 @@ def test_replays_over_the_in_process_heap_on_the_gpu_are_exact():
     code = f"import sys; sys.path.insert(0, {here!r}); import test_exchange_graph as t; t._gpu_replays()"
     try:
         out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(here)),
-                             capture_output=True, text=True, timeout=180)
+                             capture_output=True, text=True, timeout=180,
+                             env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", **os.environ})
     except subprocess.TimeoutExpired:
         pytest.fail("the replays did not finish within 180 s (a wait was never ended)")
     assert out.returncode == 0, out.stdout + out.stderr
