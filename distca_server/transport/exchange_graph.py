@@ -38,6 +38,7 @@ from typing import Callable, Hashable
 
 from ..errors import DistCAError
 from .base import ExchangeHandle
+from .routed import _Entry
 from .symmetric_words import _LOW, GRAPH_BLOCKS, GRAPH_EXCHANGES, SIGNAL_KINDS
 
 CREDIT, ARRIVED = 0, 1  # the two words per source PE of a captured exchange
@@ -147,7 +148,14 @@ class ExchangeGraph:
         t._graph_tag += 1
         self._tag = t._graph_tag
         self._block = _take_block(t, self)
-        value = t._base | self._tag
+        try:
+            self._record(st, fn)
+        except BaseException:
+            self.release()  # the block goes to the next capture
+            raise
+
+    def _record(self, st, fn) -> None:
+        t, value = self._t, self._t._base | self._tag
         self._recordings, self._records = [], []
         for graph_set in (0, 1):
             cap = _Capture(t, self._block, graph_set, value)
@@ -186,11 +194,10 @@ class ExchangeGraph:
             DistCAError: the group is aborted or closed, or the previous replay of the same set failed.
         """
         t, v = self._t, self._next
-        if t._graphs[self._block] is not self:
-            raise ValueError(f"participant {t.rank}: this graph was released: a later capture took its block")
-        if any(r.growths != t._growths for r, _ in self._records[v]):
-            raise ValueError(f"participant {t.rank}: the exchange buffers grew since this graph was captured; "
-                             f"capture it again")
+        if not self.usable:
+            why = ("was released: a later capture took its block" if t._graphs[self._block] is not self else
+                   "was captured before the exchange buffers grew")
+            raise ValueError(f"participant {t.rank}: this graph {why}; capture it again")
         for e in self._last[v]:  # its snapshots and markers are used again
             t._finish(e)
         deadline = time.monotonic() + (t.timeout_s if timeout_s is None else float(timeout_s))
@@ -199,7 +206,6 @@ class ExchangeGraph:
             if t._closed or t._broken is not None:
                 raise DistCAError(f"graph replay on participant {t.rank} of group epoch {t.epoch}: the group is "
                                   f"{'closed' if t._closed else 'aborted: ' + t._broken}")
-            from .routed import _Entry
             entries = [_Entry(t._base | self._tag, deadline, r, snap, None, credits, arrivals,
                               label=f"captured exchange {j} of route {r.name!r} (replay {self.replays}), group "
                                     f"epoch {t.epoch}")

@@ -261,6 +261,7 @@ def test_what_cannot_be_captured_is_refused(heap):
         with pytest.raises(ValueError, match="different exchanges"):
             ts[0].graph(changing)
         assert ts[0]._capture is None
+        assert ts[0]._graphs == [None] * GRAPH_BLOCKS  # a capture that failed took no block
 
 
 def test_a_replay_after_growth_or_after_its_block_was_taken_is_refused(heap):
