@@ -1,7 +1,10 @@
-"""The scheduler's pure coordinator, driven by hand-built reports (no Ray, no event loop).
+"""The scheduler's pure coordinator, driven by hand-built reports (no Ray, no event loop): one step.
 
 Each test plays the wrapper's part: report, ping results, plan, failure reports with a hand-moved
-clock, and checks the plain data the coordinator hands back.
+clock, and checks the plain data the coordinator hands back. Here: a full step, its reports, plans
+and answers, bad input, timeouts, the step floor and resyncs, report bounds and status
+(:mod:`scheduler.coordinator`). Membership is in ``test_coordinator_membership.py``, group epochs
+and failure arbitration in ``test_coordinator_epochs.py``; both import the helpers defined here.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import pytest
 
 from scheduler import CostModel, Plan, plan_batch
 from scheduler.config import JobConfig, PlanConfig
-from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES, Coordinator
+from scheduler.coordinator import Coordinator
 from scheduler.cost import is_split
 from scheduler.outcomes import Assignment
 from scheduler.parts import PlanPart, plan_identity, plan_part
@@ -149,91 +152,6 @@ def test_full_step_inplace():
     assert c.last["server_flops"].keys() == {0, 1, 2}
 
 
-def test_two_batches_of_one_step_share_the_epoch():
-    c = make()
-    run_step(c, 0, batch=0)
-    out = run_step(c, 0, lens=[[64], [9, 9]], batch=1)
-    assert out.assignments == ()
-    assert decode(c.answer(0, 1, 1)).batch == 1 and decode(c.answer(0, 0, 1)).batch == 0
-
-
-# ---- membership ------------------------------------------------------------------------------------
-def test_server_drops_out_then_client_restarts_then_device_changes():
-    c = make()
-    run_step(c, 0)
-    assert c.epoch == 0
-    out = run_step(c, 1, live={0})  # server 1 does not answer its ping
-    assert c.epoch == 1 and out.assignments == (Assignment(0, 1, 2, 3, 0, "cpu"),)
-    assert [sid for sid, _ in out.server_parts] == [0]
-    assert c.answer(1, 0, 0)["group"] == {"epoch": 1, "world_rank": 0, "world_size": 3, "device_type": "cpu",
-                                             "transport": "torch_dist"}
-    assert decode(c.answer(1, 0, 0)).num_servers == 1
-    assert c.servers_to_ping() == {0: "alive", 1: "suspect"} and c.last["server_flops"].keys() == {0}
-    assert [row["state"] for row in c.status()["servers"]] == ["alive", "suspect"]
-
-    # client 1 restarts: same rank, new incarnation -> a new epoch, at the step the job is at
-    assert c.register_client(1, 2, {"incarnation": "c1-again", "node": "node9"})["next_step"] == 2
-    out = run_step(c, 2, live={0})
-    assert c.epoch == 2 and [a.server for a in out.assignments] == [0]
-    run_step(c, 3, live={0})
-    assert c.epoch == 2  # nothing changed
-
-    out = run_step(c, 4, shape={"cost": COST.to_wire(), "device_type": "cuda"}, live={0})
-    assert c.epoch == 3 and out.assignments[0].device_type == "cuda"
-
-    # one slow ping does not drop a server for good: it is pinged again and rejoins when it answers
-    out = run_step(c, 5)
-    assert c.epoch == 4 and [a.server for a in out.assignments] == [0, 1]
-    run_step(c, 6, live={1})
-    c.servers_pinged({0: "dead"})  # its actor died: not pinged until it registers again
-    assert c.servers_to_ping() == {1: "alive"}
-    c.register_server(0, {"incarnation": "s0-again", "node": "srv0"})  # back after a restart
-    out = run_step(c, 7)
-    assert c.epoch == 6 and [a.server for a in out.assignments] == [0, 1]
-    with pytest.raises(ValueError, match="server 1: state must be one of .* got True"):
-        c.servers_pinged({1: True})
-
-
-def test_unregister_only_the_same_incarnation():
-    c = make()
-    c.register_client(0, 2, {"incarnation": "new"})
-    c.unregister_client(0, "c0")  # the old process closing late
-    assert c.status()["clients"] == [0, 1]
-    c.unregister_client(0, "new")
-    assert c.status()["clients"] == [1]
-    assert c.report(0, 0, 0, [5], SHAPE).answer["error"] == "DistCAError"
-
-
-def test_unregistered_rank_gets_distca_error():
-    c = Coordinator("job", config=JobConfig(plan=PlanConfig(mode="inplace")))
-    out = c.report(0, 0, 0, [5], SHAPE)
-    assert out.answer == {"error": "DistCAError", "message": "rank 0 is not registered with job 'job'",
-                          "register": True}
-    c.register_client(0, 2, {"incarnation": "a"})
-    out = c.report(0, 0, 1, [5], SHAPE)
-    assert out.answer["error"] == "DistCAError" and "rank 1 is not registered" in out.answer["message"]
-    assert not out.plan and c.batches == {}
-
-
-@pytest.mark.parametrize("rank, world, match", [(2, 2, r"rank must be in \[0, 2\), got 2"),
-                                                (-1, 2, "got -1"), (True, 2, "got True"),
-                                                (0, 3, "has 2 clients, not 3"),
-                                                (0, 0, "world_size must be a positive int, got 0")])
-def test_register_client_rejects(rank, world, match):
-    c = make("inplace", clients=2, servers=0)
-    with pytest.raises(ValueError, match=match):
-        c.register_client(rank, world, {"incarnation": "x"})
-
-
-def test_no_live_server_is_a_distca_error_for_everyone():
-    c = make(servers=1)
-    out = run_step(c, 0, live=set())
-    assert out.resolved and out.record is None and c.epoch == -1
-    for r in range(2):
-        assert c.answer(0, 0, r) == {"error": "DistCAError", "message": "job 'job' has no live attention server"}
-    assert c.next_step == 1
-
-
 # ---- one report per client per (step, batch) -------------------------------------------------------
 def test_client_reporting_twice():
     c = make()
@@ -350,32 +268,6 @@ def test_a_value_error_fails_every_client_of_the_step_even_those_not_yet_reporte
     assert c.report(2, 0, 1, LENS[1], SHAPE).answer == answer
 
 
-@pytest.mark.parametrize("step", [2**40, 2**63 - 2, 8])
-def test_steps_far_ahead_are_refused_and_move_nothing(step):
-    """A report, a failed step or a check-in more than one step past the job's is a ValueError for
-    its sender alone: nothing is kept, the floor and every client's next step stay."""
-    c = make("inplace", servers=0, step=5)
-    out = c.report(step, 0, 0, LENS[0], SHAPE)
-    assert out.answer["error"] == "ValueError" and f"step {step} is ahead of job 'job', which is at step 5" \
-        in out.answer["message"]
-    assert c.batches == {} and c.floor == 5 and c.next_step == 0
-    with pytest.raises(ValueError, match=f"step {step} is ahead"):
-        c.fail_step(step, 0, "x")
-    run_step(c, 5, [[30], [40]])
-    with pytest.raises(ValueError, match=f"step {step} is ahead"):
-        c.failure(0, 0, step=step, now=0.0)
-    assert c.report(6, 0, 0, LENS[0], SHAPE).answer is None  # one step ahead is a client's next step
-    assert c.register_client(1, 2, {"incarnation": "c1", "step": 6})["next_step"] == 6
-
-
-@pytest.mark.parametrize("step", [2**40, 2**63 - 2, -1, "7"])
-def test_a_registration_with_an_out_of_range_step_is_refused(step):
-    c = make("inplace", servers=0)
-    with pytest.raises(ValueError, match=r"client rank 1 registered with step .*; steps are ints in \[0, 1099511627776\)"):
-        c.register_client(1, 2, {"incarnation": "c1-new", "step": step})
-    assert c.floor == 0 and c.clients[1]["incarnation"] == "c1"
-
-
 def test_abort_while_planning_wins_over_the_plan():
     c = make()
     c.report(0, 0, 0, LENS[0], SHAPE)
@@ -392,133 +284,6 @@ def test_old_batches_are_forgotten():
     assert sorted(c.batches) == [(3, 0), (4, 0), (5, 0)]
     assert c.answer(0, 0, 0)["error"] == "DistCAError"
     assert "part" in c.answer(5, 0, 1)
-
-
-# ---- failure arbitration ------------------------------------------------------------------------
-def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=()):
-    return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "next_step": next_step,
-            "cause": cause, "detected": detected}
-
-
-def test_failure_verdict_names_the_silent_member_after_the_grace_period():
-    c = make()
-    run_step(c, 0)
-    first = c.failure(0, 0, step=0, now=100.0, reached=3, cause="all-to-all timed out")
-    assert first.verdict is None and first.deadline == 100.0 + GRACE and first.opened
-    assert c.arbitration(0) == "open" and c.arbitration(1) is None
-    for world_rank, now in ((1, 100.4), (2, 101.0)):  # client 1 and server 0 check in, alive
-        out = c.failure(0, world_rank, -1, now, reached=3)
-        assert out.verdict is None and not out.opened
-    assert c.close_failure(0, now=101.9) is None  # still within the grace period
-    decided = c.close_failure(0, now=102.0)
-    assert decided == verdict(["attention server 1 (node srv1): did not answer within 2 s"], ranks=[3],
-                              cause="all-to-all timed out")
-    assert c.close_failure(0, now=500.0) == decided and c.arbitration(0) == "decided"
-    # the silent one reporting late gets the same verdict; the next batch forms a new group without
-    # it until it answers a ping again
-    assert c.failure(0, 3, 0, 103.0).verdict == decided
-    assert c.servers_to_ping() == {0: "alive", 1: "suspect"}
-    out = run_step(c, 1, live={0})
-    assert c.epoch == 1 and [a.server for a in out.assignments] == [0]
-
-
-def test_failure_verdict_when_every_member_checks_in_names_nobody():
-    c = make()
-    run_step(c, 0)
-    outs = [c.failure(0, wr, step=0, now=10.0 + wr, reached=2) for wr in range(4)]
-    assert [o.verdict for o in outs[:3]] == [None, None, None] and [o.opened for o in outs] == [True] + [False] * 3
-    assert outs[3].verdict == verdict()  # decided in the same call: readable at once
-    assert c.close_failure(0, now=10.5) == verdict()  # before the deadline too
-    run_step(c, 1)
-    assert c.epoch == 1
-
-
-def test_a_late_client_is_named_and_nobody_else():
-    """Client 1 had not started the round that client 0 and both servers waited in (defect 1):
-    only it is lost, although every member answered."""
-    c = make()
-    run_step(c, 0)
-    c.failure(0, 0, step=0, now=0.0, reached=5, cause="rank 0: all-to-all timed out after 10 s")
-    c.failure(0, 2, step=-1, now=0.1, reached=5)
-    c.failure(0, 3, step=-1, now=0.1, reached=5)
-    out = c.failure(0, 1, step=0, now=0.2, reached=4, in_round=False)  # its watcher: alive, but behind
-    assert out.verdict == verdict(["client rank 1 (node node1): late, had not started the round its peers "
-                                   "waited for"], ranks=[1], cause="rank 0: all-to-all timed out after 10 s")
-    assert c.servers_to_ping() == {0: "alive", 1: "alive"}  # servers that waited stay in the plans
-
-
-def test_a_member_that_failed_inside_an_earlier_round_is_not_late():
-    """Client 0 got its results of round 4 and waits in round 5; client 1's return exchange of
-    round 4 failed (server 1 died mid-round): only the server is lost."""
-    c = make()
-    run_step(c, 0)
-    c.failure(0, 1, step=0, now=0.0, reached=4, cause="connection closed")
-    c.failure(0, 0, step=0, now=0.1, reached=5, in_round=True)
-    c.failure(0, 2, step=-1, now=0.1, reached=5)
-    assert c.close_failure(0, now=GRACE)["lost_ranks"] == [3]
-
-
-def test_a_servers_own_error_is_the_cause_everyone_reads():
-    """A participant's own error (e.g. a part that disagrees with its peers') is the cause in the
-    verdict every member receives, ahead of the collective errors it caused elsewhere."""
-    c = make()
-    run_step(c, 0)
-    c.failure(0, 0, step=0, now=0.0, reached=1, cause="connection closed by peer")
-    c.failure(0, 2, step=0, now=0.1, reached=1, cause="server 0: participant 0 sends 640 bytes, "
-                                                      "participant 2 expects 768", detected=True)
-    c.failure(0, 1, step=0, now=0.2, reached=1, cause="connection closed by peer")
-    out = c.failure(0, 3, step=-1, now=0.3, reached=1)
-    assert out.verdict["lost"] == [] and out.verdict["detected"]
-    assert out.verdict["cause"].startswith("server 0: participant 0 sends 640 bytes")
-
-
-def test_failure_of_a_client_rank_and_next_step():
-    c = make("inplace", clients=3, servers=0, step=7)
-    run_step(c, 7, [[30], [40], [50]])
-    c.failure(0, 0, step=7, now=0.0, reached=1)
-    c.failure(0, 2, step=7, now=0.1, reached=1)
-    assert c.close_failure(0, now=GRACE)["lost"] == ["client rank 1 (node node1): did not answer within 2 s"]
-    assert c.close_failure(0, now=GRACE)["next_step"] == 8
-
-
-def test_a_failed_step_fails_its_other_batches_and_later_reports():
-    """After a verdict in step 3, a client that goes on with step 3's second nano-batch learns at
-    once that the step is over; the job goes on at step 4."""
-    c = make(step=3)
-    run_step(c, 3)
-    c.report(3, 1, 0, LENS[0], SHAPE)  # rank 0's second nano-batch, waiting for rank 1
-    for wr in range(4):
-        c.failure(0, wr, step=3, now=0.0, reached=1, cause="timed out")
-    assert c.drain_resolved() == [(3, 0), (3, 1)]
-    for r in range(2):
-        assert c.answer(3, 1, r)["error"] == "DistCAError" and "step 3 failed" in c.answer(3, 1, r)["message"]
-    assert c.report(3, 2, 1, LENS[1], SHAPE).answer["error"] == "DistCAError"
-    assert c.status()["next_step"] == 4
-    out = run_step(c, 4)
-    assert out.record is not None and c.epoch == 1
-
-
-def test_failure_of_a_stale_epoch_is_answered_at_once_and_keeps_the_group():
-    c = make()
-    run_step(c, 0)
-    out = c.failure(99, 0, step=0, now=5.0)
-    assert out.verdict == verdict(epoch=99, cause="group epoch 99 is over") and not out.opened
-    run_step(c, 1)
-    assert c.epoch == 0  # the current group was not ended by a report about another epoch
-    assert c.close_failure(12345, now=0.0)["lost"] == []
-
-
-def test_an_older_epochs_verdict_still_names_its_lost():
-    """A verdict is kept with its epoch: a member of an older epoch reporting late reads the
-    names, not "nobody" (defect 6)."""
-    c = make()
-    run_step(c, 0)
-    c.failure(0, 0, step=0, now=0.0, reached=1)
-    decided = c.close_failure(0, now=GRACE)
-    assert [x.split(":")[0] for x in decided["lost"]] == [
-        "client rank 1 (node node1)", "attention server 0 (node srv0)", "attention server 1 (node srv1)"]
-    run_step(c, 1)
-    assert c.epoch == 1 and c.failure(0, 1, 0, now=50.0).verdict == decided
 
 
 # ---- bad input of one client: every client fails at once with its message -------------------------
@@ -566,100 +331,13 @@ def test_oversized_report_is_a_value_error_naming_the_limit(lens, match):
 
 def test_default_bounds_refuse_ten_million_documents_at_once():
     c = make("inplace", clients=1, servers=0)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: a busy machine does not inflate it
     out = c.report(0, 0, 0, [1] * 10_000_000, SHAPE)
-    assert time.perf_counter() - t0 < 0.5  # refused by its length, not planned
+    assert time.process_time() - t0 < 2.0  # refused by its length, not planned (that takes minutes)
     assert out.answer["error"] == "ValueError" and "at most 65536 (max_report_docs)" in out.answer["message"]
 
 
-# ---- a restarted scheduler rebuilds from re-registrations -----------------------------------------
-def test_restart_rebuilds_step_and_epoch_from_registrations():
-    """A fresh coordinator (the restarted actor) learns where the job was from the members
-    re-registering: epochs are numbered past every member's last one and steps go on after the
-    one that was in flight, whichever member registers first."""
-    config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), timeout_s=10.0, failure_grace_s=GRACE)
-    c = Coordinator("job", config=config, timer=Ticks(1.0))
-    c.register_server(0, {"incarnation": "s0", "node": "srv0", "epoch": 4})
-    assert c.register_client(1, 2, {"incarnation": "c1", "node": "node1", "step": 12, "epoch": 4})["next_step"] == 12
-    # rank 1 is first: its report of step 12 waits ...
-    assert c.report(12, 0, 1, LENS[1], SHAPE).answer is None
-    # ... then rank 0 re-registers: it had already given up step 12, so the job goes on at 13
-    assert c.register_client(0, 2, {"incarnation": "c0", "node": "node0", "step": 13, "epoch": 5})["next_step"] == 13
-    assert c.drain_resolved() == [(12, 0)]
-    resync = c.answer(12, 0, 1)
-    assert resync["error"] == "resync" and resync["next_step"] == 13
-    assert c.report(12, 1, 1, LENS[1], SHAPE).answer["error"] == "resync"  # any batch of step 12
-    out = run_step(c, 13)
-    assert c.epoch == 6 and out.assignments == (Assignment(0, 6, 2, 3, 0, "cpu"),)
-    assert decode(c.answer(13, 0, 1)).step == 13
-    # a member of a pre-restart epoch reporting a failure of it is answered at once
-    assert c.failure(4, 2, 12, now=0.0).verdict["lost"] == []
-
-
-# ---- rendezvous and status ---------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [["10.0.0.1", 2900],  # torch_dist: the TCPStore address
-                                   {"kind": "shm", "path": "/dev/shm/distca-heap-x", "world_size": 3,
-                                    "heap_bytes": 1 << 30},  # shm: the heap's handle
-                                   bytes(range(128))])  # nvshmem: a unique id's bytes
-def test_bootstrap_values_per_epoch(value):
-    c = make()
-    assert c.bootstrap(0) is None
-    c.publish_bootstrap(0, value)
-    assert c.bootstrap(0) == value
-    for step in range(4):  # every step a new epoch (a server restarts); old values are forgotten
-        c.register_server(1, {"incarnation": f"s1-{step}"})
-        run_step(c, step)
-        c.publish_bootstrap(c.epoch, [value, step])
-    assert c.epoch == 3 and c.bootstrap(0) is None  # older than KEEP_EPOCHS before the current one
-    assert [c.bootstrap(e) for e in range(3 - KEEP_EPOCHS, 4)] == [[value, e] for e in range(3 - KEEP_EPOCHS, 4)]
-    # tuples come back as lists (msgpack data): every member looks up the same plain value
-    c.publish_bootstrap(3, ("h", 1))
-    assert c.bootstrap(3) == ["h", 1]
-
-
-def test_bootstrap_values_are_bounded_plain_data():
-    c = make()
-    c.publish_bootstrap(0, b"x" * (MAX_BOOTSTRAP_BYTES - 5))  # fits with its msgpack header
-    with pytest.raises(ValueError, match=rf"takes {MAX_BOOTSTRAP_BYTES + 3} bytes packed, more than "
-                                         rf"{MAX_BOOTSTRAP_BYTES}"):
-        c.publish_bootstrap(1, b"x" * MAX_BOOTSTRAP_BYTES)
-    with pytest.raises(ValueError, match="must be msgpack data, got object"):
-        c.publish_bootstrap(1, object())
-    with pytest.raises(ValueError, match="must not be None"):
-        c.publish_bootstrap(1, None)
-    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got '1'"):
-        c.publish_bootstrap("1", [1])
-    assert c.bootstrap(1) is None
-
-
-def test_transport_is_checked_and_handed_out_with_the_group():
-    with pytest.raises(ValueError, match=r"transport must be one of \('torch_dist', 'shm', 'nvshmem'\), "
-                                         r"got 'gloo'"):
-        make(transport="gloo")
-    c = make(transport="shm", node="10.0.0.1")
-    assert c.register_client(0, 2, {"incarnation": "c0", "node": "10.0.0.1"})["transport"] == "shm"
-    out = run_step(c, 0)
-    for r in range(2):
-        assert c.answer(0, 0, r)["group"]["transport"] == "shm"
-    assert len(out.assignments) == 2 and c.transport == "shm"  # the actor assigns with coord.transport
-
-
-def test_shm_refuses_a_group_across_nodes_and_cuda_tensors():
-    c = make(transport="shm", node="10.0.0.1")
-    c.register_server(1, {"incarnation": "s1", "node": "10.0.0.9"})
-    run_step(c, 0)
-    for r in range(2):
-        answer = c.answer(0, 0, r)
-        assert answer["error"] == "DistCAError", answer
-        assert "needs every member of a group on one node, but they are on 2 nodes" in answer["message"]
-        assert "attention server 1" in answer["message"] and "10.0.0.9" in answer["message"]
-    assert c.epoch == -1  # no group formed
-    d = make(transport="shm", servers=1, node="n")
-    run_step(d, 0, shape=dict(SHAPE, device_type="cuda"))
-    assert d.answer(0, 0, 0)["error"] == "ValueError"
-    assert "moves cpu tensors, not cuda" in d.answer(0, 0, 0)["message"]
-
-
+# ---- status and configuration --------------------------------------------------------------------
 def test_status_rows():
     c = make(servers=2)
     run_step(c, 0, live={1})
