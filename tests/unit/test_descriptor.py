@@ -51,7 +51,7 @@ def plans(draw):
         return no_balance(lens, servers, cost=cost, mode=mode)
     if kind == "per_doc_cp":
         return per_doc_cp(lens, servers, cost=cost, mode=mode)
-    if not any(lens):  # wlb_packing rejects a batch with no documents (see test_planner.py)
+    if not any(lens):  # wlb_packing rejects a batch with no documents (see test_planner_baselines.py)
         lens[0].append(1)
     return wlb_packing(lens, num_ranks, cost=cost)
 

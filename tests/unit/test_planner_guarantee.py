@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import scheduler.planner
-from scheduler import Plan, plan_batch
+from scheduler import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the planner docstring states, guarantee (b): misses of (1 + eps) max(mean, bound) on the
