@@ -116,7 +116,6 @@ class RoundGraphs:
     def __init__(self):
         self._seen: dict = {}  # key -> eager rounds run
         self._captured: OrderedDict = OrderedDict()  # key -> CapturedRound
-        self._streams: dict = {}  # device -> [CUDA stream per participant]
         self.disabled: str | None = None  # why graphs are off (a capture failed)
         self.replays = 0  # rounds replayed (for tests and benchmarks)
 
@@ -126,9 +125,10 @@ class RoundGraphs:
         self._captured.clear()
 
     def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs,
-            device: torch.device) -> bool:
+            streams: list) -> bool:
         """Replay round ``key`` if it was captured, capture it once it ran :data:`WARMUP_ROUNDS`
-        times eagerly; returns whether it ran here (False: run it eagerly)."""
+        times eagerly; returns whether it ran here (False: run it eagerly). ``streams``: a CUDA
+        stream per participant (the runtime's) for the replay."""
         if self.disabled is not None:
             return False
         key = (key, kind, float(softmax_scale))
@@ -155,9 +155,6 @@ class RoundGraphs:
                 return False
             self._captured[key] = found
         self._captured.move_to_end(key)
-        streams = self._streams.get(str(device))
-        if streams is None or len(streams) < len(participants):
-            streams = self._streams[str(device)] = [torch.cuda.Stream(device) for _ in participants]
         found.replay(inputs, outputs, streams)
         self.replays += 1
         return True

@@ -89,13 +89,19 @@ class LocalBatch(PlannedBatch):
         a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
         return tuple(t[a:b] for t in tensors)
 
-    def _run(self, jobs) -> list:
-        """Run one round's jobs; a failed round releases the batch's kept activations."""
+    @contextlib.contextmanager
+    def _round(self):
+        """Around one round: a failed round releases the batch's kept activations."""
         try:
-            return self.runtime.run(jobs, self.device)
+            yield
         except BaseException as exc:
             self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
             raise
+
+    def _run(self, jobs) -> list:
+        """Run one round's jobs (eagerly)."""
+        with self._round():
+            return self.runtime.run(jobs, self.device)
 
     def _replayed(self, kind: RoundKind, softmax_scale: float, inputs: tuple, outputs: tuple) -> bool:
         """Run the round from its captured CUDA graphs where the runtime keeps them
@@ -104,14 +110,14 @@ class LocalBatch(PlannedBatch):
         if (runtime.graphs is None or self.device.type != "cuda" or not isinstance(group, HeapGroup)
                 or group.broken):
             return False
-        transports = [group.endpoint(i, self.device) for i in range(len(self.participants))]
-        try:
+        n = len(self.participants)
+        transports = [group.endpoint(i, self.device) for i in range(n)]
+        streams = runtime._participant_streams(self.device, n, first=0)  # replays queue every participant
+        with self._round():
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
                                       [self._rows(p, inputs) for p in self.participants],
-                                      [self._rows(p, outputs) for p in self.participants], self.device)
-        except BaseException as exc:
-            self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
-            raise
+                                      [self._rows(p, outputs) for p in self.participants],
+                                      [streams[i] for i in range(n)])
 
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank
@@ -347,12 +353,14 @@ class LocalRuntime(Runtime):
             raise (root or errors)[0]
         return first + [f.result() for f in futures]
 
-    def _participant_streams(self, device: torch.device, n: int) -> dict:
-        """CUDA streams of participants 1..n-1 on ``device`` (made once), or {} on the CPU."""
+    def _participant_streams(self, device: torch.device, n: int, first: int = 1) -> dict:
+        """CUDA streams of participants ``first``..n-1 on ``device`` (made once; participant 0 runs
+        eager rounds on the caller's thread and stream, and needs its own only for replays), or {}
+        on the CPU."""
         if device.type != "cuda":
             return {}
         streams = self._streams.setdefault(str(device), {})
-        for i in range(1, n):
+        for i in range(first, n):
             if i not in streams:
                 streams[i] = torch.cuda.Stream(device)
         return streams

@@ -89,12 +89,11 @@ class FakeCapture:
 def fake(monkeypatch):
     FakeCapture.made, FakeCapture.fail = [], None
     monkeypatch.setattr(graphed, "CapturedRound", FakeCapture)
-    monkeypatch.setattr(graphed.torch.cuda, "Stream", lambda device: object())
     return FakeCapture
 
 
 def run(graphs, key, kind=RoundKind.FORWARD, scale=0.25, n=2):
-    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, [("in",)] * n, [("out",)] * n, torch.device("cpu"))
+    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, [("in",)] * n, [("out",)] * n, ["s"] * n)
 
 
 def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
@@ -103,6 +102,7 @@ def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
     assert run(g, "shape") and run(g, "shape")
     (cap,) = fake.made
     assert cap.args == (["p", "p"], ["t", "t"], RoundKind.FORWARD, 0.25) and len(cap.replays) == 2
+    assert cap.replays[0] == ([("in",)] * 2, [("out",)] * 2, 2)  # each participant's rows and stream
     assert g.replays == 2
     # another kind or scale is another round: its own warm-up
     assert not run(g, "shape", kind=RoundKind.BACKWARD) and not run(g, "shape", scale=0.5)
