@@ -22,9 +22,9 @@ Signal values carry the generation and ``seq`` as in :mod:`.symmetric`; ``seq`` 
 device-driven exchanges alike, so the two never mix.
 
 **Every wait is bounded.** A :class:`~.watchdog.Watchdog` thread (it never blocks the thread that
-queues work) looks at the exchanges in flight every :data:`~.watchdog.WATCH_POLL_S`. When one passes its deadline it
-names the peers whose words did not arrive, marks the group broken, sets ``ABORT[me] = TIMED_OUT``
-on every peer, and writes the abort value (``generation << 32 | 0xffffffff``) into this PE's own
+queues work) looks at the exchanges in flight every :data:`~.watchdog.WATCH_POLL_S`. When one
+passes its deadline it names the peers whose words did not arrive, marks the group broken, sets
+``ABORT[me] = TIMED_OUT`` on every peer, and writes the abort value (``generation << 32 | 0xffffffff``) into this PE's own
 words (:meth:`~.pe_stream.PeStream.force`), so its stream drains. A PE only ever forces its own
 words: a peer's watchdog sees the ABORT word of a peer its exchange waits for (timed out, found a
 mismatch, left, or gave up on another) and expires its own exchange at once, telling those that
