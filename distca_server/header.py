@@ -83,6 +83,14 @@ class RoundHeader:
         return cls(step, batch, seq, round_kind, DTYPES_BY_CODE[dtype],
                    struct.unpack("<d", struct.pack("<q", bits))[0], plan_id & _U64, max(kept, -1))
 
+    @property
+    def tag(self) -> int:
+        """A 63-bit digest of :meth:`values`, never 0: what a round that skips the header exchange
+        stamps into its exchanges' report rows, so that every pair still checks it runs the same
+        round (:meth:`~distca_server.transport.routed.RoutedTransport.exchange`)."""
+        digest = hashlib.blake2b(np.asarray(self.values(), dtype=np.int64).tobytes(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 63) - 1) or 1
+
     def describe(self) -> str:
         kept = f", kept {self.kept}" if self.kept >= 0 else ""
         return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}{kept}, "

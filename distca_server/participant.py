@@ -193,6 +193,15 @@ class Participant(KeptActivations):
         f = self.fmt
         return (self.part.plan_id, kind.value, which, str(f.dtype), f.num_heads_q, f.num_heads_kv, f.head_dim)
 
+    def installed(self, transport, kind: RoundKind) -> bool:
+        """Whether both exchanges of this plan's rounds of ``kind`` would run device-driven on
+        ``transport`` now (a :class:`~distca_server.transport.routed.RoutedTransport` with both
+        routes installed); False for a participant alone in its group (it exchanges nothing)."""
+        check = getattr(transport, "installed", None)
+        routes = [self._route(kind, which) for which in ("dispatch", "return")]
+        return (check is not None and self.part.num_participants > 1 and None not in routes
+                and all(map(check, routes)))
+
     def _round(self, transport, kind: RoundKind, local, compute):
         """Run one round (a generator: it yields each exchange's handle, see :func:`drive`); returns
         ``(results from the other servers, own server's results)`` on a client (each

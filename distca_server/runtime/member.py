@@ -4,8 +4,10 @@ dedicated attention servers.
 Each membership of the job (clients, live servers, device type) is a *group epoch* the scheduler
 hands out. A member joins epoch ``e`` as world rank ``r`` of ``w`` with the job's transport through
 the scheduler's bootstrap relay (world rank 0 publishes what the others need to join, e.g. its
-``TCPStore`` address; see :mod:`.groups`) and runs rounds over it: the round header first (:mod:`distca_server.header`: which round, and whether
-every pair agrees on what moves), then the participant's round.
+``TCPStore`` address; see :mod:`.groups`) and runs rounds over it: the round header first
+(:mod:`distca_server.header`: which round, and whether every pair agrees on what moves), then the
+participant's round. An in-place round whose two routes are installed on a routed transport
+skips the header and carries its digest in the exchanges instead (:meth:`GroupMember._tagged_round`).
 
 Liveness comes from the data plane. When a round fails anywhere (a participant found its part
 disagrees, a peer's connection closed, an exchange timed out), that member checks in with the
@@ -152,6 +154,7 @@ class GroupMember:
         self.world_rank: int | None = None
         self.world_size: int | None = None
         self.rounds_done = 0  # rounds of the current epoch completed
+        self.tagged_rounds = 0  # rounds run without a header exchange (their exchanges carry its tag)
         self.in_round = False  # joining, in a round, or (a server) waiting for the next header
         self.scheduler_lost = False  # set when the scheduler died; the owner re-registers, then clears it
         self.scheduler_incarnation: str | None = None  # the scheduler registered with (owner sets it)
@@ -274,6 +277,10 @@ class GroupMember:
         what = header.describe() if header is not None else "the next round"
         self.in_round = True
         try:
+            if header is not None and num_clients == self.world_size:
+                participant = participant_for(header)
+                if participant.installed(transport, header.kind):
+                    return self._tagged_round(participant, transport, header, tensors, epoch)
             own = None
             if header is not None:
                 own = claims(participant_for(header), header.kind)
@@ -297,6 +304,23 @@ class GroupMember:
             raise self.fail(step, what, str(exc), detected=isinstance(exc, ValueError)) from None
         finally:
             self.in_round = False
+
+    def _tagged_round(self, participant, transport, header: RoundHeader, tensors, epoch: int):
+        """An in-place round whose exchanges both run device-driven (their routes installed, in a
+        round that exchanged and checked its header): no header exchange, which would hold the
+        host until every peer reached the round. What it checked still holds: the routes name
+        the plan, so the parts and claims it compared are the same; the rest of the round (step,
+        sequence number, kind, dtype, softmax scale, kept key) goes as :attr:`RoundHeader.tag`
+        in every report row, and a receiver whose peer ran another round fails it with
+        ``ValueError``. Every member decides alike whether a round is tagged: routes install
+        and uninstall alike on every participant."""
+        with self._cond:
+            if epoch in self._abandoned:
+                raise _Abandoned(self._abandoned[epoch])
+        result = run_participant(participant, transport.tagged(header.tag), header, tensors)
+        self.rounds_done += 1
+        self.tagged_rounds += 1
+        return result
 
     def _header(self, transport, header, own, timeout_s, epoch):
         """The header exchange on the helper thread, waited for until it ends or the epoch is

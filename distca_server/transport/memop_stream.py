@@ -35,7 +35,7 @@ import threading
 import torch
 
 from ..errors import DistCAError
-from .nvshmem_stream import CudaMarker, DeviceSnapshot, TorchCuda
+from .nvshmem_stream import CudaMarker, DeviceSnapshot, TorchCuda, _stampable
 
 CLOSE_WAIT_S = 1.0  # how long close() lets the queued work drain (the transport forced its waits)
 _U64 = (1 << 64) - 1
@@ -244,6 +244,15 @@ class MemopStream:
         self._word(self.rank, slot + count - 1)
         with self._cuda.use(self._comm):
             self._words[self.rank][slot:slot + count].fill_(int(value))
+
+    def stamp(self, dst: torch.Tensor, value: int) -> None:
+        """int64 ``dst`` (on this device) = ``value``: a fill kernel on the communication stream
+        (ValueError: another device or dtype)."""
+        self._open()
+        _stampable(dst, self.device, self.rank)
+        with self._cuda.use(self._comm):
+            dst.fill_(int(value))
+        self._cuda.keep(dst, self._comm)
 
     @contextlib.contextmanager
     def capture(self):

@@ -54,6 +54,13 @@ def missing_bindings(bindings) -> list[str]:
     return names + [f"{e}.{m}" for e, m in CONSTANTS if getattr(getattr(bindings, e, None), m, None) is None]
 
 
+def _stampable(dst: torch.Tensor, device: torch.device, rank: int) -> None:
+    """Refuse (ValueError) a :meth:`~.pe_stream.PeStream.stamp` target off ``device`` or not int64."""
+    if dst.device != device or dst.dtype != torch.int64:
+        raise ValueError(f"participant {rank}: stamp needs an int64 tensor on {device}, got {dst.dtype} on "
+                         f"{dst.device}")
+
+
 class TorchCuda:
     """The CUDA work an :class:`NvshmemStream` does through torch, on ``device`` (tests pass a
     fake with the same methods)."""
@@ -285,6 +292,12 @@ class NvshmemStream:
         stream (ValueError: the range outside the words)."""
         self._word(slot + count - 1)
         self._enqueue(self._fill, self._words[slot:slot + count], int(value))
+
+    def stamp(self, dst: torch.Tensor, value: int) -> None:
+        """int64 ``dst`` (on this device) = ``value``: a fill kernel on the communication stream,
+        issued on the host thread (ValueError: another device or dtype)."""
+        _stampable(dst, self.device, self.rank)
+        self._enqueue(self._fill, dst, int(value))
 
     @contextlib.contextmanager
     def capture(self):

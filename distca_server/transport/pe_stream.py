@@ -98,6 +98,12 @@ class PeStream(Protocol):
         captured exchange resets the words of its other set, :mod:`.exchange_graph`)."""
         ...
 
+    def stamp(self, dst: torch.Tensor, value: int) -> None:
+        """Set every element of int64 ``dst`` (on this PE's device, outside the words) to
+        ``value``, in stream order: a tagged exchange writes its round's tag into the report rows
+        it puts next (:mod:`.routed`)."""
+        ...
+
     def force(self, slot: int, value: int) -> None:
         """Set this PE's own word ``slot`` to ``value`` *now*, not in stream order: the watchdog's
         way to end a wait that would never end (called from the watchdog's thread)."""
@@ -228,6 +234,9 @@ class HostStream:
 
     def fill(self, slot: int, count: int, value: int) -> None:
         self._enqueue(self._fill, slot, int(count), int(value))
+
+    def stamp(self, dst: torch.Tensor, value: int) -> None:
+        self._enqueue(dst.fill_, int(value))
 
     def mark(self) -> _Event:
         marker = _Event()

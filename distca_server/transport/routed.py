@@ -13,8 +13,10 @@ route is queued on the PE's stream (:mod:`.pe_stream`) and the host returns at o
    everything this PE did before (the kernel that read the previous rows), it tells the peer its
    buffers may be overwritten. No inbox row: the offsets are the route's.
 2. **Data.** For each peer it sends to: wait until ``ANNOUNCE[peer] >= seq`` (the peer's credit),
-   put the rows at the route's offsets, then put its report row (``nseg, route, bytes``) with
-   ``DATA[me] = seq`` (the signal lands after the data: release).
+   put the rows at the route's offsets, then put its report row (``tag, nseg, route, bytes``)
+   with ``DATA[me] = seq`` (the signal lands after the data: release). ``tag`` names the round
+   for a caller that skipped its own round check (``exchange(..., tag=)``); the row's tag word
+   is stamped on the stream when it changes.
 3. **Own split**, a local copy; then wait until ``DATA[peer] >= seq`` for each peer it receives from.
 4. **Snapshot** of this PE's words and report table, then a marker: the handle's completion.
 
@@ -46,7 +48,6 @@ refused with ``ValueError`` before a byte moves and aborts the group, whose peer
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +59,7 @@ import torch
 from ..errors import DistCAError
 from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
+from .route import _pointers, _Route, route_id
 from .symmetric import SymmetricTransport
 from .symmetric_words import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
                               PEER_FAILED, TIMED_OUT)
@@ -70,57 +72,18 @@ GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
 MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
 
 
-def route_id(route: Hashable) -> int:
-    """A positive int63 every process computes alike for ``route`` (from its ``repr``: Python's
-    own ``hash`` of a string differs between processes)."""
-    digest = hashlib.blake2b(repr(route).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1) or 1
-
-
-class _Route:
-    """What a PE keeps of an installed route: the sizes and receive buffers it was installed
-    with, where its rows go in each peer's arena, and its report rows."""
-
-    __slots__ = ("rid", "name", "send_splits", "recv_splits", "recv_ptrs", "puts", "reports", "send_to",
-                 "recv_from", "own", "growths", "sent")
-
-    def __init__(self, transport: "RoutedTransport", rid: int, name, ss, rs, recv, puts):
-        me = transport.rank
-        self.rid, self.name, self.growths = rid, name, transport._growths
-        self.send_splits, self.recv_splits = ss, rs
-        self.recv_ptrs = _pointers(recv)
-        nseg = len(ss)
-        self.send_to = [pe for pe in transport._peers() if any(ss[s][pe] for s in range(nseg))]
-        self.recv_from = [pe for pe in transport._peers() if any(rs[s][pe] for s in range(nseg))]
-        send_at = [np.concatenate([[0], np.cumsum(sp)]).tolist() for sp in ss]
-        recv_at = [np.concatenate([[0], np.cumsum(sp)]).tolist() for sp in rs]
-        # per peer: (segment, source offset, arena offset, bytes) of every non-empty slice
-        self.puts = {pe: [(s, send_at[s][pe], off, n) for s, (off, n) in enumerate(puts[pe]) if n]
-                     for pe in self.send_to}
-        self.own = [(s, send_at[s][me], recv_at[s][me], ss[s][me]) for s in range(nseg) if ss[s][me]]
-        self.reports = {}
-        for pe in self.send_to:
-            row = np.zeros(_REPORT, dtype=np.int64)
-            row[1:3 + nseg] = [nseg, rid] + [ss[s][pe] for s in range(nseg)]
-            self.reports[pe] = torch.from_numpy(row).view(torch.uint8).to(transport.device)
-        self.sent = sum(sum(sp) - sp[me] for sp in ss)
-
-
-def _pointers(bufs: Sequence[torch.Tensor]) -> list[int]:
-    return [b.data_ptr() if b.numel() else 0 for b in bufs]
-
-
 class _Entry:
     """One device-driven exchange in flight: ``seq`` the value its words must reach, ``credits`` and
     ``arrivals`` this PE's words (by source PE) it waits on for each peer's credit and rows."""
 
-    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "credits", "arrivals", "label", "expired",
-                 "error", "resolved")
+    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "credits", "arrivals", "label", "tag",
+                 "expired", "error", "resolved")
 
     def __init__(self, seq: int, deadline: float, route: _Route, snapshot, marker, credits: dict[int, int],
-                 arrivals: dict[int, int], label: str):
+                 arrivals: dict[int, int], label: str, tag: int | None = None):
         self.seq, self.deadline, self.route, self.snapshot, self.marker = seq, deadline, route, snapshot, marker
         self.credits, self.arrivals, self.label = credits, arrivals, label
+        self.tag = tag  # the round tag every sender's report row must carry; None: not checked
         self.expired: str | None = None  # why the watchdog ended its waits
         self.error: BaseException | None = None
         self.resolved = False
@@ -194,13 +157,19 @@ class RoutedTransport(SymmetricTransport):
     # ---- the exchange -----------------------------------------------------------------------------
     def exchange(self, send: Sequence[torch.Tensor], send_splits: Sequence[Sequence[int]],
                  recv: Sequence[torch.Tensor], recv_splits: Sequence[Sequence[int]],
-                 timeout_s: float | None = None, route: Hashable | None = None) -> ExchangeHandle:
+                 timeout_s: float | None = None, route: Hashable | None = None, tag: int = 0) -> ExchangeHandle:
         """Segment-wise ragged all-to-all (see :meth:`.base.Transport.exchange`).
 
         Args:
             route: names an exchange that repeats with the same sizes and receive buffers (every
                 PE passes the same for the same exchange). Its first exchange is host-driven and
                 installs it; later ones are device-driven and return at once.
+            tag: an int63 naming the round a device-driven exchange belongs to, for a caller that
+                skips its own check that every PE runs the same round (an in-place Ray round,
+                :mod:`distca_server.runtime.member`): each sender's report row carries it and
+                each receiver compares it with its own (``ValueError`` if they differ). Every PE
+                passes the same for the same exchange; 0 (default) for none. A host-driven
+                exchange ignores it (its caller checked the round first).
 
         Raises:
             ValueError: as :meth:`.symmetric.SymmetricTransport.exchange`, or an exchange of an
@@ -216,12 +185,23 @@ class RoutedTransport(SymmetricTransport):
         found = self._routes.get(rid) if rid else None
         if found is not None and found.growths == self._growths and self._pe_stream() is not None:
             self._routes.move_to_end(rid)
-            return self._device_exchange(found, send, send_splits, recv, recv_splits, timeout_s)
+            return self._device_exchange(found, send, send_splits, recv, recv_splits, timeout_s, int(tag))
         self._drain()  # the host-driven protocol reads and writes the words itself: the stream rests
         self._naming = route
         self._exchange(send, send_splits, recv, recv_splits, timeout_s,
                        route=rid if self._pe_stream() is not None else 0)
         return DONE
+
+    def installed(self, route: Hashable) -> bool:
+        """Whether an exchange of ``route`` would run device-driven now: it is installed, no array
+        grew since, and the PE has a stream. Every PE of the group answers alike (routes install
+        and uninstall alike everywhere)."""
+        found = self._routes.get(route_id(route))
+        return found is not None and found.growths == self._growths and self._pe_stream() is not None
+
+    def tagged(self, tag: int) -> "TaggedRounds":
+        """This transport as one round sees it: every exchange passes ``tag`` (see :meth:`exchange`)."""
+        return TaggedRounds(self, tag)
 
     def _install(self, route: int, send_splits, recv_splits, recv, puts) -> None:
         if len(send_splits) > MAX_SEGMENTS:
@@ -250,12 +230,17 @@ class RoutedTransport(SymmetricTransport):
             raise ValueError(f"participant {me}: an exchange of route {r.name!r} has other {what} than the "
                              f"exchange that installed it")
 
-    def _queue(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot):
+    def _queue(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot, tag: int | None = None):
         """Queue one exchange of route ``r`` on the stream: its words are ``credit_slot(src)`` and
         ``arrival_slot(src)`` (this PE's words a source PE sets; the same index on every PE), and
-        every signal and wait uses ``value``. Returns ``(snapshot, marker, credits, arrivals)``."""
+        every signal and wait uses ``value``; ``tag`` (None: left as it is) goes into word 0 of the
+        report rows. Returns ``(snapshot, marker, credits, arrivals)``."""
         me, st = self.rank, self._stream
         st.begin()
+        if tag is not None and tag != r.tag and r.send_to:
+            # Stream-ordered: the previous exchange's puts read the rows before this runs.
+            st.stamp(r.report_rows[:, 0], tag)
+            r.tag = tag
         for pe in r.recv_from:  # 1. credit: our buffers may take this exchange's rows
             st.signal(pe, credit_slot(me), value)
         for pe in r.send_to:  # 2. data, each peer once its credit came
@@ -273,7 +258,7 @@ class RoutedTransport(SymmetricTransport):
         return (snapshot, st.mark(), {pe: credit_slot(pe) for pe in r.send_to},
                 {pe: arrival_slot(pe) for pe in r.recv_from})
 
-    def _device_exchange(self, r: _Route, send, send_splits, recv, recv_splits, timeout_s) -> _Handle:
+    def _device_exchange(self, r: _Route, send, send_splits, recv, recv_splits, timeout_s, tag: int = 0) -> _Handle:
         self._check_route(r, send, send_splits, recv, recv_splits)
         if self._seq >= _LOW - 1:
             raise DistCAError(f"participant {self.rank}: group epoch {self.epoch} ran {self._seq} exchanges, the "
@@ -281,9 +266,11 @@ class RoutedTransport(SymmetricTransport):
         self._seq += 1
         seq = self._base | self._seq
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
-        queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe), lambda pe: self._slot(DATA, pe))
+        queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe), lambda pe: self._slot(DATA, pe),
+                             tag)
         entry = _Entry(seq, deadline, r, *queued,
-                       label=f"device-driven exchange {self._seq} of route {r.name!r}, group epoch {self.epoch}")
+                       label=f"device-driven exchange {self._seq} of route {r.name!r}, group epoch {self.epoch}",
+                       tag=tag)
         with self._lock:
             self._inflight.append(entry)
         self._watch().poke()
@@ -413,7 +400,7 @@ class RoutedTransport(SymmetricTransport):
                     e.error, code = DistCAError(f"all-to-all ({where}) aborted on participant {me}: no rows from "
                                                 f"participants {sorted(pending)}"), TIMED_OUT
                 else:
-                    e.error = self._check_reports(r, table, where)
+                    e.error = self._check_reports(r, table, where, e.tag)
                     code = MISMATCH if e.error is not None else None
             if e.error is not None:
                 if self._broken is None:
@@ -421,7 +408,7 @@ class RoutedTransport(SymmetricTransport):
                 if code is not None:
                     self._abort(code, str(e.error))
 
-    def _check_reports(self, r: _Route, table: np.ndarray, where: str) -> ValueError | None:
+    def _check_reports(self, r: _Route, table: np.ndarray, where: str, tag: int | None = None) -> ValueError | None:
         rows = table.reshape(self.world_size, _REPORT)
         nseg = len(r.recv_splits)
         for pe in r.recv_from:
@@ -431,6 +418,9 @@ class RoutedTransport(SymmetricTransport):
             if int(rep[2]) != r.rid or sent != expect:
                 return ValueError(f"participant {self.rank} ({where}): participant {pe} sent segment bytes "
                                   f"{sent} under another route, participant {self.rank} expects {expect}")
+            if tag is not None and int(rep[0]) != tag:
+                return ValueError(f"participant {self.rank} ({where}): participant {pe} ran another round (tag "
+                                  f"{int(rep[0]):#x}) than participant {self.rank} (tag {tag:#x})")
         return None
 
     def close(self) -> None:
@@ -456,4 +446,23 @@ class RoutedTransport(SymmetricTransport):
         return ExchangeGraph(self, fn)
 
 
-__all__ = ["GRACE_S", "RoutedTransport", "route_id"]
+class TaggedRounds:
+    """A :class:`RoutedTransport` whose exchanges all pass one round tag (``RoutedTransport.tagged``);
+    everything else is the transport's."""
+
+    __slots__ = ("transport", "tag")
+
+    def __init__(self, transport: RoutedTransport, tag: int):
+        if not 0 < int(tag) < 1 << 63:
+            raise ValueError(f"a round tag is an int in [1, 2**63), got {tag!r}")
+        self.transport, self.tag = transport, int(tag)
+
+    def exchange(self, send, send_splits, recv, recv_splits, timeout_s: float | None = None,
+                 route: Hashable | None = None) -> ExchangeHandle:
+        return self.transport.exchange(send, send_splits, recv, recv_splits, timeout_s, route, self.tag)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+__all__ = ["GRACE_S", "RoutedTransport", "TaggedRounds", "route_id"]

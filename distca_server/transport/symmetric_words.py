@@ -17,7 +17,7 @@ MOVED_ON = 4  # not written: a peer with a word of a newer generation has left f
 PEER_FAILED = 5  # gave up its exchange because another peer failed (fails only those waiting on it)
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
         PEER_FAILED: "gave up after another participant failed",
-        MISMATCH: "found a size mismatch", MOVED_ON: "moved on to a later group epoch"}
+        MISMATCH: "found a mismatch (sizes, route or round)", MOVED_ON: "moved on to a later group epoch"}
 GEN_SHIFT = 32  # signal value = generation << GEN_SHIFT | exchange number (or ABORT code)
 _LOW = (1 << GEN_SHIFT) - 1
 MAX_GENERATION = (1 << 31) - 1  # keeps every value a positive int64

@@ -52,19 +52,25 @@ class TrainWorker:
         transport = self.client._runtime.member.transport
         return getattr(transport, "device_exchanges", None)
 
+    def tagged_rounds(self) -> int:
+        """Rounds this client ran without a header exchange (in-place, routes installed)."""
+        return self.client._runtime.member.tagged_rounds
+
     def scheduler_lost(self) -> bool:
         """Whether this client noticed that the job's scheduler died (its long-poll failed)."""
         return self.client._runtime.member.scheduler_lost
 
     def step(self, lens, seed, layers=2, head_dim=16, dtype="float32", late_s=0.0, bad_layer=None,
-             delay_s=0.0):
+             delay_s=0.0, scale_layer=None):
         """``layers`` attends (each on its own q,k,v) and one backward; returns the max relative
         error of out, dq, dk, dv against the float64 reference, or the error raised, and how long
         the step took (``seconds``, from its first attend; a late start not counted).
 
         ``late_s``: get the plan of the step first, then wait this long before the first round.
         ``bad_layer``: that layer's q has one row too few (a local ``ValueError``).
-        ``delay_s``: wait this long before the step's first report (a slow data loader)."""
+        ``delay_s``: wait this long before the step's first report (a slow data loader).
+        ``scale_layer``: that layer attends with half the softmax scale (another round than the
+        other ranks')."""
         time.sleep(delay_s)
         start = time.monotonic()
         try:
@@ -77,7 +83,8 @@ class TrainWorker:
                 start = time.monotonic()
             outs = []
             for i, (q, k, v) in enumerate(leaves):
-                outs.append(self.client.attend(q[1:] if i == bad_layer else q, k, v, lens))
+                scale = head_dim ** -0.5 / (2 if i == scale_layer else 1)
+                outs.append(self.client.attend(q[1:] if i == bad_layer else q, k, v, lens, softmax_scale=scale))
             sum((o.float() * c[3].float()).sum() for o, c in zip(outs, cases)).backward()
             worst = 0.0
             for (q, k, v), out, c in zip(leaves, outs, cases):

@@ -68,6 +68,10 @@ def _steps(workers, name, mode, transport):
         if transport == "shm":
             # the plan's dispatch and return routes were installed and later rounds device-driven
             assert all(n > 0 for n in ray.get([w.device_exchanges.remote() for w in workers], timeout=30))
+            # in-place rounds after a route's install skip the header exchange; dedicated ones
+            # cannot (a server learns the round from it)
+            tagged = ray.get([w.tagged_rounds.remote() for w in workers], timeout=30)
+            assert (min(tagged) > 0 and len(set(tagged)) == 1) if mode == "inplace" else tagged == [0, 0], tagged
             assert _heaps(name) == []  # removed by rank 0 once every member attached
         return errors
     finally:
@@ -80,6 +84,33 @@ def test_shm_job_equals_the_reference_and_torch_dist(workers, mode):
     assert max(max(e) for e in shm) <= 1e-5, shm
     assert shm == _steps(workers, f"gloo-{mode}", mode, "torch_dist")  # the same bytes, the same results
     assert _heaps(f"shm-{mode}") == []
+
+
+def test_a_rank_on_another_tagged_round_fails_the_step_on_both_then_the_next_is_exact(workers):
+    """In-place over shm, three layers: layer 2's rounds skip the header (their routes are
+    installed), so when rank 1 attends there with another softmax scale, the tag in its report
+    rows differs: both ranks fail that step at once (not at the deadline), and the next step is
+    exact."""
+    name = "shmtags"
+    config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=10.0, transport="shm")
+    job = launch(name=name, config=config, detached=False)  # noqa: F841
+    try:
+        ray.get([w.reconnect.remote(name) for w in workers], timeout=60)
+        lens = LENS[0]
+
+        def step(seed, odd=None):
+            return ray.get([w.step.remote(lens[r], seed, layers=3, scale_layer=odd if r == 1 else None)
+                            for r, w in enumerate(workers)], timeout=120)
+        for seed in (1, 2):  # the buffers grow, then the routes install
+            assert all(r["ok"] and r["error"] <= 1e-5 for r in step(seed)), seed
+        before = ray.get([w.tagged_rounds.remote() for w in workers], timeout=30)
+        assert min(before) > 0, before
+        for r in step(3, odd=2):
+            assert not r["ok"] and r["seconds"] < 8, r
+            assert "ran another round" in r["message"] or "found a mismatch" in r["message"], r["message"]
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in step(4))
+    finally:
+        shutdown(name)
 
 
 def test_bad_transports_are_refused_at_launch(local_ray):

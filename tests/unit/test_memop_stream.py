@@ -295,6 +295,18 @@ def test_fill_is_a_fill_and_capture_records_the_comm_stream_into_a_graph(env):
         st.fill(WORDS - 1, 2, 0)
 
 
+def test_stamp_fills_a_tensor_on_the_comm_stream_and_keeps_it(env):
+    st = env.make(rank=0)
+    rows = torch.zeros(3, 5, dtype=torch.int64)
+    env.log.clear()
+    st.stamp(rows[:, 0], (1 << 62) + 5)  # a strided column: the tag words of report rows
+    assert rows[:, 0].tolist() == [(1 << 62) + 5] * 3 and not rows[:, 1:].any()
+    assert env.ops() == [("use", (st._comm.name,))]
+    assert [a for n, a, _ in env.log if n == "keep"] == [(st._comm.name, rows.data_ptr())]
+    with pytest.raises(ValueError, match="stamp needs an int64 tensor"):
+        st.stamp(torch.zeros(3, dtype=torch.float32), 1)
+
+
 def test_64_bit_values_pass_unchanged_and_the_abort_value_ends_a_geq_wait():
     # GEQ is (int64_t)(*addr - value) >= 0: for the values the protocol uses it is the plain >=.
     def geq(word, value):

@@ -241,6 +241,17 @@ def test_fill_and_capture_run_on_the_host_thread_around_the_recorded_calls(env):
         st.fill(WORDS - 1, 2, 0)
 
 
+def test_stamp_fills_a_tensor_on_the_comm_stream_from_the_host_thread(env):
+    st = env.make()
+    rows = torch.zeros(2, 4, dtype=torch.int64)
+    st.stamp(rows[:, 0], 77)
+    env.flush()
+    assert rows.tolist() == [[77, 0, 0, 0], [77, 0, 0, 0]]
+    assert [(x[0], x[1], x[-1]) for x in env.cuda.log if x[0] == "use"] == [("use", "comm", env.host.ident)]
+    with pytest.raises(ValueError, match="stamp needs an int64 tensor"):
+        st.stamp(torch.zeros(2, dtype=torch.int32), 1)
+
+
 def test_markers_poll_their_event_within_the_bound_and_join_the_callers_stream(env):
     st = env.make(timeout_s=0.2)
     gate = threading.Event()
