@@ -144,6 +144,8 @@ class GroupMember:
             group's world rank 0 (a client) needs it: the others take rank 0's.
     """
 
+    tag_rounds = True  # False: exchange the header in every round (a benchmark's baseline)
+
     def __init__(self, scheduler, host: str, timeout_s: float, who: str, *, watch: bool = True,
                  job: str = "default", heap_bytes: int | None = None):
         self.scheduler, self.host, self.timeout_s, self.who, self.job = scheduler, host, timeout_s, who, job
@@ -277,7 +279,7 @@ class GroupMember:
         what = header.describe() if header is not None else "the next round"
         self.in_round = True
         try:
-            if header is not None and num_clients == self.world_size:
+            if self.tag_rounds and header is not None and num_clients == self.world_size:
                 participant = participant_for(header)
                 if participant.installed(transport, header.kind):
                     return self._tagged_round(participant, transport, header, tensors, epoch)
