@@ -185,7 +185,7 @@ train_run() {
 import json, sys
 s = json.load(open(sys.argv[1]))
 keys = [k for k in s if k.startswith(("train_loss_max_rel", "train_tokens_per_s", "train_step_time_s",
-                                       "train_loss_rtol"))]
+                                       "train_loss_rtol", "train_rounds_per_step", "train_header_rounds"))]
 print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$OUT/train.json"
     return $rc
 }

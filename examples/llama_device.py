@@ -163,6 +163,17 @@ def transport_used(client) -> str | None:
     return type(transport).__name__ + ("" if heap is None else f"/{type(heap).__name__}")
 
 
+def round_counts(client) -> tuple[int, int] | None:
+    """``(rounds, header rounds)`` this distca client ran in its current group epoch: every round,
+    and those that exchanged the round header (an in-place round skips it once its routes are
+    installed, ``GroupMember._tagged_round``); None without a client or group. A diagnostic for
+    the run's metrics, as :func:`transport_used`."""
+    member = getattr(getattr(client, "_runtime", None), "member", None)
+    if getattr(member, "transport", None) is None:
+        return None
+    return member.rounds_done, member.rounds_done - member.tagged_rounds
+
+
 def device_name() -> str:
     """The GPU's name where one is visible, else ``"cpu"`` (for the run's summary)."""
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

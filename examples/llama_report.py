@@ -147,6 +147,10 @@ def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> d
         out[f"train_steps_{attention}"] = len(m["steps"])
         out[f"train_wall_s_{attention}"] = m["wall_s"]
         out[f"train_losses_{attention}"] = [r["loss"] for r in m["steps"]]
+        heads = [(r.get("rounds"), r.get("header_rounds")) for r in m["steps"][1:]]
+        if heads and all(n is not None for pair in heads for n in pair):  # distca: rank 0's, after step 0
+            out[f"train_rounds_per_step_{attention}"] = float(np.mean([n for n, _ in heads]))
+            out[f"train_header_rounds_per_step_{attention}"] = float(np.mean([h for _, h in heads]))
     if agreement is not None:
         out.update({f"train_loss_max_rel_diff_{agreement['first']}_steps": agreement["max_rel_first"],
                     "train_loss_rtol": agreement["rtol"], "train_loss_agree": agreement["agree"],

@@ -199,6 +199,7 @@ def train_loop(config: dict) -> None:
         progress.put({"start": start})
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
+        counts0 = llama_device.round_counts(client)
         chunks = stream.batch(step, world)
         tokens, doc_lens = chunks[rank]
         batch = llama_device.to_device(collate(tokens, doc_lens), device)
@@ -218,6 +219,7 @@ def train_loop(config: dict) -> None:
         t3 = time.perf_counter()
         # The scheduler's plan holds every rank's documents: this rank's are at its Train rank.
         plan_ok = client is None or client.last_plan.doc_lens_per_rank[rank] == doc_lens
+        counts1 = llama_device.round_counts(client)
         mine = torch.tensor([loss.item(), t1 - t0, t2 - t1, t3 - t2, float(plan_ok)], dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         torch.distributed.all_gather(gathered, mine)
@@ -226,6 +228,7 @@ def train_loop(config: dict) -> None:
             record = step_record(cfg, step, job, [c[1] for c in chunks], ranks, grad_norm.item(),
                                  time.perf_counter() - t0)
             record["transport_used"] = llama_device.transport_used(client)  # rank 0's
+            record["rounds"], record["header_rounds"] = _round_deltas(counts0, counts1)  # rank 0's
             history.append(record)
             if progress is not None:
                 progress.put(record)
@@ -234,6 +237,16 @@ def train_loop(config: dict) -> None:
     _report(cfg.steps, cfg, history, model, opt, rank=rank)
     if client is not None:
         client.close()
+
+
+def _round_deltas(before, after) -> tuple[int | None, int | None]:
+    """This step's ``(rounds, header rounds)`` from :func:`llama_device.round_counts` before and
+    after it (a group formed during the step counts from zero); None without distca."""
+    if after is None:
+        return None, None
+    if before is None or after[0] < before[0]:  # a new group epoch counts again from zero
+        before = (0, 0)
+    return after[0] - before[0], after[1] - before[1]
 
 
 def step_record(cfg: TrainConfig, step: int, job: str | None, lens: list[list[int]],

@@ -156,7 +156,7 @@ class GroupMember:
         self.world_rank: int | None = None
         self.world_size: int | None = None
         self.rounds_done = 0  # rounds of the current epoch completed
-        self.tagged_rounds = 0  # rounds run without a header exchange (their exchanges carry its tag)
+        self.tagged_rounds = 0  # of those, rounds run without a header exchange (their exchanges carry its tag)
         self.in_round = False  # joining, in a round, or (a server) waiting for the next header
         self.scheduler_lost = False  # set when the scheduler died; the owner re-registers, then clears it
         self.scheduler_incarnation: str | None = None  # the scheduler registered with (owner sets it)
@@ -192,7 +192,7 @@ class GroupMember:
             return
         self.leave()
         self.epoch, self.world_rank, self.world_size = epoch, world_rank, world_size
-        self.rounds_done, self.in_round, self._live = 0, True, epoch
+        self.rounds_done, self.tagged_rounds, self.in_round, self._live = 0, 0, True, epoch
         if self._watch:
             threading.Thread(target=self._watch_epoch, args=(epoch,), daemon=True,
                              name=f"distca-watch-{self.who}-{epoch}").start()

@@ -85,6 +85,13 @@ def test_the_gpu_path_on_the_cpu_over_shared_memory(cpu_runs):
     assert {s["transport_used"] for s in distca["steps"]} == {"RoutedTransport/ShmHeap"}
     assert {s["transport_used"] for s in local["steps"]} == {None}
     assert any(s["bytes"] > 0 for s in distca["steps"])
+    # 2 layers: 4 rounds a step; after step 0 (its buffers grow) only each plan's first forward and
+    # first backward round exchange the header, the others carry its digest (tagged rounds)
+    assert [s["rounds"] for s in distca["steps"]] == [4, 4, 4]
+    assert all(s["header_rounds"] == 2 for s in distca["steps"][1:]), [s["header_rounds"] for s in distca["steps"]]
+    assert {(s["rounds"], s["header_rounds"]) for s in local["steps"]} == {(None, None)}
+    assert (summary["train_rounds_per_step_distca"], summary["train_header_rounds_per_step_distca"]) == (4, 2)
+    assert "train_header_rounds_per_step_local" not in summary
     assert all(s["plans_match_ranks"] for s in distca["steps"])
     # the same training as local attention, to float32 rounding
     for a, b in zip(distca["steps"], local["steps"], strict=True):
