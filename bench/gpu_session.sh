@@ -198,7 +198,8 @@ for s in "$@"; do
         env) stage env 60 env_info ;;
         ktests) stage ktests 150 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py \
                     tests/unit/test_kernels_cudnn.py tests/unit/test_gpu_rounds.py tests/unit/test_memop_stream.py \
-                    tests/unit/test_exchange_graph.py tests/unit/test_kernels_fa4.py ;;
+                    tests/unit/test_exchange_graph.py tests/unit/test_graphed_rounds.py tests/unit/test_round_tags.py \
+                    tests/unit/test_kernels_fa4.py ;;
         # GPU_KERNELS_ARGS: e.g. "--device cpu --quick" for a dry run anywhere, or fewer repeats
         # shellcheck disable=SC2086
         kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$OUT/kernels.json" \

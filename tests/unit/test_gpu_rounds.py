@@ -116,3 +116,34 @@ def test_local_participants_over_the_in_process_heap_on_one_gpu_equal_the_refere
             _close([out.detach()] + [t.grad for t in leaves], _reference(q, k, v, dout), dtype)
         counts = [t.device_exchanges for t in client._runtime._group._endpoints.values()]
         assert min(counts) >= 4, counts
+
+
+@pytest.mark.gpu
+def test_device_driven_rounds_make_no_synchronizing_cuda_call():
+    """Issue 22 item 1: once a plan's routes are installed, a forward and a backward round of
+    in-process participants over the device heap queue their work without a synchronizing CUDA
+    call (torch's sync debug mode names any: a device-to-host copy, an ``.item()``, a stream or
+    event synchronize), so the host can run ahead of the device."""
+    import warnings
+    q, k, v, dout = _inputs(torch.bfloat16)
+    job = JobConfig(servers=2, transport="nvshmem", heap_bytes=256 << 20,
+                    plan=PlanConfig(mode="inplace", min_shard=64), timeout_s=60)
+    with DistCAClient.local(config=job) as client:
+        for _ in range(3):  # the buffers grow, the routes install
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            client.attend(*leaves, LENS).backward(dout)
+            client.new_step()
+        torch.cuda.synchronize()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = client.attend(*leaves, LENS)
+                out.backward(dout)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+        assert not syncs, "\n".join(syncs)
+        torch.cuda.synchronize()
+        _close([out.detach()] + [t.grad for t in leaves], _reference(q, k, v, dout), torch.bfloat16)

@@ -12,6 +12,10 @@ of real in-place participants equal the float64 reference, and a participant who
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +27,7 @@ from distca_server.kernels import get_backend
 from distca_server.participant import Participant
 from distca_server.refs import varlen_attention_ref
 from distca_server.runtime.member import run_participant
+from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import TaggedRounds
 from distca_server.wire import RowFormat
 from scheduler import CostModel, plan_batch
@@ -110,11 +115,11 @@ def test_round_tags_differ_in_every_field_and_are_never_zero():
 LENS = [[61, 3, 250], [140, 1, 1, 90], [1, 400]]
 
 
-def _participants(P):
+def _participants(P, device="cpu"):
     plan = plan_batch(LENS[:P], P, cost=COST, epsilon=0.05, mode="inplace", min_shard=8)
     parts = plan_parts(plan, 3, 0, plan_identity(plan.to_msgpack(), 3, 0))
-    backend = get_backend("reference", "cpu")
-    return [Participant(p, FMT, backend, "cpu") for p in parts]
+    backend = get_backend("reference", device)
+    return [Participant(p, FMT, backend, device) for p in parts]
 
 
 def _forward(p, t, seq, layer, scale=SCALE):
@@ -122,12 +127,12 @@ def _forward(p, t, seq, layer, scale=SCALE):
     (as the member decides), else plain. Returns (tagged, max relative error against float64)."""
     g = torch.Generator().manual_seed(100 * layer + p.rank)
     lens = LENS[p.rank]
-    q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (4, 2, 2))
+    q, k, v = (torch.randn(sum(lens), h, 16, generator=g).to(p.device) for h in (4, 2, 2))
     header = RoundHeader(3, 0, seq, RoundKind.FORWARD, torch.float32, scale, p.part.plan_id)
     tagged = p.installed(t, RoundKind.FORWARD)
     out, _ = run_participant(p, t.tagged(header.tag) if tagged else t, header, (q, k, v))
-    want = varlen_attention_ref(q.double(), k.double(), v.double(), lens, SCALE)
-    return tagged, ((out.double() - want).abs().max() / want.abs().max()).item()
+    want = varlen_attention_ref(*(x.cpu().double() for x in (q, k, v)), lens, SCALE)
+    return tagged, ((out.cpu().double() - want).abs().max() / want.abs().max()).item()
 
 
 def test_tagged_rounds_of_in_place_participants_equal_the_reference(heap):  # noqa: F811
@@ -164,3 +169,54 @@ def test_a_participant_on_another_round_fails_the_tagged_round_everywhere(heap, 
         assert any("ran another round" in msg for _, msg in got), got
         for elapsed, msg in got:
             assert elapsed < 30 and ("ran another round" in msg or "found a mismatch" in msg), msg
+
+
+def _gpu_tagged(device="cuda") -> None:
+    """Three in-process participants on ``device`` (CUDA: stream memory operations, the tag
+    stamped by a fill on each PE's communication stream): tagged rounds are exact, and a
+    participant on another round fails that round or the next call on every participant."""
+    P = 3
+    ps = _participants(P, device)
+    group = HeapGroup(P, timeout_s=20)
+    ts = [group.endpoint(r, device) for r in range(P)]
+
+    def rounds(r, seqs, scale=SCALE):
+        out = []
+        with torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext():
+            for seq in seqs:
+                try:
+                    out.append(_forward(ps[r], ts[r], seq, seq, scale))
+                except (ValueError, DistCAError) as exc:
+                    out.append(exc)
+        return out
+    try:
+        got = in_threads(P, lambda r: rounds(r, range(5)))
+        for r in range(P):
+            assert [x for x, _ in got[r]][-2:] == [True, True] and max(e for _, e in got[r]) <= 1e-5, got[r]
+        # participant 2 runs round 6 where the others run round 5; every participant must fail
+        # that round or its next call (a GPU resolves an exchange after its marker passed)
+        got = in_threads(P, lambda r: rounds(r, [6 if r == 2 else 5, 7, 8]))
+        for r in range(P):
+            failed = [x for x in got[r] if isinstance(x, Exception)]
+            assert failed and ("ran another round" in str(failed[0]) or "found a mismatch" in str(failed[0])), got[r]
+    finally:
+        group.close()
+
+
+def test_tagged_rounds_of_in_process_participants_over_the_in_process_heap():
+    _gpu_tagged("cpu")  # what the gpu test below runs, on the CPU (HostStream)
+
+
+@pytest.mark.gpu
+def test_tagged_rounds_of_in_place_participants_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_round_tags as t; t._gpu_tagged()"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(here)),
+                             capture_output=True, text=True, timeout=180,
+                             env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", **os.environ})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the tagged rounds did not finish within 180 s (a wait was never ended)")
+    assert out.returncode == 0, out.stdout + out.stderr
