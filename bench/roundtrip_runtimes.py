@@ -194,6 +194,20 @@ def _wait_rounds(handles, expected: list[int], timeout_s: float = 60.0) -> list[
         time.sleep(0.005)
 
 
+def close_job(name: str, workers) -> None:
+    """Close each client actor's client, kill the actors, shut job ``name`` down."""
+    import ray
+
+    from distca_server import shutdown
+    for w in workers:
+        try:
+            ray.get(w.close.remote(), timeout=30)
+        except Exception:  # a broken actor is killed below anyway
+            pass
+        ray.kill(w)
+    shutdown(name)
+
+
 class RayRunner:
     """One configuration's job on the Ray runtime: scheduler, dedicated servers, client actors."""
 
@@ -263,17 +277,8 @@ class RayRunner:
         return out
 
     def close(self) -> None:
-        import ray
-
-        from distca_server import shutdown
-        for w in self.workers:
-            try:
-                ray.get(w.close.remote(), timeout=30)
-            except Exception:  # a broken actor is killed below anyway
-                pass
-            ray.kill(w)
+        close_job(self.name, self.workers)
         self.workers = []
-        shutdown(self.name)
 
 
 class LocalRunner:

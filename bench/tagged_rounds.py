@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from roundtrip_runtimes import TIMEOUT_S, BenchClient, step_batch  # noqa: E402
+from roundtrip_runtimes import TIMEOUT_S, BenchClient, close_job, step_batch  # noqa: E402
 
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
@@ -85,16 +85,7 @@ class Job:
                 "device_exchanges": max(d["device_exchanges"] for d in delta)}
 
     def close(self) -> None:
-        import ray
-
-        from distca_server import shutdown
-        for w in self.workers:
-            try:
-                ray.get(w.close.remote(), timeout=30)
-            except Exception:  # a broken actor is killed below anyway
-                pass
-            ray.kill(w)
-        shutdown(self.name)
+        close_job(self.name, self.workers)
 
 
 def run_config(clients: int, context: int, args) -> dict:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -33,6 +31,7 @@ from distca_server.transport.symmetric_words import GRAPH_BLOCKS, GRAPH_EXCHANGE
 from test_transport_routed import heap  # noqa: F401 - the fixture
 from test_transport_routed import (SLACK_S, installed, payload, play, recv_splits, route_data, routed_group,
                                    run_dying_group)
+from gpu_subprocess import run_fresh
 from test_transport_symmetric import in_threads
 
 
@@ -333,12 +332,4 @@ def _gpu_replays() -> None:
 def test_replays_over_the_in_process_heap_on_the_gpu_are_exact():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_exchange_graph as t; t._gpu_replays()"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(here)),
-                             capture_output=True, text=True, timeout=180,
-                             env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", **os.environ})
-    except subprocess.TimeoutExpired:
-        pytest.fail("the replays did not finish within 180 s (a wait was never ended)")
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_fresh("test_exchange_graph", "_gpu_replays", 180, "the replays")

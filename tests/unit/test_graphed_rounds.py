@@ -11,9 +11,6 @@ reference.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,9 +22,8 @@ from distca_server.runtime.graphed import WARMUP_ROUNDS, RoundGraphs
 from distca_server.transport.symmetric_words import GRAPH_BLOCKS
 from scheduler.config import JobConfig, PlanConfig
 from scheduler.cost import RoundKind
+from gpu_subprocess import run_fresh
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def stateless_job(servers: int, **kw) -> JobConfig:
@@ -181,12 +177,4 @@ def _gpu_layers() -> None:
 def test_graphed_rounds_on_the_gpu_equal_the_eager_ones():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_graphed_rounds as t; t._gpu_layers()"
-    try:
-        # several participants' held waits on streams of their own: room for them (memop_stream.py)
-        env = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", **os.environ}
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail("graphed rounds did not finish within 300 s")
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_fresh("test_graphed_rounds", "_gpu_layers", 300, "graphed rounds")

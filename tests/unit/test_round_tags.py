@@ -13,9 +13,6 @@ of real in-place participants equal the float64 reference, and a participant who
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -34,6 +31,7 @@ from scheduler import CostModel, plan_batch
 from scheduler.cost import RoundKind
 from scheduler.parts import plan_identity, plan_parts
 from test_transport_routed import heap, installed, payload, recv_splits, routed_group  # noqa: F401
+from gpu_subprocess import run_fresh
 from test_transport_symmetric import in_threads
 
 COST = CostModel(4, 2, 16, 4)
@@ -211,12 +209,4 @@ def test_tagged_rounds_of_in_process_participants_over_the_in_process_heap():
 def test_tagged_rounds_of_in_place_participants_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_round_tags as t; t._gpu_tagged()"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(here)),
-                             capture_output=True, text=True, timeout=180,
-                             env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", **os.environ})
-    except subprocess.TimeoutExpired:
-        pytest.fail("the tagged rounds did not finish within 180 s (a wait was never ended)")
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_fresh("test_round_tags", "_gpu_tagged", 180, "the tagged rounds")
