@@ -231,9 +231,14 @@ class GroupMember:
     def abandon(self, epoch: int | None, why: str) -> None:
         """Stop waiting for epoch ``epoch``'s next round header: its arbitration opened, or the
         scheduler died, or (``why="superseded"``, a server) a newer epoch was assigned. The next
-        round of the epoch fails at once."""
+        round of the epoch fails at once, and so do the device-driven exchanges of a routed
+        transport in flight (``RoutedTransport.abandon``)."""
         if epoch is None:
             return
+        transport = self.transport
+        if epoch == self.epoch and hasattr(transport, "abandon"):
+            # a tagged round waits in device-driven exchanges, not in the header: end them too
+            transport.abandon(f"{self.who} gave up on group epoch {epoch}: {why}")
         with self._cond:
             self._abandoned.setdefault(epoch, why)
             for old in [e for e in self._abandoned if e < epoch - 2]:

@@ -440,6 +440,16 @@ class RoutedTransport(SymmetricTransport):
             self._watchdog.stop()
         super().close()
 
+    def abandon(self, why: str) -> None:
+        """Give up on the group now (its member learned that the group failed elsewhere): every
+        exchange in flight ends with ``DistCAError`` naming ``why``, the peers waiting on this PE
+        are told (``PEER_FAILED``), and later exchanges fail at once. Returns at once."""
+        for e in self._unresolved():
+            self._expire(e, why, code=PEER_FAILED)
+        with self._lock:
+            if self._broken is None:
+                self._abort(PEER_FAILED, why)
+
     def graph(self, fn) -> "ExchangeGraph":
         """Capture the exchanges ``fn()`` makes, to replay them (:class:`.exchange_graph.ExchangeGraph`)."""
         from .exchange_graph import ExchangeGraph

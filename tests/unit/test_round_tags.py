@@ -23,7 +23,7 @@ from distca_server.header import RoundHeader
 from distca_server.kernels import get_backend
 from distca_server.participant import Participant
 from distca_server.refs import varlen_attention_ref
-from distca_server.runtime.member import run_participant
+from distca_server.runtime.member import GroupMember, run_participant
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.routed import TaggedRounds
 from distca_server.wire import RowFormat
@@ -85,6 +85,34 @@ def test_a_peer_on_another_round_fails_every_pair_it_touches_at_once(heap):  # n
                 assert "ran another round (tag 0x66) than participant 1 (tag 0x55)" in msg, msg
             else:
                 assert f"participant 1 ran another round (tag 0x55) than participant {r} (tag 0x66)" in msg, msg
+
+
+def test_abandoning_the_group_ends_device_driven_waits_at_once(heap):  # noqa: F811
+    """A tagged round waits in device-driven exchanges, where the header used to wait: when the
+    member learns that the group failed (its arbitration opened, the scheduler died), its
+    ``abandon`` ends them, and tells the peers waiting on it."""
+    P = 3
+    with routed_group(heap, P, 60) as ts:
+        splits = installed(ts)
+        member = GroupMember(None, "127.0.0.1", 60, "rank 1", watch=False)
+        member.transport, member.epoch = ts[1], 0
+
+        def step(r):  # participant 2 never enters: 0 and 1 would wait 60 s
+            t0 = time.monotonic()
+            if r == 2:
+                time.sleep(0.5)
+                ts[0].abandon("rank 0 gave up on group epoch 0: the scheduler died")
+                member.abandon(0, "the group's arbitration opened")
+                return None
+            with pytest.raises(DistCAError) as err:
+                _exchange(ts[r], splits, 4, 0)
+            return time.monotonic() - t0, str(err.value)
+        got = in_threads(P, step)
+        assert got[0][0] < 30 and "the scheduler died" in got[0][1], got[0]
+        assert got[1][0] < 30, got[1]
+        assert "gave up" in got[1][1] or "arbitration opened" in got[1][1], got[1]
+        with pytest.raises(DistCAError, match="aborted"):  # and the next exchange fails at once
+            _exchange(ts[0], splits, 5, 0)
 
 
 @pytest.mark.parametrize("tag", [0, -3, 1 << 63])
