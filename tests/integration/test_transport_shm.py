@@ -92,10 +92,10 @@ def test_a_rank_on_another_tagged_round_fails_the_step_on_both_then_the_next_is_
     rows differs: both ranks fail that step at once (not at the deadline), and the next step is
     exact."""
     name = "shmtags"
-    config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=10.0, transport="shm")
+    config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=30.0, transport="shm")
     job = launch(name=name, config=config, detached=False)  # noqa: F841
     try:
-        ray.get([w.reconnect.remote(name) for w in workers], timeout=60)
+        ray.get([w.reconnect.remote(name, 30.0) for w in workers], timeout=60)
         lens = LENS[0]
 
         def step(seed, odd=None):
@@ -106,7 +106,7 @@ def test_a_rank_on_another_tagged_round_fails_the_step_on_both_then_the_next_is_
         before = ray.get([w.tagged_rounds.remote() for w in workers], timeout=30)
         assert min(before) > 0, before
         for r in step(3, odd=2):
-            assert not r["ok"] and r["seconds"] < 8, r
+            assert not r["ok"] and r["seconds"] < 20, r  # at once, not at the 30 s deadline
             assert "ran another round" in r["message"] or "found a mismatch" in r["message"], r["message"]
         assert all(r["ok"] and r["error"] <= 1e-5 for r in step(4))
     finally:
