@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -145,6 +146,10 @@ class DistCAClient:
         if heap_bytes is not None:
             runtime.group_factory = functools.partial(HeapGroup, heap_bytes=heap_bytes)
             runtime.graphs = RoundGraphs() if cuda_graphs else None
+            if cuda_graphs and plan.keep_activations:
+                warnings.warn("DistCAClient.local: cuda_graphs captures the rounds of stateless plans only; with "
+                              "PlanConfig(keep_activations=True) every round runs eagerly (set "
+                              "keep_activations=False to capture them)", RuntimeWarning, stacklevel=2)
         return cls(runtime)
 
     @classmethod

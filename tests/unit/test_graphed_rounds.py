@@ -178,3 +178,10 @@ def test_graphed_rounds_on_the_gpu_equal_the_eager_ones():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     run_fresh("test_graphed_rounds", "_gpu_layers", 300, "graphed rounds")
+
+
+def test_cuda_graphs_with_a_kept_activation_plan_warn_that_rounds_run_eagerly():
+    job = JobConfig(servers=2, transport="shm", cuda_graphs=True, plan=PlanConfig(mode="inplace"))
+    with pytest.warns(RuntimeWarning, match="stateless plans only.*keep_activations=False"):
+        client = DistCAClient.local(config=job)
+    client.close()
