@@ -196,7 +196,7 @@ for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
         env) stage env 60 env_info ;;
-        ktests) stage ktests 150 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py \
+        ktests) stage ktests 200 "${PYTEST[@]}" -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_window.py \
                     tests/unit/test_kernels_cudnn.py tests/unit/test_gpu_rounds.py tests/unit/test_memop_stream.py \
                     tests/unit/test_exchange_graph.py tests/unit/test_graphed_rounds.py tests/unit/test_round_tags.py \
                     tests/unit/test_kernels_fa4.py ;;
