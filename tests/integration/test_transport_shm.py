@@ -109,6 +109,14 @@ def test_a_rank_on_another_tagged_round_fails_the_step_on_both_then_the_next_is_
             assert not r["ok"] and r["seconds"] < 20, r  # at once, not at the 30 s deadline
             assert "ran another round" in r["message"] or "found a mismatch" in r["message"], r["message"]
         assert all(r["ok"] and r["error"] <= 1e-5 for r in step(4))
+        # two nano-batches per layer (ping-pong), forward only: each has its own plan and routes,
+        # and their rounds interleave; the second layer's run tagged
+        before = ray.get([w.tagged_rounds.remote() for w in workers], timeout=30)
+        loops = ray.get([w.forward_loop.remote([[61, 3, 250], [140, 1, 1, 90]] if r == 0 else [[400], [7, 7, 7, 100]],
+                                               5, ping_pong=True) for r, w in enumerate(workers)], timeout=120)
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in loops), loops
+        after = ray.get([w.tagged_rounds.remote() for w in workers], timeout=30)
+        assert all(a > b for a, b in zip(after, before)), (before, after)
     finally:
         shutdown(name)
 
