@@ -42,15 +42,20 @@
 #              Llama in bf16, 16K tokens per rank, 20 steps with distca and again with local
 #              attention; fails unless the first 10 losses agree to bf16 rounding. TRAIN_LIMIT
 #              (default 240 s) bounds it; TRAIN_ARGS are appended (later flags win)
+#   tagged     bench/tagged_rounds.py --device cuda: two in-place Ray jobs over NVSHMEM side by
+#              side (2 clients each, all four sharing the GPU), the round header in every round
+#              against tagged rounds (the header only where a plan's routes install): step time and
+#              the host time of an attend (tagged_step_ratio_2clients). TAGGED_LIMIT (default 150 s)
+#              bounds it; TAGGED_ARGS are appended
 #
 # Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most per call, two folders deep: all stages write 13, so run them over two calls,
-# `mps env ktests kernels ntests transport`, then `inproc graphs ngraphs dead pingpong train` (8
-# files each); afterwards `python bench/gpu_summary.py bench/results/gpu/<device>` writes
+# most per call, two folders deep: all stages write 14, so run them over two calls,
+# `mps env ktests kernels ntests transport tagged` (7 files), then `inproc graphs ngraphs dead pingpong
+# train` (8 files); afterwards `python bench/gpu_summary.py bench/results/gpu/<device>` writes
 # summary.json): session.log (every stage's output), kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json,
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
-# dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time and tokens/s of both
+# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time and tokens/s of both
 # runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca, train_tokens_per_s_local,
 # ...), train_loss.png.
 # Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
@@ -224,7 +229,11 @@ for s in "$@"; do
                   --json "$OUT/dead_peer_nvshmem.json" ;;
         pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$OUT/pingpong.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train)" >&2
+        # shellcheck disable=SC2086
+        tagged) stage tagged "${TAGGED_LIMIT:-150}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
+                    --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$OUT/tagged_rounds.json" \
+                    ${TAGGED_ARGS:-} ;;
+        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
            status=1 ;;
     esac
 done

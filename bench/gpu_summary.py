@@ -23,6 +23,7 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``pingpong_vs_signal_only`` | ``pingpong.json`` |
 | ``train_loss_max_rel_diff_10_steps``, ``train_tokens_per_s_distca``, ``train_tokens_per_s_local`` | ``train.json`` |
 | ``dead_pe_error_s`` | ``dead_peer_nvshmem.json`` |
+| ``tagged_step_ratio_2clients``, ``tagged_attend_host_ratio_2clients`` | ``tagged_rounds.json`` (the ``tagged`` stage): an in-place Ray step's time, and an ``attend``'s host time, with tagged rounds over the header in every round, 2 clients, the smallest context |
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def collect(folder: Path) -> dict:
         "dead_pe_error_s")
     if out["dead_pe_error_s"] is None:
         missing["dead_pe_error_s"] = "dead_peer_nvshmem.json absent"
+    rows = [r for r in (_load(folder, "tagged_rounds.json") or {}).get("rows", []) if r.get("clients") == 2]
+    row = min(rows, key=lambda r: r["tokens_per_rank"]) if rows else {}
+    for key, field in (("tagged_step_ratio_2clients", "step_ratio"),
+                       ("tagged_attend_host_ratio_2clients", "attend_host_ratio")):
+        out[key] = row.get(field)
+        if out[key] is None:
+            missing[key] = "tagged_rounds.json absent or without a 2-client row"
     out["missing"] = {k: v for k, v in missing.items() if out.get(k) is None}
     return out
 
