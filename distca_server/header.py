@@ -32,6 +32,7 @@ from scheduler.tasks import participant_roles
 
 from .dtypes import DTYPE_CODES, DTYPES_BY_CODE, dtype_name
 from .transport.base import all_to_all
+from .transport.route import route_id
 
 _ROUND = 8  # step, batch, seq, kind, dtype, scale bits, plan id, kept
 _CLAIMS = 8  # participant, has claims, dispatch send/recv, return send/recv bytes, digest out/in
@@ -88,8 +89,7 @@ class RoundHeader:
         """A 63-bit digest of :meth:`values`, never 0: what a round that skips the header exchange
         stamps into its exchanges' report rows, so that every pair still checks it runs the same
         round (:meth:`~distca_server.transport.routed.RoutedTransport.exchange`)."""
-        digest = hashlib.blake2b(np.asarray(self.values(), dtype=np.int64).tobytes(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") & ((1 << 63) - 1) or 1
+        return route_id(("round", *self.values()))  # the one int63 digest every process computes alike
 
     def describe(self) -> str:
         kept = f", kept {self.kept}" if self.kept >= 0 else ""
