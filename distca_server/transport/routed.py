@@ -30,7 +30,8 @@ passes its deadline it names the peers whose words did not arrive, marks the gro
 words (:meth:`~.pe_stream.PeStream.force`), so its stream drains. A PE only ever forces its own
 words: a peer's watchdog sees the ABORT word of a peer its exchange waits for (timed out, found a
 mismatch, left, or gave up on another) and expires its own exchange at once, telling those that
-wait on it (``PEER_FAILED``). Words a peer wrote are never overwritten, so a peer that delivered
+wait on it (``PEER_FAILED``, with the PE and code of the failure it passes on, so a PE that reads the
+echo before the cause still names the cause). Words a peer wrote are never overwritten, so a peer that delivered
 and then left is not taken for one that did not. A drained exchange fails when it is resolved
 (from its snapshot: a wait ended by the abort value, a peer's ABORT word, or a report row that
 does not match the route): :class:`~distca_server.errors.DistCAError` naming the silent peer, or
@@ -61,7 +62,7 @@ from .base import DONE, ExchangeHandle, check_exchange
 from .pe_stream import HostStream, PeStream
 from .route import _pointers, _Route, route_id
 from .symmetric import SymmetricTransport
-from .symmetric_words import (_LOW, _REPORT, _WHY, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
+from .symmetric_words import (_LOW, _REPORT, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
                               PEER_FAILED, TIMED_OUT)
 from .watchdog import Watchdog
 
@@ -332,12 +333,13 @@ class RoutedTransport(SymmetricTransport):
         than at the deadline: a peer's failure never writes into our other words."""
         hit = self._aborted_by(words, self._pending(e, words))
         if hit is not None:
-            self._expire(e, f"participant {hit[0]} {_WHY.get(hit[1], 'aborted')}", code=PEER_FAILED)
+            self._expire(e, self._reason(words, hit), code=PEER_FAILED, cause=self._root(words, hit))
 
-    def _expire(self, e: _Entry, why: str | None = None, code: int = TIMED_OUT) -> None:
+    def _expire(self, e: _Entry, why: str | None = None, code: int = TIMED_OUT,
+                cause: tuple[int, int] | None = None) -> None:
         """End exchange ``e``'s waits: the watchdog at its deadline (``code`` TIMED_OUT: every
-        peer fails), on a peer's failure (PEER_FAILED: the peers waiting on this one fail), or a
-        wait that gave up."""
+        peer fails), on a peer's failure (PEER_FAILED: the peers waiting on this one fail, told
+        ``cause``, the (PE, code) that failed first), or a wait that gave up."""
         with self._lock:
             if e.resolved or e.expired is not None:
                 return
@@ -353,7 +355,7 @@ class RoutedTransport(SymmetricTransport):
                                 + (f"; participants {held} entered the exchange but their rows did not come"
                                    if held else "")
                                 + (f"; participants {sorted(gave_up)} gave up waiting too" if gave_up else ""))
-            self._abort(code, e.expired)
+            self._abort(code, e.expired, cause)
             self._force_waits()
 
     def _force_waits(self) -> None:
@@ -394,8 +396,8 @@ class RoutedTransport(SymmetricTransport):
                 pending = self._pending(e, words)
                 hit = self._aborted_by(words, pending)
                 if hit is not None:  # the peer that aborted told everyone
-                    e.error = DistCAError(f"all-to-all ({where}) aborted on participant {me}: participant {hit[0]} "
-                                          f"{_WHY.get(hit[1], 'aborted')}")
+                    e.error = DistCAError(f"all-to-all ({where}) aborted on participant {me}: "
+                                          f"{self._reason(words, hit)}")
                 elif pending:
                     e.error, code = DistCAError(f"all-to-all ({where}) aborted on participant {me}: no rows from "
                                                 f"participants {sorted(pending)}"), TIMED_OUT

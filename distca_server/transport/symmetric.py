@@ -61,7 +61,7 @@ import torch
 from ..errors import DistCAError
 from .base import ALIGN, DONE, ExchangeHandle, aligned, check_exchange
 from .symmetric_heap import SymmetricHeap, _FirstFit, key_id
-from .symmetric_words import (_DIRECT, _LOW, _NSEG, _NWISH, _REPORT, _ROUTE, _ROW, _SEGS, _WHY, _WISH, ABORT, ANNOUNCE,
+from .symmetric_words import (_DIRECT, _LOW, CAUSE_SHIFT, CODE_BITS, CODE_MASK, _NSEG, _NWISH, _REPORT, _ROUTE, _ROW, _SEGS, _WHY, _WISH, ABORT, ANNOUNCE,
                               CLOSED, DATA, DIRECT, GEN_SHIFT, MAX_GENERATION, MAX_SEGMENTS, MAX_WISHES, MISMATCH,
                               MOVED_ON, PEER_FAILED, SIGNAL_KINDS, STAGED, STAGING, TIMED_OUT, table_bytes)
 
@@ -198,13 +198,17 @@ class SymmetricTransport:
         P, me = self.world_size, self.rank
         return [(me + i) % P for i in range(1, P)]  # rotated, so senders start on different receivers
 
-    def _abort(self, code: int, why: str) -> None:
-        """Mark the group broken here and tell every peer (best effort: a peer may be gone)."""
+    def _abort(self, code: int, why: str, cause: tuple[int, int] | None = None) -> None:
+        """Mark the group broken here and tell every peer (best effort: a peer may be gone);
+        ``cause``: the (PE, code) a PEER_FAILED abort passes on."""
         if self._broken is None:
             self._broken = why
+        value = self._base | code
+        if cause is not None:
+            value |= (cause[0] + 1) << CAUSE_SHIFT | cause[1] << CODE_BITS
         for pe in self._peers():
             try:
-                self.heap.signal(pe, self._slot(ABORT, self.rank), self._base | code)
+                self.heap.signal(pe, self._slot(ABORT, self.rank), value)
             except Exception:  # noqa: BLE001 - a dead peer's memory may be unreachable
                 pass
         try:
@@ -233,7 +237,25 @@ class SymmetricTransport:
         """What ``pe``'s ABORT word in ``sig`` says in this generation (0: nothing; older
         generations' words are ignored)."""
         word = int(sig[self._slot(ABORT, pe)])
-        return word & _LOW if word >> GEN_SHIFT == self.generation else 0
+        return word & CODE_MASK if word >> GEN_SHIFT == self.generation else 0
+
+    def _root(self, sig: np.ndarray, hit: tuple[int, int]) -> tuple[int, int]:
+        """The failure behind ``hit`` (a PE and its code, :meth:`_aborted_by`): the one its
+        PEER_FAILED word passes on, if it names one, else ``hit``."""
+        pe, code = hit
+        word = int(sig[self._slot(ABORT, pe)]) & _LOW
+        if code == PEER_FAILED and word >> CAUSE_SHIFT:
+            return (word >> CAUSE_SHIFT) - 1, (word >> CODE_BITS) & CODE_MASK
+        return hit
+
+    def _reason(self, sig: np.ndarray, hit: tuple[int, int]) -> str:
+        """``hit`` in words: "participant 2 timed out ...", or for an echo "participant 1 gave up
+        after participant 0 found a mismatch ..." (the failure it passes on)."""
+        pe, code = hit
+        root = self._root(sig, hit)
+        if root != hit:
+            return f"participant {pe} gave up after participant {root[0]} {_WHY.get(root[1], 'aborted')}"
+        return f"participant {pe} {_WHY.get(code, f'aborted ({code})')}"
 
     def _landed(self, word: int, seq: int) -> bool:
         """Whether a signal word says exchange ``seq`` of this generation has reached us (a word of
@@ -267,8 +289,7 @@ class SymmetricTransport:
                 for pe in self._peers():
                     if report is not None and self._landed(int(sig[self._slot(DATA, pe)]), seq):
                         report(pe)
-                pe, code = hit
-                self._broken = f"participant {pe} {_WHY.get(code, f'aborted ({code})')}"
+                self._broken = self._reason(sig, hit)
                 raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}) aborted "
                                   f"on participant {self.rank}: {self._broken}")
             if time.monotonic() > deadline:
@@ -319,9 +340,10 @@ class SymmetricTransport:
                               f"one generation numbers; form a new group epoch")
         self._seq += 1
         seq = self._base | self._seq
-        hit = self._aborted_by(heap.signals(), set(self._peers()))
+        sig = heap.signals()
+        hit = self._aborted_by(sig, set(self._peers()))
         if hit is not None:  # a peer left or failed since the last exchange: nothing will answer
-            self._broken = f"participant {hit[0]} {_WHY.get(hit[1], 'aborted')}"
+            self._broken = self._reason(sig, hit)
             raise DistCAError(f"all-to-all (exchange {seq & _LOW}, group epoch {self.epoch}) on participant "
                               f"{me}: {self._broken}")
         for s in range(nseg):

@@ -18,6 +18,10 @@ PEER_FAILED = 5  # gave up its exchange because another peer failed (fails only 
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
         PEER_FAILED: "gave up after another participant failed",
         MISMATCH: "found a mismatch (sizes, route or round)", MOVED_ON: "moved on to a later group epoch"}
+# A PEER_FAILED word also names the failure it passes on (its PE + 1 from bit CAUSE_SHIFT, its code
+# from bit CODE_BITS; 0: unknown), so a PE that sees the echo before the cause still names the cause.
+CODE_BITS, CAUSE_SHIFT = 4, 8
+CODE_MASK = (1 << CODE_BITS) - 1
 GEN_SHIFT = 32  # signal value = generation << GEN_SHIFT | exchange number (or ABORT code)
 _LOW = (1 << GEN_SHIFT) - 1
 MAX_GENERATION = (1 << 31) - 1  # keeps every value a positive int64

@@ -26,6 +26,7 @@ from distca_server.transport.local import LocalGroup
 from distca_server.transport.routed import GRACE_S, RoutedTransport, route_id
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
 from distca_server.transport.symmetric import ReusableHeap
+from distca_server.transport.symmetric_words import MISMATCH, PEER_FAILED
 from test_transport_symmetric import in_threads  # the helpers those tests share
 
 SIZES = [0, 0, 1, 3, 64, 255, 1000, 4096]
@@ -210,6 +211,28 @@ def test_misused_route_is_refused_and_its_peers_fail_at_once(heap):
             elapsed, msg = got[r]
             assert "participant 0 found a mismatch (sizes" in msg, msg
             assert elapsed < 30, "the peers fail on participant 0's abort, not at their 60 s deadline"
+
+
+def test_a_peer_that_reads_an_echo_before_its_cause_names_the_cause(heap):
+    """The race the test above meets under load: participant 2 reads participant 1's PEER_FAILED
+    before participant 0's MISMATCH has landed. The echo carries its cause, so participant 2 still
+    names participant 0, and passes the same cause on."""
+    P = 3
+    with routed_group(heap, P, 60) as ts:
+        splits = installed(ts)
+        ts[1]._abort(PEER_FAILED, "participant 0 found a mismatch", cause=(0, MISMATCH))  # 0 wrote nothing yet
+        rs = recv_splits(splits, 2)
+        recv = [ts[2].buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(rs)]
+        t0 = time.monotonic()
+        with pytest.raises(DistCAError, match="participant 1 gave up after participant 0 found a mismatch"):
+            ts[2].exchange(payload(2, splits, 3), splits[2], recv, rs, route=("test", "r")).wait()
+        assert time.monotonic() - t0 < 30
+        sig = ts[0].heap.signals()
+        assert ts[0]._root(sig, (2, PEER_FAILED)) == (0, MISMATCH)  # told the others
+        # an echo that names no cause reads as it always did
+        ts[2]._abort(PEER_FAILED, "gave up")
+        assert ts[0]._reason(ts[0].heap.signals(), (2, PEER_FAILED)) == (
+            "participant 2 gave up after another participant failed")
 
 
 def test_peers_that_disagree_on_the_route_fail_instead_of_mixing_bytes(heap):
