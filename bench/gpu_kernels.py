@@ -27,9 +27,9 @@ no Ray. Three sections (``--sections``, default all):
     ``distca_sim.workloads.sample_batch("pretrain", 1, tokens)``), 8K–128K tokens, for
     :data:`OVERHEAD_RUNS`: one participant (no exchange at all), and two participants exchanging
     rows either in lock step on one thread (``lockstep``) or over the in-process symmetric heap,
-    device-driven once the plan's routes are installed (``heap``; issue 22 item 2a), the same with a
-    stateless plan (``stateless``, 8K–32K) and with its rounds replayed from CUDA graphs
-    (``graphs``, 8K–32K; issue 22 item 4: ``host ms`` with and without graphs). All timed by
+    device-driven once the plan's routes are installed (``heap``; issue 22 item 2a), and the same
+    with its rounds replayed from CUDA graphs (``graphs``, 8K–32K; issue 22 item 4: ``host ms``
+    with and without graphs). All timed by
     the host clock around a synchronised step, median of ``--repeats``; overhead = distca / direct
     − 1 (target <= 3%). ``host ms``: the host's time from the call to its return, before
     synchronising (the launches and Python of one layer's forward + backward: issue 22's host
@@ -241,11 +241,10 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
 
 
 # ---- section 2: distca's overhead ------------------------------------------------------------------
-OVERHEAD_RUNS = ((1, "lockstep"), (2, "lockstep"), (2, "heap"), (2, "stateless"), (2, "graphs"))
-"""(participants, exchange) of the overhead section: ``stateless`` is ``heap`` with a plan that keeps
-no activations (every backward round resends Q, K, V, O, LSE), ``graphs`` the same with its rounds
-captured as CUDA graphs after their warm-up (``JobConfig(cuda_graphs=True)``; on the CPU it runs
-as ``stateless``)."""
+OVERHEAD_RUNS = ((1, "lockstep"), (2, "lockstep"), (2, "heap"), (2, "graphs"))
+"""(participants, exchange) of the overhead section: ``graphs`` is ``heap`` with its rounds captured
+as CUDA graphs after their warm-up (``JobConfig(cuda_graphs=True)``; on the CPU it runs as
+``heap``), on the three smallest batches (the host time per layer is read at 8K)."""
 
 
 def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
@@ -258,15 +257,9 @@ def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
 def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
-    stateless = exchange in ("stateless", "graphs")
-    # A stateless backward round sends Q, K, V, O, LSE and dO: room for all of them, on the three
-    # smallest batches only (the host time per layer is read at 8K; 128K would need ~30 GB of heap
-    # per participant).
-    all_tokens = cfg["tokens"][:3] if stateless else cfg["tokens"]
-    row_bytes = ((3 * hq + 2 * hkv) * dim * dtype.itemsize + 4 * hq if stateless
-                 else (hq + 2 * hkv) * dim * dtype.itemsize)
-    heap_bytes = heap_bytes_for(max(all_tokens), row_bytes)
-    job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(keep_activations=not stateless),
+    all_tokens = cfg["tokens"][:3] if exchange == "graphs" else cfg["tokens"]
+    heap_bytes = heap_bytes_for(max(all_tokens), (hq + 2 * hkv) * dim * dtype.itemsize)
+    job = JobConfig(servers=participants, backend=backend.name, plan=PlanConfig(),
                     transport="torch_dist" if exchange == "lockstep" else "nvshmem", heap_bytes=heap_bytes,
                     cuda_graphs=exchange == "graphs")
     client = DistCAClient.local(config=job)

@@ -16,7 +16,6 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``exchange_us_64KiB_2pe_processes`` (``_host_driven``; ``_graphed``) | ``transport_nvshmem.json``; ``_graph.json`` |
 | ``host_us_per_layer`` | ``kernels.json`` overhead, 2 participants over the heap, 8K tokens |
 | ``host_us_per_layer_lockstep`` | the same, 2 participants in lock step |
-| ``host_us_per_layer_stateless`` | the same with a stateless plan (the graphs' own baseline) |
 | ``host_us_per_layer_graphed`` | the same, its rounds replayed from CUDA graphs |
 | ``overhead_pct_8K_2participants`` | ``kernels.json`` overhead, 2 participants over the heap, 8K |
 | ``overhead_pct_8K_2participants_lockstep`` | the same in lock step |
@@ -61,8 +60,7 @@ def collect(folder: Path) -> dict:
             if out[key] is None:
                 missing[key] = f"{name}.json / {name}_graph.json absent or without the 2-PE 64 KiB row"
     kernels = _load(folder, "kernels.json")
-    for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep"), ("stateless", "_stateless"),
-                             ("graphs", "_graphed")):
+    for exchange, suffix in (("heap", ""), ("lockstep", "_lockstep"), ("graphs", "_graphed")):
         row = _overhead(kernels, exchange)
         if exchange == "graphs" and row is not None and not row.get("replays"):  # ran, but never replayed
             missing["host_us_per_layer_graphed"] = (f"the graphs run replayed nothing (capture: "

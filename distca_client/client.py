@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -73,8 +72,8 @@ class DistCAClient:
                 participants over an in-process symmetric heap of ``heap_bytes`` per participant,
                 the one-sided protocol, device-driven once a plan's routes are installed
                 (:mod:`distca_server.transport.local_heap`), instead of in lock step, and with
-                ``cuda_graphs`` on CUDA replays a stateless plan's rounds from CUDA graphs
-                (:mod:`distca_server.runtime.graphed`); its other fields do nothing here). With a PlanConfig,
+                ``cuda_graphs`` on CUDA replays the rounds from CUDA graphs once a batch shape ran
+                twice (:mod:`distca_server.runtime.graphed`); its other fields do nothing here). With a PlanConfig,
                 ``backend`` and ``timeout_s`` are :class:`JobConfig`'s defaults (``"auto"``, 60 s).
                 ``keep_activations``: servers keep each layer's activations from its forward round
                 until its backward round (see the class doc); False: every backward round resends
@@ -146,10 +145,6 @@ class DistCAClient:
         if heap_bytes is not None:
             runtime.group_factory = functools.partial(HeapGroup, heap_bytes=heap_bytes)
             runtime.graphs = RoundGraphs() if cuda_graphs else None
-            if cuda_graphs and plan.keep_activations:
-                warnings.warn("DistCAClient.local: cuda_graphs captures the rounds of stateless plans only; with "
-                              "PlanConfig(keep_activations=True) every round runs eagerly (set "
-                              "keep_activations=False to capture them)", RuntimeWarning, stacklevel=2)
         return cls(runtime)
 
     @classmethod

@@ -46,6 +46,17 @@ class KeptActivations:
         self.kept[keep] = ({n: rows[n] for n in KEPT_TENSORS},
                            [(t, t._version) for t in rows.values()])
 
+    def adopt(self, keep: int, rows: dict | None, merged: dict | None) -> None:
+        """Keep under ``keep`` the rows a replayed forward round produced (:mod:`~distca_server.runtime.graphed`),
+        as :meth:`_keep` keeps an eager round's: the server role's ``rows`` ({name: tensor} of
+        :data:`~scheduler.cost.KEPT_TENSORS`, None for no server role), the client role's merged
+        ``out`` and ``lse`` rows (None when it owns no split shard). The caller checked ``keep``
+        (:meth:`_check_keep`)."""
+        if rows is not None:
+            self.kept[keep] = (rows, [(t, t._version) for t in rows.values()])
+        if merged is not None:
+            self.kept_merged[keep] = merged
+
     def _full(self, kept: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
         """The server's O (or LSE) rows for the fused call: its own kept rows of unsplit tasks
         and the received merged rows of split tasks, each in its place."""

@@ -1,13 +1,13 @@
 """Rounds captured once and replayed (issue 22 item 4): ``DistCAClient.local`` over an in-process
 heap on CUDA with ``JobConfig(cuda_graphs=True)``.
 
-A stateless plan's forward round (Q, K, V in; O, LSE out) and backward round (Q, K, V, O, LSE, dO
-in; dQ, dK, dV out) do the same device work every time they run with the same batch shape and
-softmax scale: the same gathers into the same transport buffers, the same exchanges (the plan's
-routes), the same fused kernel call and the same merges. So after :data:`WARMUP_ROUNDS` eager
-rounds (the first grows the transport buffers, the next installs the routes), each participant's
-round is recorded once into a CUDA graph with static input and output tensors
-(:meth:`~distca_server.transport.routed.RoutedTransport.graph`: over
+A plan's forward round (Q, K, V in; O, LSE out) and backward round (stateless plans: Q, K, V, O,
+LSE, dO in; kept-activation plans: dO in; dQ, dK, dV out) do the same device work every time they
+run with the same batch shape and softmax scale: the same gathers into the same transport
+buffers, the same exchanges (the plan's routes), the same fused kernel call and the same merges.
+So after :data:`WARMUP_ROUNDS` eager rounds (the first grows the transport buffers, the next
+installs the routes), each participant's round is recorded once into a CUDA graph with static
+input and output tensors (:meth:`~distca_server.transport.routed.RoutedTransport.graph`: over
 :class:`~distca_server.transport.memop_stream.MemopStream` the round's torch work and its
 exchanges go to the participant's communication stream while it is recorded). Every later round
 of that shape, in every layer and in later steps, is replayed from the thread that runs the round:
@@ -16,18 +16,35 @@ rows of the batch-wide outputs, each on a CUDA stream of its own ordered after t
 host queues that work and waits for nothing; the participants' streams wait for each other on
 the device.
 
-Kept-activation plans are not captured: their forward rounds keep per-layer rows in host-side
-dicts, which a replay would overwrite. Neither are single-rank batches (nothing is exchanged) nor
-rounds on the CPU.
+Kept activations (the default plan: a server keeps each layer's rows from its forward round until
+that layer's backward round, :mod:`distca_server.kept`) are host-side dicts keyed by the round,
+which a recording cannot write. So:
+
+- a forward round is recorded keeping its rows under :data:`CAPTURE_KEY`; what it kept (tensors
+  of the recording's memory pool, one set per recording, which the next replay of that recording
+  overwrites) is taken out of the participant and remembered. After each replay the caller's
+  stream copies those rows into tensors of their own, kept under the round's real key, as the
+  eager round would have kept them; rows the eager round keeps by reference (a client's own Q, K,
+  V when every row stays home) are kept by reference to the caller's tensors, not copied.
+- a backward round is recorded taking static kept rows (allocated once, shaped like the rows the
+  plan keeps); each replay first takes the round's real kept rows from the participant (with the
+  eager round's checks: kept, not modified in place) and copies them into the static ones.
+
+The replayed rounds cost one extra device copy of the kept rows per round against the eager ones;
+their results are the eager rounds' bit for bit.
+
+Neither single-rank batches (nothing is exchanged) nor rounds on the CPU are captured.
 
 A capture that fails (a kernel or call that CUDA cannot record) turns graphs off for the runtime,
 with a warning naming the error; the rounds then run as before. A replay that fails raises as the
-round would (:class:`~distca_server.errors.DistCAError`), and the group that the next round forms
-starts without graphs.
+round would (:class:`~distca_server.errors.DistCAError`, or the eager round's ValueError about
+kept rows), and the group that the next round forms starts without graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import warnings
 from collections import OrderedDict
 
@@ -39,38 +56,86 @@ from ..participant import drive
 from ..transport.symmetric_words import GRAPH_BLOCKS
 
 WARMUP_ROUNDS = 2
-"""Eager rounds of a (batch shape, round kind, softmax scale) before it is captured."""
+"""Eager rounds of a (batch shape, round kind, softmax scale, kept or not) before it is captured."""
+
+CAPTURE_KEY = -1
+"""The key a recorded round keeps (forward) or takes (backward) its rows under; real rounds' keys,
+their sequence numbers in the step, are >= 0."""
 
 
 class CapturedRound:
-    """One round kind of one batch shape, recorded per participant: its static inputs and outputs
-    and its :class:`~distca_server.transport.exchange_graph.ExchangeGraph`.
+    """One round kind of one batch shape, recorded per participant: its static inputs and outputs,
+    its kept rows (kept-activation plans) and its
+    :class:`~distca_server.transport.exchange_graph.ExchangeGraph`.
 
     Args:
         participants: the batch's participants, in group order.
         transports: their endpoints of the group (``RoutedTransport``, CUDA heap).
-        kind: FORWARD or BACKWARD (a stateless plan's).
+        kind: FORWARD or BACKWARD.
         softmax_scale: the scale recorded into the kernel call.
         inputs, outputs: per participant, its rows of each tensor (None for a server-only one);
-            only their shapes and dtypes are used here.
+            only their shapes and dtypes are used here. Forward: (q, k, v) and (out, lse);
+            backward: (q, k, v, out, lse, dout), or (dout,) with kept activations, and (dq, dk, dv).
+        kept: the key of the round's kept rows (a kept-activation plan's round), else None. A
+            backward round's static kept rows are shaped like the rows ``participants`` keep
+            under it now.
 
     Raises:
         ValueError, DistCAError: as :meth:`~distca_server.transport.routed.RoutedTransport.graph`
-            (e.g. a route not installed yet), or a CUDA error while recording.
+            (e.g. a route not installed yet), or a participant keeps no rows under ``kept``; a
+            CUDA error while recording.
     """
 
-    def __init__(self, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs):
-        self.kind = kind
-        self.inputs = [tuple(None if x is None else torch.empty_like(x) for x in row) for row in inputs]
-        self.outputs = [tuple(None if x is None else torch.empty_like(x) for x in row) for row in outputs]
+    def __init__(self, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs,
+                 kept: int | None = None):
+        self.kind, self.keeps = kind, kept is not None
+        self.inputs = [_like(row) for row in inputs]
+        self.outputs = [_like(row) for row in outputs]
+        # backward with kept activations: per participant (server's rows, client's merged rows)
+        self.kept_rows = ([self._static_kept(p, kept) for p in participants]
+                          if self.keeps and kind == RoundKind.BACKWARD else None)
+        # forward with kept activations: per participant, what each of its 2 recordings kept
+        self.stash = [[(None, None)] * 2 for _ in participants]
         self.graphs = []
-        for p, t, ins, outs in zip(participants, transports, self.inputs, self.outputs):
-            self.graphs.append(t.graph(self._round(p, t, softmax_scale, ins, outs)))
+        for i, (p, t, ins, outs) in enumerate(zip(participants, transports, self.inputs, self.outputs)):
+            self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, ins, outs)))
 
-    def _round(self, p, t, scale: float, ins, outs):
-        if self.kind == RoundKind.FORWARD:
+    @staticmethod
+    def _static_kept(p, kept: int) -> tuple:
+        rows = merged = None
+        if p.server is not None:
+            if kept not in p.kept:
+                raise p._missing(kept)
+            rows = {n: torch.empty_like(x) for n, x in p.kept[kept][0].items()}
+        if p._keeps_merged():
+            if kept not in p.kept_merged:
+                raise p._missing(kept)
+            merged = {n: torch.empty_like(x) for n, x in p.kept_merged[kept].items()}
+        return rows, merged
+
+    def _round(self, i: int, p, t, scale: float, ins, outs):
+        """The function a recording of participant ``i`` runs (twice: once per recording)."""
+        if self.kind == RoundKind.FORWARD and not self.keeps:
             return lambda: drive(p.forward_steps(t, *ins, scale, out=outs[0], lse=outs[1]))
-        return lambda: drive(p.backward_steps(t, *ins, scale, dq=outs[0], dk=outs[1], dv=outs[2]))
+        if self.kind == RoundKind.BACKWARD and not self.keeps:
+            return lambda: drive(p.backward_steps(t, *ins, scale, dq=outs[0], dk=outs[1], dv=outs[2]))
+        if self.kind == RoundKind.FORWARD:
+            calls = itertools.count()
+
+            def forward():
+                drive(p.forward_steps(t, *ins, scale, out=outs[0], lse=outs[1], keep=CAPTURE_KEY))
+                rows = p.kept.pop(CAPTURE_KEY, (None,))[0]
+                self.stash[i][next(calls) % 2] = (rows, p.kept_merged.pop(CAPTURE_KEY, None))
+            return forward
+        rows, merged = self.kept_rows[i]
+
+        def backward():
+            if rows is not None:
+                p.kept[CAPTURE_KEY] = (rows, [(x, x._version) for x in rows.values()])
+            if merged is not None:
+                p.kept_merged[CAPTURE_KEY] = merged
+            drive(p.backward_kept_steps(t, ins[0], scale, kept=CAPTURE_KEY, dq=outs[0], dk=outs[1], dv=outs[2]))
+        return backward
 
     def usable(self) -> bool:
         """Whether every participant's recording can still be replayed (no later capture took its
@@ -82,29 +147,81 @@ class CapturedRound:
         for g in self.graphs:
             g.release()
 
-    def replay(self, inputs, outputs, streams: list) -> None:
+    def replay(self, participants, inputs, outputs, streams: list, kept: int | None = None) -> None:
         """Copy ``inputs`` in, replay, copy ``outputs`` out, participant ``i`` on ``streams[i]``
-        after the current stream, which then waits for them all (returns at once).
+        after the current stream, which then waits for them all (returns at once on a GPU);
+        ``streams[i]`` None: on the current stream (the CPU). A kept-activation round keeps
+        (forward) or takes (backward) ``participants``' rows under ``kept``.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
+            ValueError: a forward round's key is kept already, or a backward round's is not kept
+                (as the eager rounds raise), before anything is queued.
+            RuntimeError: a kept tensor shared with the client was modified in place meanwhile.
         """
-        caller = torch.cuda.current_stream()
-        for ins, outs, s_in, s_out, graph, stream in zip(inputs, outputs, self.inputs, self.outputs, self.graphs,
-                                                          streams):
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                for static, x in zip(s_in, ins):
+        forward, backward = self.keeps and self.kind == RoundKind.FORWARD, self.keeps and self.kind == RoundKind.BACKWARD
+        if forward:
+            for p in participants:
+                p._check_keep(kept)
+        taken = [_take(p, kept, ins) for p, ins in zip(participants, inputs)] if backward else None
+        sets = [g.next_set for g in self.graphs]
+        caller = torch.cuda.current_stream() if any(s is not None for s in streams) else None
+        handles = []
+        for i, (ins, graph, stream) in enumerate(zip(inputs, self.graphs, streams)):
+            if stream is not None:
+                stream.wait_stream(caller)
+            with _on(stream):
+                for static, x in zip(self.inputs[i], ins):
                     if x is not None:
                         static.copy_(x, non_blocking=True)
-                graph.replay().wait()  # this stream waits for the replay, on the device
-                for y, static in zip(outs, s_out):
+                if backward:
+                    for statics, given in zip(self.kept_rows[i], taken[i]):
+                        for n, static in (statics or {}).items():
+                            static.copy_(given[n], non_blocking=True)
+                handles.append(graph.replay())
+        for i, (ins, outs, handle, stream) in enumerate(zip(inputs, outputs, handles, streams)):
+            with _on(stream):
+                handle.wait()  # this stream waits for the replay, on the device
+                for y, static in zip(outs, self.outputs[i]):
                     if y is not None:
                         y.copy_(static, non_blocking=True)
-            for x in (*ins, *outs):  # used on `stream`: the allocator must not hand them on before
-                if x is not None:
-                    x.record_stream(stream)
-            caller.wait_stream(stream)
+            if stream is not None:
+                used = [*ins, *outs] + ([x for d in taken[i] if d for x in d.values()] if backward else [])
+                for x in used:  # used on `stream`: the allocator must not hand them on before
+                    if x is not None:
+                        x.record_stream(stream)
+                caller.wait_stream(stream)
+        if forward:  # on the caller's stream, after every replay
+            for i, (p, ins) in enumerate(zip(participants, inputs)):
+                rows, merged = self.stash[i][sets[i]]
+                p.adopt(kept, _own(rows, self.inputs[i], ins), None if merged is None else _own(merged, (), ()))
+
+
+def _like(row) -> tuple:
+    return tuple(None if x is None else torch.empty_like(x) for x in row)
+
+
+def _on(stream):
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _take(p, kept: int, ins) -> tuple:
+    """Participant ``p``'s (server rows, merged rows) kept under ``kept``, no longer held by it."""
+    rows = p._take_kept(kept) if p.server is not None else None
+    merged = p._take_merged(kept, ins[0]) if p._keeps_merged() else None
+    return rows, merged
+
+
+def _own(rows: dict | None, static_inputs: tuple, inputs: tuple) -> dict | None:
+    """Rows a recording kept, as tensors of their own: a static input (kept by reference, as the
+    eager round keeps the client's own rows) becomes the caller's tensor; the rest are copied."""
+    if rows is None:
+        return None
+    out = {}
+    for n, x in rows.items():
+        same = [given for static, given in zip(static_inputs, inputs) if static is x]
+        out[n] = same[0] if same else x.clone()
+    return out
 
 
 class RoundGraphs:
@@ -112,6 +229,9 @@ class RoundGraphs:
     module docstring): counts eager rounds per key, captures, replays, and keeps at most
     :data:`~distca_server.transport.symmetric_words.GRAPH_BLOCKS` captures (each takes one
     block of every participant's graph words), the least recently used going first."""
+
+    device_types = ("cuda",)
+    """Device types whose rounds are captured (CUDA graphs)."""
 
     def __init__(self):
         self._seen: dict = {}  # key -> eager rounds run
@@ -125,13 +245,14 @@ class RoundGraphs:
         self._captured.clear()
 
     def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs,
-            streams: list) -> bool:
+            streams: list, kept: int | None = None) -> bool:
         """Replay round ``key`` if it was captured, capture it once it ran :data:`WARMUP_ROUNDS`
         times eagerly; returns whether it ran here (False: run it eagerly). ``streams``: a CUDA
-        stream per participant (the runtime's) for the replay."""
+        stream per participant (the runtime's) for the replay; ``kept``: a kept-activation
+        plan's round key (:meth:`CapturedRound.replay`)."""
         if self.disabled is not None:
             return False
-        key = (key, kind, float(softmax_scale))
+        key = (key, kind, float(softmax_scale), kept is not None)
         found = self._captured.get(key)
         if found is not None and not found.usable():
             self._captured.pop(key).release()
@@ -144,9 +265,9 @@ class RoundGraphs:
             if len(self._captured) >= GRAPH_BLOCKS:  # its words go to this capture (every PE alike)
                 self._captured.popitem(last=False)[1].release()
             try:
-                found = CapturedRound(participants, transports, kind, softmax_scale, inputs, outputs)
-            except ValueError:  # a route not installed yet (its buffers grew late): eager once more
-                self._seen[key] = WARMUP_ROUNDS - 1
+                found = CapturedRound(participants, transports, kind, softmax_scale, inputs, outputs, kept)
+            except ValueError:  # a route not installed yet (its buffers grew late), or no kept rows
+                self._seen[key] = WARMUP_ROUNDS - 1  # to capture: eager once more (it raises the latter)
                 return False
             except Exception as exc:  # noqa: BLE001 - graphs are an optimisation: run eagerly
                 self.disabled = f"{type(exc).__name__}: {exc}"
@@ -155,9 +276,9 @@ class RoundGraphs:
                 return False
             self._captured[key] = found
         self._captured.move_to_end(key)
-        found.replay(inputs, outputs, streams)
+        found.replay(participants, inputs, outputs, streams, kept)
         self.replays += 1
         return True
 
 
-__all__ = ["CapturedRound", "RoundGraphs", "WARMUP_ROUNDS"]
+__all__ = ["CAPTURE_KEY", "CapturedRound", "RoundGraphs", "WARMUP_ROUNDS"]

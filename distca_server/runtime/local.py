@@ -103,12 +103,13 @@ class LocalBatch(PlannedBatch):
         with self._round():
             return self.runtime.run(jobs, self.device)
 
-    def _replayed(self, kind: RoundKind, softmax_scale: float, inputs: tuple, outputs: tuple) -> bool:
+    def _replayed(self, kind: RoundKind, softmax_scale: float, inputs: tuple, outputs: tuple,
+                  kept: int | None = None) -> bool:
         """Run the round from its captured CUDA graphs where the runtime keeps them
-        (:mod:`.graphed`); False: run it eagerly."""
+        (:mod:`.graphed`; ``kept``: a kept-activation round's key); False: run it eagerly."""
         runtime, group = self.runtime, self.runtime._group
-        if (runtime.graphs is None or self.device.type != "cuda" or not isinstance(group, HeapGroup)
-                or group.broken):
+        if (runtime.graphs is None or self.device.type not in runtime.graphs.device_types
+                or not isinstance(group, HeapGroup) or group.broken):
             return False
         n = len(self.participants)
         transports = [group.endpoint(i, self.device) for i in range(n)]
@@ -117,7 +118,7 @@ class LocalBatch(PlannedBatch):
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
                                       [self._rows(p, inputs) for p in self.participants],
                                       [self._rows(p, outputs) for p in self.participants],
-                                      [streams[i] for i in range(n)])
+                                      [streams.get(i) for i in range(n)], kept)
 
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank
@@ -133,7 +134,7 @@ class LocalBatch(PlannedBatch):
         T = q.shape[0]
         out = q.new_empty((T, self.fmt.num_heads_q, self.fmt.head_dim))
         lse = q.new_empty((T, self.fmt.num_heads_q), dtype=self.fmt.lse_dtype)
-        if keep is None and self._replayed(RoundKind.FORWARD, softmax_scale, (q, k, v), (out, lse)):
+        if self._replayed(RoundKind.FORWARD, softmax_scale, (q, k, v), (out, lse), keep):
             return out, lse
 
         def job(p):
@@ -165,6 +166,8 @@ class LocalBatch(PlannedBatch):
         dq = torch.empty_like(dout)
         dk = dout.new_empty((dout.shape[0], self.fmt.num_heads_kv, self.fmt.head_dim))
         dv = torch.empty_like(dk)
+        if self._replayed(RoundKind.BACKWARD, softmax_scale, (dout,), (dq, dk, dv), kept):
+            return dq, dk, dv
 
         def job(p):
             rows = self._rows(p, (dout, dq, dk, dv))
@@ -219,7 +222,7 @@ class LocalRuntime(Runtime):
         # batch shape -> the participants last bound to its plan (their layouts are reused)
         self._bound: dict = {}
         self._state = StepState()
-        # captured rounds (JobConfig.cuda_graphs; stateless plans over a CUDA heap), or None
+        # captured rounds (JobConfig.cuda_graphs; rounds over a CUDA heap), or None
         self.graphs: RoundGraphs | None = None
         self._lock = threading.RLock()
         self._closed = False

@@ -176,6 +176,11 @@ class ExchangeGraph:
         self.exchanges = len(self._records[0])
 
     @property
+    def next_set(self) -> int:
+        """The recording (0 or 1: ``fn``'s first or second call) the next :meth:`replay` runs."""
+        return self._next
+
+    @property
     def usable(self) -> bool:
         """Whether :meth:`replay` can run: no later capture took the graph's words and no growth
         moved the buffers its exchanges were recorded with."""

@@ -18,7 +18,6 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
         {"participants": 1, "exchange": "lockstep", "tokens": 8192, "host_ms": 9.0, "overhead": 0.5},
         {"participants": 2, "exchange": "heap", "tokens": 8192, "host_ms": 0.25, "overhead": 0.021},
         {"participants": 2, "exchange": "heap", "tokens": 16384, "host_ms": 0.5, "overhead": 0.01},
-        {"participants": 2, "exchange": "stateless", "tokens": 8192, "host_ms": 0.3, "overhead": 0.02},
         {"participants": 2, "exchange": "graphs", "tokens": 8192, "host_ms": 0.04, "overhead": 0.01, "replays": 9}]}))
     (tmp_path / "dead_peer_nvshmem.json").write_text(json.dumps({"summary": {"dead_pe_error_s": 2.04}}))
     (tmp_path / "tagged_rounds.json").write_text(json.dumps({"rows": [  # the smallest 2-client context
@@ -29,7 +28,7 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
     got = json.loads((tmp_path / "summary.json").read_text())
     assert got["exchange_us_64KiB_2pe"] == 31.0 and got["exchange_us_64KiB_2pe_host_driven"] == 900.0  # main run
     assert got["host_us_per_layer"] == 250.0 and abs(got["overhead_pct_8K_2participants"] - 2.1) < 1e-9
-    assert got["host_us_per_layer_graphed"] == 40.0 and got["host_us_per_layer_stateless"] == 300.0
+    assert got["host_us_per_layer_graphed"] == 40.0 and "host_us_per_layer_stateless" not in got
     assert got["dead_pe_error_s"] == 2.04 and got["exchange_host_us_64KiB_2pe_graphed"] == 6.5
     assert (got["tagged_step_ratio_2clients"], got["tagged_attend_host_ratio_2clients"]) == (0.8, 0.3)
     for key in ("host_us_per_layer_lockstep", "train_tokens_per_s_local",

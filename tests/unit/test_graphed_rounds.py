@@ -4,13 +4,17 @@ On the CPU: a client with ``cuda_graphs`` on the CPU runs its rounds eagerly and
 ``RoundGraphs``' bookkeeping (warm-up rounds, the capture, retrying a capture whose routes are not
 installed yet, turning graphs off when a capture fails, the least recently used capture going
 when the graph words run out, a capture that can no longer replay being made again) with a
-recording stand-in for the CUDA capture. The ``gpu`` test runs forward and backward rounds of
-several layers and two steps from CUDA graphs against the eager client and the float64
+recording stand-in for the CUDA capture; kept-activation rounds replayed by a stand-in for the
+graph that runs the recorded round again on a thread (what a replay computes, through the
+participants' real rounds over the in-process heap), against the eager client and the float64
+reference. The ``gpu`` test runs forward and backward rounds of several layers and two steps from
+CUDA graphs, stateless and kept-activation plans, against the eager client and the float64
 reference.
 """
 
 from __future__ import annotations
 
+import threading
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ import distca_server.runtime.graphed as graphed
 from distca_client import DistCAClient
 from distca_server.refs import attend_with_grads_ref
 from distca_server.runtime.graphed import WARMUP_ROUNDS, RoundGraphs
+from distca_server.transport.routed import RoutedTransport
 from distca_server.transport.symmetric_words import GRAPH_BLOCKS
 from scheduler.config import JobConfig, PlanConfig
 from scheduler.cost import RoundKind
@@ -65,7 +70,7 @@ class FakeCapture:
     made: list = []
     fail: BaseException | None = None
 
-    def __init__(self, participants, transports, kind, scale, inputs, outputs):
+    def __init__(self, participants, transports, kind, scale, inputs, outputs, kept):
         if FakeCapture.fail is not None:
             raise FakeCapture.fail
         self.args, self.replays, self.ok = (participants, transports, kind, scale), [], True
@@ -77,8 +82,8 @@ class FakeCapture:
     def release(self):
         self.released = True
 
-    def replay(self, inputs, outputs, streams):
-        self.replays.append((inputs, outputs, len(streams)))
+    def replay(self, participants, inputs, outputs, streams, kept):
+        self.replays.append((inputs, outputs, len(streams), kept))
 
 
 @pytest.fixture
@@ -88,8 +93,8 @@ def fake(monkeypatch):
     return FakeCapture
 
 
-def run(graphs, key, kind=RoundKind.FORWARD, scale=0.25, n=2):
-    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, [("in",)] * n, [("out",)] * n, ["s"] * n)
+def run(graphs, key, kind=RoundKind.FORWARD, scale=0.25, n=2, kept=None):
+    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, [("in",)] * n, [("out",)] * n, ["s"] * n, kept)
 
 
 def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
@@ -98,10 +103,13 @@ def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
     assert run(g, "shape") and run(g, "shape")
     (cap,) = fake.made
     assert cap.args == (["p", "p"], ["t", "t"], RoundKind.FORWARD, 0.25) and len(cap.replays) == 2
-    assert cap.replays[0] == ([("in",)] * 2, [("out",)] * 2, 2)  # each participant's rows and stream
+    assert cap.replays[0] == ([("in",)] * 2, [("out",)] * 2, 2, None)  # each participant's rows and stream
     assert g.replays == 2
-    # another kind or scale is another round: its own warm-up
+    # another kind or scale is another round: its own warm-up, and so is a kept-activation one
     assert not run(g, "shape", kind=RoundKind.BACKWARD) and not run(g, "shape", scale=0.5)
+    assert not run(g, "shape", kept=7)
+    run(g, "shape", kept=8)
+    assert run(g, "shape", kept=9) and fake.made[-1].replays == [([("in",)] * 2, [("out",)] * 2, 2, 9)]
     g.clear()  # the group went: everything starts over
     assert not run(g, "shape")
 
@@ -145,32 +153,35 @@ def test_captures_beyond_the_graph_words_go_least_recently_used_first_and_unusab
 
 
 def _gpu_layers() -> None:
-    """2 and 3 in-place participants on CUDA, bf16 and float32: graphed rounds equal the eager ones
-    bit for bit (the same kernels on the same rows) and the float64 reference to dtype rounding."""
+    """2 and 3 in-place participants on CUDA, bf16 and float32, stateless and kept-activation plans:
+    graphed rounds equal the eager ones bit for bit (the same kernels on the same rows) and the
+    float64 reference to dtype rounding."""
     lens = [300, 1, 77, 512, 129, 31]
     for servers in (2, 3):
         for dtype in (torch.float32, torch.bfloat16):
-            outs = []
-            for graphs in (False, True):
-                job = JobConfig(servers=servers, transport="nvshmem", cuda_graphs=graphs, heap_bytes=64 << 20,
-                                plan=PlanConfig(mode="inplace", keep_activations=False, min_shard=64))
-                client = DistCAClient.local(config=job)
-                try:
-                    outs.append(layers(client, lens, steps=2, n_layers=4, device="cuda", dtype=dtype, seed=servers))
-                    if graphs:
-                        g = client._runtime.graphs
-                        assert g.disabled is None, g.disabled
-                        assert g.replays >= 2 * (2 * 4 - WARMUP_ROUNDS), g.replays
-                finally:
-                    client.close()
-            for eager, replayed in zip(*outs):
-                for a, b in zip(eager[4:], replayed[4:]):
-                    assert torch.equal(a, b), (servers, dtype)
-            q, k, v, dout, out, dq, dk, dv = outs[1][-1]
-            ref = attend_with_grads_ref(q, k, v, lens, dout, 16 ** -0.5)
-            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-            for a, b in zip((out, dq, dk, dv), ref):
-                torch.testing.assert_close(a.double().cpu(), b, rtol=tol, atol=tol)
+            for keep in (False, True):
+                outs = []
+                for graphs in (False, True):
+                    job = JobConfig(servers=servers, transport="nvshmem", cuda_graphs=graphs, heap_bytes=64 << 20,
+                                    plan=PlanConfig(mode="inplace", keep_activations=keep, min_shard=64))
+                    client = DistCAClient.local(config=job)
+                    try:
+                        run = kept_layers if keep else layers
+                        outs.append(run(client, lens, steps=2, n_layers=4, device="cuda", dtype=dtype, seed=servers))
+                        if graphs:
+                            g = client._runtime.graphs
+                            assert g.disabled is None, g.disabled
+                            assert g.replays >= 2 * (2 * 4 - WARMUP_ROUNDS) - 1, g.replays
+                    finally:
+                        client.close()
+                for eager, replayed in zip(*outs):
+                    for a, b in zip(eager[4:], replayed[4:]):
+                        assert torch.equal(a, b), (servers, dtype, keep)
+                q, k, v, dout, out, dq, dk, dv = outs[1][-1]
+                ref = attend_with_grads_ref(q, k, v, lens, dout, 16 ** -0.5)
+                tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+                for a, b in zip((out, dq, dk, dv), ref):
+                    torch.testing.assert_close(a.double().cpu(), b, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
@@ -180,8 +191,140 @@ def test_graphed_rounds_on_the_gpu_equal_the_eager_ones():
     run_fresh("test_graphed_rounds", "_gpu_layers", 300, "graphed rounds")
 
 
-def test_cuda_graphs_with_a_kept_activation_plan_warn_that_rounds_run_eagerly():
-    job = JobConfig(servers=2, transport="shm", cuda_graphs=True, plan=PlanConfig(mode="inplace"))
-    with pytest.warns(RuntimeWarning, match="stateless plans only.*keep_activations=False"):
-        client = DistCAClient.local(config=job)
-    client.close()
+class ThreadReplay:
+    """Stands in for :class:`~distca_server.transport.exchange_graph.ExchangeGraph` on the CPU: a
+    replay runs the recorded round function again, on a thread of its own (so that the
+    participants' exchanges meet, as their streams do on a GPU), alternating between the two
+    recordings as a replay does."""
+
+    def __init__(self, transport, fn):
+        self.fn, self.next_set, self.usable, self.calls = fn, 0, True, 0
+
+    def replay(self):
+        self.next_set, self.calls = 1 - self.next_set, self.calls + 1
+        failed: list = []
+
+        def body():
+            try:
+                self.fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait()
+                failed.append(exc)
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return self._Handle(thread, failed)
+
+    class _Handle:
+        def __init__(self, thread, failed):
+            self.thread, self.failed = thread, failed
+
+        def wait(self):
+            self.thread.join(60)
+            assert not self.thread.is_alive(), "a replayed round did not finish"
+            if self.failed:
+                raise self.failed[0]
+
+    def release(self):
+        pass
+
+
+@pytest.fixture
+def cpu_replays(monkeypatch):
+    monkeypatch.setattr(RoundGraphs, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(RoutedTransport, "graph", lambda self, fn: ThreadReplay(self, fn))
+
+
+def kept_job(servers: int, mode: str, graphs: bool, **plan) -> JobConfig:
+    return JobConfig(servers=servers, transport="shm", cuda_graphs=graphs, timeout_s=60,
+                     plan=PlanConfig(mode=mode, **{"min_shard": 16, **plan}))
+
+
+KEPT_CASES = [  # (servers, mode, ranks, document lengths, PlanConfig fields)
+    (2, "inplace", 2, [300, 1, 77, 512, 129, 31], {}),
+    (3, "inplace", 3, [300, 1, 77, 512, 129, 31], {}),
+    # key blocks split onto idle servers: the client role keeps merged O and LSE rows
+    (4, "dedicated", 2, [2048, 5], {"min_shard": 512, "partial_kv": True})]
+
+
+@pytest.mark.parametrize("servers,mode,ranks,lens,plan", KEPT_CASES)
+def test_kept_activation_rounds_replayed_keep_and_take_their_rows_as_the_eager_ones(cpu_replays, servers, mode,
+                                                                                    ranks, lens, plan):
+    """Forward rounds replayed keep each layer's rows under its own key (copies, or the caller's
+    own tensors where the eager round keeps them by reference, never the recording's); backward
+    rounds replayed take them back: every output and gradient equals the eager client's bit for
+    bit and the float64 reference."""
+    got, merged = [], []
+    for graphs in (False, True):
+        client = DistCAClient.local(config=kept_job(servers, mode, graphs, **plan), num_ranks=ranks)
+        runtime = client._runtime
+
+        def check_kept():  # after the forward rounds of a step: what the participants keep
+            if not graphs or not runtime.graphs._captured:
+                return
+            static = {id(x) for c in runtime.graphs._captured.values() for row in c.inputs for x in row
+                      if x is not None}
+            static |= {id(x) for c in runtime.graphs._captured.values() for sets in c.stash for rows in sets
+                       for d in rows if d for x in d.values()}
+            for parts in runtime._bound.values():
+                held = [x for p in parts for rows, _ in p.kept.values() for x in rows.values()]
+                held += [x for p in parts for m in p.kept_merged.values() for x in m.values()]
+                assert held and not static & {id(x) for x in held}
+                merged.extend(m for p in parts for m in p.kept_merged.values())
+        try:
+            got.append(kept_layers(client, lens, steps=2, n_layers=4, check=check_kept))
+            if graphs:
+                kinds = {key[1:] for key in runtime.graphs._captured}
+                assert kinds == {(RoundKind.FORWARD, 16 ** -0.5, True), (RoundKind.BACKWARD, 16 ** -0.5, True)}
+                # every round after the warm-up, but for one more forward: the first round forms the group
+                assert runtime.graphs.replays == 2 * (2 * 4 - WARMUP_ROUNDS) - 1
+        finally:
+            client.close()
+    assert bool(merged) == plan.get("partial_kv", False)  # the merged rows were tested where they exist
+    for eager, replayed in zip(*got):
+        for a, b in zip(eager[4:], replayed[4:]):
+            assert torch.equal(a, b)
+    for q, k, v, dout, out, dq, dk, dv in got[1]:
+        ref = attend_with_grads_ref(q, k, v, lens, dout, 16 ** -0.5)
+        for a, b in zip((out, dq, dk, dv), ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def kept_layers(client, lens, steps: int, n_layers: int, check=lambda: None, device="cpu", dtype=torch.float64,
+                seed: int = 5):
+    """Like :func:`layers`, but every layer's forward before the backward of all (as a model
+    trains, each layer's rows kept meanwhile); ``check()`` runs between them."""
+    g = torch.Generator().manual_seed(seed)
+    T, got = sum(lens), []
+    for _ in range(steps):
+        step = []
+        for _ in range(n_layers):
+            q, k, v = (torch.randn(T, h, 16, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2))
+            step.append((q, k, v, torch.randn(T, 4, 16, generator=g).to(device, dtype), client.attend(q, k, v, lens)))
+        check()
+        for q, k, v, dout, out in reversed(step):
+            out.backward(dout)
+        got += [(q, k, v, dout, out.detach(), q.grad, k.grad, v.grad) for q, k, v, dout, out in step]
+        client.new_step()
+    return got
+
+
+def test_a_replayed_backward_round_checks_its_kept_rows_as_the_eager_one(cpu_replays):
+    """A kept Q modified in place between a replayed forward round and its replayed backward
+    round fails the backward as an eager one does (the autograd check on saved tensors)."""
+    lens = [300, 1, 77, 512, 129, 31]
+    client = DistCAClient.local(config=kept_job(2, "inplace", True))
+    try:
+        kept_layers(client, lens, steps=1, n_layers=3, check=lambda: None)  # warms both kinds up
+        q, k, v = (torch.randn(sum(lens), h, 16, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+        outs = [client.attend(x, k, v, lens) for x in (q * 1, q * 1, q * 1)]
+        replays = client._runtime.graphs.replays
+        assert replays >= 1
+        # the in-place server keeps its own rows by reference: change one under it
+        parts = next(iter(client._runtime._bound.values()))
+        rows = next(rows for p in parts if p.kept for rows, _ in [p.kept[max(p.kept)]])
+        rows["q"].add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as failed:
+            outs[-1].backward(torch.ones_like(outs[-1]))
+        # it was the replayed backward round that checked, before replaying
+        assert any(entry.path.name == "graphed.py" for entry in failed.traceback)
+    finally:
+        client.close()
