@@ -8,10 +8,20 @@
 # nvshmem4py needs). Ray Train (the `train` stage) also imports pydantic and colorful, which the
 # image lacks; build everything with, from the project root on the development machine:
 #   bash ../shared/gpu/carry_wheels.sh .whl pydantic==2.14.4 pydantic-core==2.50.5 \
-#       annotated-types==0.8.0 typing-inspection==0.4.5 colorful==0.5.8
+#       annotated-types==0.8.0 typing-inspection==0.4.5 colorful==0.5.8 nvidia-cudnn-frontend==1.32.0
+# Measured 2026-11-28: those wheels are 59.3 MiB and the tracked tree 4.2 MiB, 63.5 of the 64 MiB
+# a call carries: no room for FlashAttention-4's 55 MiB beside them, nor for a much larger tree.
 #
-#   bash bench/gpu_session.sh                     # all stages below, in this order
+#   BUDGET_S=560 bash bench/gpu_session.sh        # every stage, most wanted first, in one call
 #   bash bench/gpu_session.sh env ktests kernels  # some of them
+#
+# One device call: 15 minutes of device time a session, a machine's start included, and 10
+# minutes a call, so the whole session is one call of the default order under BUDGET_S (seconds
+# from the script's start, wheels' install included): a stage starts only with >= 30 s of the
+# budget left, and runs under the smaller of its limit and what is left, so the script ends by
+# itself, with everything packed, before the call's limit. Default order (the issues' priority:
+# the device-driven exchange and the whole job first, then the kernels' numbers, then the rest):
+#   env mps inproc transport train kernels ktests pingpong dead graphs ngraphs tagged ntests
 #
 # Stages (each under its own time limit; one failing does not stop the next):
 #   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
@@ -48,18 +58,19 @@
 #              the host time of an attend (tagged_step_ratio_2clients). TAGGED_LIMIT (default 150 s)
 #              bounds it; TAGGED_ARGS are appended
 #
-# Files written to $OUT (default /tmp/distca_gpu_session; the device tool brings back 8 files at
-# most per call, two folders deep: all stages write 14, so run them over two calls,
-# `mps env ktests kernels ntests transport tagged` (7 files), then `inproc graphs ngraphs dead pingpong
-# train` (8 files); afterwards `python bench/gpu_summary.py bench/results/gpu/<device>` writes
-# summary.json): session.log (every stage's output), kernels.json, kernels.png,
+# Files: the stages write into $RES (default /tmp/distca_gpu_results): kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json,
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
-# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time and tokens/s of both
-# runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca, train_tokens_per_s_local,
-# ...), train_loss.png.
-# Afterwards, on the development machine: copy them under bench/results/gpu/<device-name-slug>/
-# (committed; .gitignore keeps that folder) and try
+# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time
+# and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
+# train_tokens_per_s_local, ...), train_loss.png, and at the end summary.json
+# (bench/gpu_summary.py). The device tool brings back 8 files at most per call, so after every
+# stage $RES is packed into $OUT/results.tar (a call cut short still brings back every finished
+# stage's files); $OUT (default /tmp/distca_gpu_session) also holds session.log (every stage's
+# output) and summary.json.
+# Afterwards, on the development machine: unpack results.tar under
+# bench/results/gpu/<device-name-slug>/ with session.log beside it (committed; .gitignore keeps
+# that folder) and try
 #   distca simulate --gpu h200 --attn-profile bench/results/gpu/<slug>/kernels_profile/llama3-8b-tp8
 # Dry run on a CPU machine: PYTHON=.venv/bin/python GPU_KERNELS_ARGS="--device cpu --quick" \
 #   OUT=/tmp/x bash bench/gpu_session.sh env ktests kernels
@@ -71,9 +82,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/distca_gpu_session}
+RES=${RES:-/tmp/distca_gpu_results}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$RES"
 LOG="$OUT/session.log"
+DEADLINE=$((SECONDS + ${BUDGET_S:-1000000}))
 if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -93,16 +106,28 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 status=0
 
-# stage NAME TIMEOUT_S COMMAND...: run it under a time limit (a shell function: without one); its
-# output to the terminal and appended to $LOG
+# $RES into $OUT/results.tar, replacing the last one whole (a call cut short brings back a whole tar)
+pack() {
+    tar -C "$RES" -cf "$OUT/results.tar.part" . && mv -f "$OUT/results.tar.part" "$OUT/results.tar"
+}
+
+# stage NAME TIMEOUT_S COMMAND...: run it under a time limit, cut to what is left of BUDGET_S (a
+# shell function gets it as STAGE_LIMIT); its output to the terminal and appended to $LOG; then pack
 stage() {
-    local name=$1 limit=$2 t0=$SECONDS
+    local name=$1 limit=$2 t0=$SECONDS left=$((DEADLINE - SECONDS - 10))
     shift 2
-    echo "== $name: $*" | tee -a "$LOG"
-    if declare -F "$1" >/dev/null; then "$@"; else timeout -k 5 "$limit" "$@"; fi 2>&1 | tee -a "$LOG"
+    if [ "$left" -lt 30 ]; then
+        echo "== $name: skipped, $((DEADLINE - SECONDS)) s of BUDGET_S left" | tee -a "$LOG"
+        status=1
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "== $name (limit $limit s): $*" | tee -a "$LOG"
+    if declare -F "$1" >/dev/null; then STAGE_LIMIT=$limit "$@"; else timeout -k 5 "$limit" "$@"; fi 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit status $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
+    pack
 }
 
 env_info() {
@@ -166,8 +191,8 @@ print("mps: a CUDA client ran under it:", (x * 2).sum().item() == 12.0, torch.cu
     return 0
 }
 
-# `make demo-gpu`'s run, its run folders outside $OUT (Ray Train checkpoints are large and many), its
-# summary and loss plot into $OUT. SIGINT at the limit: the command's own cleanup stops the Ray
+# `make demo-gpu`'s run, its run folders outside $RES (Ray Train checkpoints are large and many), its
+# summary and loss plot into $RES. SIGINT at the limit: the command's own cleanup stops the Ray
 # instance it started (no `ray stop`, which would end every Ray process of the machine).
 train_run() {
     local runs=/tmp/distca_train_runs args rc
@@ -182,21 +207,21 @@ train_run() {
     fi
     rm -rf "$runs"
     # shellcheck disable=SC2086
-    timeout -s INT -k 30 "${TRAIN_LIMIT:-240}" "$PY" examples/train_llama.py $args --runs-dir "$runs" \
-        --summary-json "$OUT/train.json" ${TRAIN_ARGS:-}
+    timeout -s INT -k 30 "${STAGE_LIMIT:-${TRAIN_LIMIT:-240}}" "$PY" examples/train_llama.py $args --runs-dir "$runs" \
+        --summary-json "$RES/train.json" ${TRAIN_ARGS:-}
     rc=$?
-    cp "$runs/demo-gpu/loss.png" "$OUT/train_loss.png" 2>/dev/null
-    [ -f "$OUT/train.json" ] && "$PY" -c '
+    cp "$runs/demo-gpu/loss.png" "$RES/train_loss.png" 2>/dev/null
+    [ -f "$RES/train.json" ] && "$PY" -c '
 import json, sys
 s = json.load(open(sys.argv[1]))
 keys = [k for k in s if k.startswith(("train_loss_max_rel", "train_tokens_per_s", "train_step_time_s",
                                        "train_loss_rtol", "train_rounds_per_step", "train_header_rounds"))]
-print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$OUT/train.json"
+print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$RES/train.json"
     return $rc
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- mps env ktests kernels ntests transport inproc graphs ngraphs dead pingpong train
+[ $# -gt 0 ] || set -- env mps inproc transport train kernels ktests pingpong dead graphs ngraphs tagged ntests
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -207,34 +232,39 @@ for s in "$@"; do
                     tests/unit/test_kernels_fa4.py ;;
         # GPU_KERNELS_ARGS: e.g. "--device cpu --quick" for a dry run anywhere, or fewer repeats
         # shellcheck disable=SC2086
-        kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$OUT/kernels.json" \
+        kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$RES/kernels.json" \
                      ${GPU_KERNELS_ARGS:-} ;;
         ntests) stage ntests 180 "${PYTEST[@]}" -m nvshmem tests/unit/test_transport_nvshmem.py \
                     tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py ;;
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
-                       --max-size 1GiB --graph off --json "$OUT/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
+                       --max-size 1GiB --graph off --json "$RES/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
         # in-process participants over plain device buffers (issue 22 item 2a): device-driven
         # (stream memory operations) against host-driven exchanges and the in-process copy
         # shellcheck disable=SC2086
         inproc) stage inproc "${INPROC_LIMIT:-120}" "$PY" bench/transport.py --transport local --device cuda \
-                    --procs 2 4 --max-size 1GiB --graph off --json "$OUT/transport_local.json" ${INPROC_ARGS:-} ;;
+                    --procs 2 4 --max-size 1GiB --graph off --json "$RES/transport_local.json" ${INPROC_ARGS:-} ;;
         # captured exchanges (issue 22 item 4), apart: a capture that fails on this GPU must not
         # cost the stages above their numbers
         graphs) stage graphs "${GRAPHS_LIMIT:-90}" "$PY" bench/transport.py --transport local --device cuda \
-                    --procs 2 4 --max-size 16MiB --json "$OUT/transport_local_graph.json" ;;
+                    --procs 2 4 --max-size 16MiB --json "$RES/transport_local_graph.json" ;;
         ngraphs) stage ngraphs "${GRAPHS_LIMIT:-90}" "$PY" bench/transport.py --transport nvshmem --procs 2 \
-                     --max-size 16MiB --json "$OUT/transport_nvshmem_graph.json" ;;
+                     --max-size 16MiB --json "$RES/transport_nvshmem_graph.json" ;;
         dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
-                  --json "$OUT/dead_peer_nvshmem.json" ;;
-        pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$OUT/pingpong.json" ;;
+                  --json "$RES/dead_peer_nvshmem.json" ;;
+        pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$RES/pingpong.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
         # shellcheck disable=SC2086
         tagged) stage tagged "${TAGGED_LIMIT:-150}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
-                    --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$OUT/tagged_rounds.json" \
+                    --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$RES/tagged_rounds.json" \
                     ${TAGGED_ARGS:-} ;;
         *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
            status=1 ;;
     esac
 done
+# issue 22's summary keys from whatever ran (null with a reason for the rest), beside the log
+"$PY" bench/gpu_summary.py "$RES" 2>&1 | tee -a "$LOG"
+cp "$RES/summary.json" "$OUT/summary.json" 2>/dev/null
+cp "$LOG" "$RES/session.log"
+pack
 exit $status
