@@ -21,7 +21,7 @@
 # budget left, and runs under the smaller of its limit and what is left, so the script ends by
 # itself, with everything packed, before the call's limit. Default order (the issues' priority:
 # the device-driven exchange and the whole job first, then the kernels' numbers, then the rest):
-#   env mps inproc transport train kernels ktests pingpong dead graphs ngraphs tagged ntests
+#   env mps inproc transport train kernels backends ktests pingpong dead graphs ngraphs tagged ntests
 #
 # Stages (each under its own time limit; one failing does not stop the next):
 #   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
@@ -31,6 +31,11 @@
 #              rounds on the GPU (lock-step local participants; stream ordering of rounds), stream
 #              memory operations and captured exchanges (CUDA graphs) of in-process participants
 #   kernels    bench/gpu_kernels.py (fused shards, distca overhead, a measured ProfileTable)
+#   backends   bench/gpu_backends.py (issue 21): every backend here against torch's FA2 (TFLOP/s,
+#              32/8/128 and 64/8/128, 8K-128K), each one's fused shards, and DistCAClient.local(4)
+#              planned by the FLOP and the time planner (this session's table when the kernels
+#              stage wrote it): each server's measured kernel time, max/mean. BACKENDS_LIMIT
+#              (default 200 s), BACKENDS_ARGS appended
 #   ntests     the nvshmem-marked tests (the exchange against LocalTransport, attend over NVSHMEM
 #              against the float64 reference, a dead or departed PE)
 #   transport  bench/transport.py --transport nvshmem: host-driven and device-driven exchanges
@@ -59,7 +64,7 @@
 #              bounds it; TAGGED_ARGS are appended
 #
 # Files: the stages write into $RES (default /tmp/distca_gpu_results): kernels.json, kernels.png,
-# kernels_profile/<model>-tp<tp>/{forward,backward}.json, transport_nvshmem.json,
+# kernels_profile/<model>-tp<tp>/{forward,backward}.json, backends.json, backends.png, transport_nvshmem.json,
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
 # tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time
 # and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
@@ -221,7 +226,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- env mps inproc transport train kernels ktests pingpong dead graphs ngraphs tagged ntests
+[ $# -gt 0 ] || set -- env mps inproc transport train kernels backends ktests pingpong dead graphs ngraphs tagged ntests
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -234,6 +239,14 @@ for s in "$@"; do
         # shellcheck disable=SC2086
         kernels) stage kernels "${KERNELS_LIMIT:-240}" "$PY" bench/gpu_kernels.py --json "$RES/kernels.json" \
                      ${GPU_KERNELS_ARGS:-} ;;
+        # every backend against torch's FA2, each one's fused shards, the plan run with both planners
+        # (issue 21), the time planner on this session's table when the kernels stage wrote it whole
+        backends)
+            prof=()
+            [ -f "$RES/kernels_profile/llama3-8b-tp8/backward.json" ] && prof=(--attn-profile "$RES/kernels_profile/llama3-8b-tp8")
+            # shellcheck disable=SC2086
+            stage backends "${BACKENDS_LIMIT:-200}" "$PY" bench/gpu_backends.py --json "$RES/backends.json" "${prof[@]}" \
+                ${BACKENDS_ARGS:-} ;;
         ntests) stage ntests 180 "${PYTEST[@]}" -m nvshmem tests/unit/test_transport_nvshmem.py \
                     tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py ;;
         # shellcheck disable=SC2086
@@ -258,7 +271,7 @@ for s in "$@"; do
         tagged) stage tagged "${TAGGED_LIMIT:-150}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
                     --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$RES/tagged_rounds.json" \
                     ${TAGGED_ARGS:-} ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
+        *) echo "unknown stage $s (mps, env, ktests, kernels, backends, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
            status=1 ;;
     esac
 done

@@ -1,4 +1,5 @@
-"""Collect issue 22's summary keys from one GPU session's JSON files into ``summary.json``.
+"""Collect issue 22's summary keys (and issue 21's kernel and plan-run numbers) from one GPU
+session's JSON files into ``summary.json``.
 
 Run on the development machine after a session's files were copied under
 ``bench/results/gpu/<device>/``::
@@ -23,6 +24,8 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``train_loss_max_rel_diff_10_steps``, ``train_tokens_per_s_distca``, ``train_tokens_per_s_local`` | ``train.json`` |
 | ``dead_pe_error_s`` | ``dead_peer_nvshmem.json`` |
 | ``tagged_step_ratio_2clients``, ``tagged_attend_host_ratio_2clients`` | ``tagged_rounds.json`` (the ``tagged`` stage): an in-place Ray step's time, and an ``attend``'s host time, with tagged rounds over the header in every round, 2 clients, the smallest context |
+| ``kernel_tflops_32K`` | ``backends.json`` speed: ``{backend: [forward, backward]}`` TFLOP/s, 32/8/128 at 32K-token documents (issue 21) |
+| ``plan_max_mean_flop``, ``plan_max_mean_time`` | ``backends.json`` plan: measured max/mean server kernel time of the FLOP and the time planner's plans |
 """
 
 from __future__ import annotations
@@ -92,6 +95,17 @@ def collect(folder: Path) -> dict:
         out[key] = row.get(field)
         if out[key] is None:
             missing[key] = "tagged_rounds.json absent or without a 2-client row"
+    backends = _load(folder, "backends.json") or {}
+    speed = {r["backend"]: [r["fwd_tflops"], r["bwd_tflops"]] for r in backends.get("speed") or []
+             if r.get("shape") == "32/8/128" and r.get("doc_len") == 32768}
+    out["kernel_tflops_32K"] = speed or None
+    if not speed:
+        missing["kernel_tflops_32K"] = "backends.json absent or without 32/8/128 rows at 32K"
+    planners = (backends.get("plan") or {}).get("planners") or {}
+    for name in ("flop", "time"):
+        out[f"plan_max_mean_{name}"] = (planners.get(name) or {}).get("measured_max_mean")
+        if out[f"plan_max_mean_{name}"] is None:
+            missing[f"plan_max_mean_{name}"] = "backends.json absent or without its plan section"
     out["missing"] = {k: v for k, v in missing.items() if out.get(k) is None}
     return out
 

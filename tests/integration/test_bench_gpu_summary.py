@@ -24,8 +24,16 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
         {"clients": 2, "tokens_per_rank": 16384, "step_ratio": 0.9, "attend_host_ratio": 0.5},
         {"clients": 2, "tokens_per_rank": 8192, "step_ratio": 0.8, "attend_host_ratio": 0.3},
         {"clients": 3, "tokens_per_rank": 1024, "step_ratio": 0.7, "attend_host_ratio": 0.2}]}))
+    (tmp_path / "backends.json").write_text(json.dumps({
+        "speed": [{"backend": "cudnn", "shape": "32/8/128", "doc_len": 32768, "fwd_tflops": 540.0, "bwd_tflops": 450.0},
+                  {"backend": "cudnn", "shape": "64/8/128", "doc_len": 32768, "fwd_tflops": 1.0, "bwd_tflops": 1.0},
+                  {"backend": "torch_varlen", "shape": "32/8/128", "doc_len": 32768, "fwd_tflops": 330.0,
+                   "bwd_tflops": 310.0}],
+        "plan": {"planners": {"flop": {"measured_max_mean": 1.09}, "time": {"measured_max_mean": 1.03}}}}))
     assert bench.main([str(tmp_path)]) == 0
     got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["kernel_tflops_32K"] == {"cudnn": [540.0, 450.0], "torch_varlen": [330.0, 310.0]}
+    assert (got["plan_max_mean_flop"], got["plan_max_mean_time"]) == (1.09, 1.03)
     assert got["exchange_us_64KiB_2pe"] == 31.0 and got["exchange_us_64KiB_2pe_host_driven"] == 900.0  # main run
     assert got["host_us_per_layer"] == 250.0 and abs(got["overhead_pct_8K_2participants"] - 2.1) < 1e-9
     assert got["host_us_per_layer_graphed"] == 40.0 and "host_us_per_layer_stateless" not in got
