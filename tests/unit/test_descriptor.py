@@ -303,9 +303,9 @@ def test_decode_is_vectorised_over_ranks():
     put(obj, "doc_counts", counts)
     put(obj, "tasks", tasks)
     data = pack(obj)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a busy machine cannot fail it
     plan = Plan.from_msgpack(data)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < 1.0, elapsed  # about 0.02 s; the per-rank loop took 7.3 s
     assert plan.num_ranks == ranks and plan.num_participants == ranks + 4
     assert np.array_equal(plan.doc_counts, counts) and plan.doc_lens_flat.tolist() == [300, 5, 41, 7]
