@@ -34,7 +34,6 @@ Writes ``--json`` (default ``bench/results/gpu/<device-name-slug>/backends.json`
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -49,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.gpu_kernels import (DTYPES, FULL, LSE_TOL, QUICK, REL_TOL, Timer, bench_shards,  # noqa: E402
-                               cu_seqlens, device_slug, guard, randn)
+                               cu_seqlens, device_slug, gpu_bench_parser, guard, randn)
 from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.executor import ServerExecutor  # noqa: E402
@@ -288,11 +287,7 @@ def plot(result: dict, png: Path) -> None:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test): seconds")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p = gpu_bench_parser(__doc__, SECTIONS)
     p.add_argument("--backends", nargs="+", default=None, help="default: every backend that runs here")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="speed and shards: default bfloat16 on CUDA, "
                                                                  "float32 on CPU (plan: the table's)")

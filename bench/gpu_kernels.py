@@ -459,12 +459,17 @@ def plot(rows, png: Path, title: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def gpu_bench_parser(doc: str, sections: tuple) -> argparse.ArgumentParser:
+    """The flags every GPU benchmark here takes: ``--device``, ``--quick`` and ``--sections``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test): seconds")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=sections, default=list(sections))
+    return p
+
+
+def parse_args(argv):
+    p = gpu_bench_parser(__doc__, SECTIONS)
     p.add_argument("--backend", default="auto", help="distca backend name, e.g. cudnn or torch_varlen "
                                                      "(auto: cudnn, flash_attn or torch_varlen on CUDA, "
                                                      "torch_cpu on CPU)")
