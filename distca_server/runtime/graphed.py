@@ -11,10 +11,11 @@ input and output tensors (:meth:`~distca_server.transport.routed.RoutedTransport
 :class:`~distca_server.transport.memop_stream.MemopStream` the round's torch work and its
 exchanges go to the participant's communication stream while it is recorded). Every later round
 of that shape, in every layer and in later steps, is replayed from the thread that runs the round:
-per participant, copy its rows into the static inputs, replay, copy the static outputs into its
-rows of the batch-wide outputs, each on a CUDA stream of its own ordered after the caller's. The
-host queues that work and waits for nothing; the participants' streams wait for each other on
-the device.
+copy the batch's tensors into the static inputs (one copy per tensor; each participant's rows are
+views of them), replay every participant's recording, each on a CUDA stream of its own ordered
+after the caller's, and copy the static outputs out once the caller's stream has waited for them
+all. The host queues that work and waits for nothing; the participants' streams wait for each
+other on the device.
 
 Kept activations (the default plan: a server keeps each layer's rows from its forward round until
 that layer's backward round, :mod:`distca_server.kept`) are host-side dicts keyed by the round,
@@ -64,18 +65,20 @@ their sequence numbers in the step, are >= 0."""
 
 
 class CapturedRound:
-    """One round kind of one batch shape, recorded per participant: its static inputs and outputs,
-    its kept rows (kept-activation plans) and its
-    :class:`~distca_server.transport.exchange_graph.ExchangeGraph`.
+    """One round kind of one batch shape, recorded per participant: the batch's static inputs and
+    outputs (each participant's rows are views of them), its kept rows (kept-activation plans)
+    and each participant's :class:`~distca_server.transport.exchange_graph.ExchangeGraph`.
 
     Args:
         participants: the batch's participants, in group order.
         transports: their endpoints of the group (``RoutedTransport``, CUDA heap).
         kind: FORWARD or BACKWARD.
         softmax_scale: the scale recorded into the kernel call.
-        inputs, outputs: per participant, its rows of each tensor (None for a server-only one);
-            only their shapes and dtypes are used here. Forward: (q, k, v) and (out, lse);
-            backward: (q, k, v, out, lse, dout), or (dout,) with kept activations, and (dq, dk, dv).
+        inputs, outputs: the batch-wide tensors of the round (only their shapes and dtypes are
+            used here). Forward: (q, k, v) and (out, lse); backward: (q, k, v, out, lse, dout), or
+            (dout,) with kept activations, and (dq, dk, dv).
+        rows: ``rows(participant, tensors)``: the participant's rows of each tensor (views; None
+            for a server-only one), the same every step of the batch shape.
         kept: the key of the round's kept rows (a kept-activation plan's round), else None. A
             backward round's static kept rows are shaped like the rows ``participants`` keep
             under it now.
@@ -86,19 +89,20 @@ class CapturedRound:
             CUDA error while recording.
     """
 
-    def __init__(self, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs,
+    def __init__(self, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs, rows,
                  kept: int | None = None):
-        self.kind, self.keeps = kind, kept is not None
-        self.inputs = [_like(row) for row in inputs]
-        self.outputs = [_like(row) for row in outputs]
+        self.kind, self.keeps, self.rows = kind, kept is not None, rows
+        self.inputs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+        self.outputs = tuple(torch.empty(y.shape, dtype=y.dtype, device=y.device) for y in outputs)
+        self.views = [rows(p, self.inputs) for p in participants]  # each participant's static input rows
         # backward with kept activations: per participant (server's rows, client's merged rows)
         self.kept_rows = ([self._static_kept(p, kept) for p in participants]
                           if self.keeps and kind == RoundKind.BACKWARD else None)
         # forward with kept activations: per participant, what each of its 2 recordings kept
         self.stash = [[(None, None)] * 2 for _ in participants]
         self.graphs = []
-        for i, (p, t, ins, outs) in enumerate(zip(participants, transports, self.inputs, self.outputs)):
-            self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, ins, outs)))
+        for i, (p, t) in enumerate(zip(participants, transports)):
+            self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, self.views[i], rows(p, self.outputs))))
 
     @staticmethod
     def _static_kept(p, kept: int) -> tuple:
@@ -148,10 +152,11 @@ class CapturedRound:
             g.release()
 
     def replay(self, participants, inputs, outputs, streams: list, kept: int | None = None) -> None:
-        """Copy ``inputs`` in, replay, copy ``outputs`` out, participant ``i`` on ``streams[i]``
-        after the current stream, which then waits for them all (returns at once on a GPU);
-        ``streams[i]`` None: on the current stream (the CPU). A kept-activation round keeps
-        (forward) or takes (backward) ``participants``' rows under ``kept``.
+        """Copy the batch's ``inputs`` in, replay every participant's recording, participant ``i``
+        on ``streams[i]`` after the current stream, which then waits for them all and copies the
+        ``outputs`` out (returns at once on a GPU); ``streams[i]`` None: on the current stream
+        (the CPU). A kept-activation round keeps (forward) or takes (backward) ``participants``'
+        rows under ``kept``. Every copy is on the current stream: one per tensor of the batch.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
@@ -163,65 +168,59 @@ class CapturedRound:
         if forward:
             for p in participants:
                 p._check_keep(kept)
-        taken = [_take(p, kept, ins) for p, ins in zip(participants, inputs)] if backward else None
+        for static, x in zip(self.inputs, inputs):
+            static.copy_(x, non_blocking=True)
+        if backward:
+            for p, statics in zip(participants, self.kept_rows):
+                for static, given in zip(statics, _take(p, kept, inputs[0])):
+                    for n, x in (static or {}).items():
+                        x.copy_(given[n], non_blocking=True)
         sets = [g.next_set for g in self.graphs]
         caller = torch.cuda.current_stream() if any(s is not None for s in streams) else None
         handles = []
-        for i, (ins, graph, stream) in enumerate(zip(inputs, self.graphs, streams)):
+        for graph, stream in zip(self.graphs, streams):
             if stream is not None:
                 stream.wait_stream(caller)
             with _on(stream):
-                for static, x in zip(self.inputs[i], ins):
-                    if x is not None:
-                        static.copy_(x, non_blocking=True)
-                if backward:
-                    for statics, given in zip(self.kept_rows[i], taken[i]):
-                        for n, static in (statics or {}).items():
-                            static.copy_(given[n], non_blocking=True)
                 handles.append(graph.replay())
-        for i, (ins, outs, handle, stream) in enumerate(zip(inputs, outputs, handles, streams)):
+        for handle, stream in zip(handles, streams):
             with _on(stream):
                 handle.wait()  # this stream waits for the replay, on the device
-                for y, static in zip(outs, self.outputs[i]):
-                    if y is not None:
-                        y.copy_(static, non_blocking=True)
             if stream is not None:
-                used = [*ins, *outs] + ([x for d in taken[i] if d for x in d.values()] if backward else [])
-                for x in used:  # used on `stream`: the allocator must not hand them on before
-                    if x is not None:
-                        x.record_stream(stream)
                 caller.wait_stream(stream)
+        for y, static in zip(outputs, self.outputs):
+            y.copy_(static, non_blocking=True)
         if forward:  # on the caller's stream, after every replay
-            for i, (p, ins) in enumerate(zip(participants, inputs)):
+            for i, p in enumerate(participants):
                 rows, merged = self.stash[i][sets[i]]
-                p.adopt(kept, _own(rows, self.inputs[i], ins), None if merged is None else _own(merged, (), ()))
+                p.adopt(kept, self._own(rows, i, p, inputs), None if merged is None else _copied(merged))
+
+    def _own(self, rows: dict | None, i: int, p, inputs) -> dict | None:
+        """Rows participant ``i``'s recording kept, as tensors of their own: its rows of a static
+        input (kept by reference, as the eager round keeps the client's own rows) become its rows
+        of the caller's tensor; the rest are copied."""
+        if rows is None:
+            return None
+        static = {id(x): j for j, x in enumerate(self.views[i]) if x is not None}
+        if not any(id(x) in static for x in rows.values()):
+            return _copied(rows)
+        given = self.rows(p, inputs)
+        return {n: given[static[id(x)]] if id(x) in static else x.clone() for n, x in rows.items()}
 
 
-def _like(row) -> tuple:
-    return tuple(None if x is None else torch.empty_like(x) for x in row)
+def _copied(rows: dict) -> dict:
+    return {n: x.clone() for n, x in rows.items()}
 
 
 def _on(stream):
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
-def _take(p, kept: int, ins) -> tuple:
+def _take(p, kept: int, like) -> tuple:
     """Participant ``p``'s (server rows, merged rows) kept under ``kept``, no longer held by it."""
     rows = p._take_kept(kept) if p.server is not None else None
-    merged = p._take_merged(kept, ins[0]) if p._keeps_merged() else None
+    merged = p._take_merged(kept, like) if p._keeps_merged() else None
     return rows, merged
-
-
-def _own(rows: dict | None, static_inputs: tuple, inputs: tuple) -> dict | None:
-    """Rows a recording kept, as tensors of their own: a static input (kept by reference, as the
-    eager round keeps the client's own rows) becomes the caller's tensor; the rest are copied."""
-    if rows is None:
-        return None
-    out = {}
-    for n, x in rows.items():
-        same = [given for static, given in zip(static_inputs, inputs) if static is x]
-        out[n] = same[0] if same else x.clone()
-    return out
 
 
 class RoundGraphs:
@@ -244,12 +243,13 @@ class RoundGraphs:
         self._seen.clear()
         self._captured.clear()
 
-    def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs,
+    def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs, rows,
             streams: list, kept: int | None = None) -> bool:
         """Replay round ``key`` if it was captured, capture it once it ran :data:`WARMUP_ROUNDS`
-        times eagerly; returns whether it ran here (False: run it eagerly). ``streams``: a CUDA
-        stream per participant (the runtime's) for the replay; ``kept``: a kept-activation
-        plan's round key (:meth:`CapturedRound.replay`)."""
+        times eagerly; returns whether it ran here (False: run it eagerly). ``inputs``,
+        ``outputs``, ``rows``: the batch's tensors and each participant's rows of them
+        (:class:`CapturedRound`); ``streams``: a CUDA stream per participant (the runtime's) for
+        the replay; ``kept``: a kept-activation plan's round key (:meth:`CapturedRound.replay`)."""
         if self.disabled is not None:
             return False
         key = (key, kind, float(softmax_scale), kept is not None)
@@ -265,7 +265,7 @@ class RoundGraphs:
             if len(self._captured) >= GRAPH_BLOCKS:  # its words go to this capture (every PE alike)
                 self._captured.popitem(last=False)[1].release()
             try:
-                found = CapturedRound(participants, transports, kind, softmax_scale, inputs, outputs, kept)
+                found = CapturedRound(participants, transports, kind, softmax_scale, inputs, outputs, rows, kept)
             except ValueError:  # a route not installed yet (its buffers grew late), or no kept rows
                 self._seen[key] = WARMUP_ROUNDS - 1  # to capture: eager once more (it raises the latter)
                 return False

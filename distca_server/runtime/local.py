@@ -116,9 +116,7 @@ class LocalBatch(PlannedBatch):
         streams = runtime._participant_streams(self.device, n, first=0)  # replays queue every participant
         with self._round():
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
-                                      [self._rows(p, inputs) for p in self.participants],
-                                      [self._rows(p, outputs) for p in self.participants],
-                                      [streams.get(i) for i in range(n)], kept)
+                                      inputs, outputs, self._rows, [streams.get(i) for i in range(n)], kept)
 
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank

@@ -70,7 +70,7 @@ class FakeCapture:
     made: list = []
     fail: BaseException | None = None
 
-    def __init__(self, participants, transports, kind, scale, inputs, outputs, kept):
+    def __init__(self, participants, transports, kind, scale, inputs, outputs, rows, kept):
         if FakeCapture.fail is not None:
             raise FakeCapture.fail
         self.args, self.replays, self.ok = (participants, transports, kind, scale), [], True
@@ -94,7 +94,7 @@ def fake(monkeypatch):
 
 
 def run(graphs, key, kind=RoundKind.FORWARD, scale=0.25, n=2, kept=None):
-    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, [("in",)] * n, [("out",)] * n, ["s"] * n, kept)
+    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, ("in",), ("out",), None, ["s"] * n, kept)
 
 
 def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
@@ -103,13 +103,13 @@ def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
     assert run(g, "shape") and run(g, "shape")
     (cap,) = fake.made
     assert cap.args == (["p", "p"], ["t", "t"], RoundKind.FORWARD, 0.25) and len(cap.replays) == 2
-    assert cap.replays[0] == ([("in",)] * 2, [("out",)] * 2, 2, None)  # each participant's rows and stream
+    assert cap.replays[0] == (("in",), ("out",), 2, None)  # the batch's tensors, a stream per participant
     assert g.replays == 2
     # another kind or scale is another round: its own warm-up, and so is a kept-activation one
     assert not run(g, "shape", kind=RoundKind.BACKWARD) and not run(g, "shape", scale=0.5)
     assert not run(g, "shape", kept=7)
     run(g, "shape", kept=8)
-    assert run(g, "shape", kept=9) and fake.made[-1].replays == [([("in",)] * 2, [("out",)] * 2, 2, 9)]
+    assert run(g, "shape", kept=9) and fake.made[-1].replays == [(("in",), ("out",), 2, 9)]
     g.clear()  # the group went: everything starts over
     assert not run(g, "shape")
 
@@ -239,6 +239,8 @@ def kept_job(servers: int, mode: str, graphs: bool, **plan) -> JobConfig:
 
 
 KEPT_CASES = [  # (servers, mode, ranks, document lengths, PlanConfig fields)
+    # nothing moves: each server computes its own rank's rows where they are and keeps them by reference
+    (2, "inplace", 2, [256, 256], {}),
     (2, "inplace", 2, [300, 1, 77, 512, 129, 31], {}),
     (3, "inplace", 3, [300, 1, 77, 512, 129, 31], {}),
     # key blocks split onto idle servers: the client role keeps merged O and LSE rows
@@ -252,7 +254,7 @@ def test_kept_activation_rounds_replayed_keep_and_take_their_rows_as_the_eager_o
     own tensors where the eager round keeps them by reference, never the recording's); backward
     rounds replayed take them back: every output and gradient equals the eager client's bit for
     bit and the float64 reference."""
-    got, merged = [], []
+    got, merged, home = [], [], []
     for graphs in (False, True):
         client = DistCAClient.local(config=kept_job(servers, mode, graphs, **plan), num_ranks=ranks)
         runtime = client._runtime
@@ -260,15 +262,18 @@ def test_kept_activation_rounds_replayed_keep_and_take_their_rows_as_the_eager_o
         def check_kept():  # after the forward rounds of a step: what the participants keep
             if not graphs or not runtime.graphs._captured:
                 return
-            static = {id(x) for c in runtime.graphs._captured.values() for row in c.inputs for x in row
-                      if x is not None}
-            static |= {id(x) for c in runtime.graphs._captured.values() for sets in c.stash for rows in sets
-                       for d in rows if d for x in d.values()}
+            def storage(x):  # an empty tensor has no memory to share
+                return x.untyped_storage().data_ptr() if x.numel() else None
+            captured = list(runtime.graphs._captured.values())
+            static = {storage(x) for c in captured for x in c.inputs}
+            static |= {storage(x) for c in captured for sets in c.stash for rows in sets for d in rows if d
+                       for x in d.values()}
             for parts in runtime._bound.values():
                 held = [x for p in parts for rows, _ in p.kept.values() for x in rows.values()]
                 held += [x for p in parts for m in p.kept_merged.values() for x in m.values()]
-                assert held and not static & {id(x) for x in held}
+                assert held and not (static & {storage(x) for x in held}) - {None}
                 merged.extend(m for p in parts for m in p.kept_merged.values())
+                home.extend(p.inputs_home for p in parts)
         try:
             got.append(kept_layers(client, lens, steps=2, n_layers=4, check=check_kept))
             if graphs:
@@ -279,6 +284,7 @@ def test_kept_activation_rounds_replayed_keep_and_take_their_rows_as_the_eager_o
         finally:
             client.close()
     assert bool(merged) == plan.get("partial_kv", False)  # the merged rows were tested where they exist
+    assert any(home) == (lens == [256, 256])  # and so were rows kept by reference
     for eager, replayed in zip(*got):
         for a, b in zip(eager[4:], replayed[4:]):
             assert torch.equal(a, b)
