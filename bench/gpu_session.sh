@@ -275,7 +275,9 @@ for s in "$@"; do
            status=1 ;;
     esac
 done
-# issue 22's summary keys from whatever ran (null with a reason for the rest), beside the log
+# issue 22's summary keys from whatever ran (null with a reason for the rest) and each stage's
+# outcome (from the log), beside the log
+cp "$LOG" "$RES/session.log"
 "$PY" bench/gpu_summary.py "$RES" 2>&1 | tee -a "$LOG"
 cp "$RES/summary.json" "$OUT/summary.json" 2>/dev/null
 cp "$LOG" "$RES/session.log"

@@ -24,6 +24,7 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``train_loss_max_rel_diff_10_steps``, ``train_tokens_per_s_distca``, ``train_tokens_per_s_local`` | ``train.json`` |
 | ``dead_pe_error_s`` | ``dead_peer_nvshmem.json`` |
 | ``tagged_step_ratio_2clients``, ``tagged_attend_host_ratio_2clients`` | ``tagged_rounds.json`` (the ``tagged`` stage): an in-place Ray step's time, and an ``attend``'s host time, with tagged rounds over the header in every round, 2 clients, the smallest context |
+| ``stages`` | ``session.log``: each stage's outcome, ``ok``, ``exit status N`` or ``skipped`` (out of ``BUDGET_S``) |
 | ``kernel_tflops_32K`` | ``backends.json`` speed: ``{backend: [forward, backward]}`` TFLOP/s, 32/8/128 at 32K-token documents (issue 21) |
 | ``plan_max_mean_flop``, ``plan_max_mean_time`` | ``backends.json`` plan: measured max/mean server kernel time of the FLOP and the time planner's plans |
 """
@@ -31,6 +32,7 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -106,7 +108,22 @@ def collect(folder: Path) -> dict:
         out[f"plan_max_mean_{name}"] = (planners.get(name) or {}).get("measured_max_mean")
         if out[f"plan_max_mean_{name}"] is None:
             missing[f"plan_max_mean_{name}"] = "backends.json absent or without its plan section"
+    out["stages"] = stage_outcomes(folder / "session.log")
     out["missing"] = {k: v for k, v in missing.items() if out.get(k) is None}
+    return out
+
+
+def stage_outcomes(log: Path) -> dict:
+    """``{stage: "ok" | "exit status N" | "skipped"}`` from a ``gpu_session.sh`` log (the last
+    outcome of a stage that ran twice); {} without a log."""
+    out: dict = {}
+    if not log.exists():
+        return out
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r"== (\w+): (skipped|exit status (\d+))", line)
+        if m:
+            out[m.group(1)] = "skipped" if m.group(2) == "skipped" else (
+                "ok" if m.group(3) == "0" else f"exit status {m.group(3)}")
     return out
 
 

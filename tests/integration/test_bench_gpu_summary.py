@@ -30,8 +30,13 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
                   {"backend": "torch_varlen", "shape": "32/8/128", "doc_len": 32768, "fwd_tflops": 330.0,
                    "bwd_tflops": 310.0}],
         "plan": {"planners": {"flop": {"measured_max_mean": 1.09}, "time": {"measured_max_mean": 1.03}}}}))
+    (tmp_path / "session.log").write_text(
+        "== env (limit 60 s): env_info\n== env: exit status 0 after 2 s\n"
+        "== train (limit 240 s): train_run\n== train: exit status 124 after 240 s\n"
+        "== kernels: skipped, 12 s of BUDGET_S left\n")
     assert bench.main([str(tmp_path)]) == 0
     got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["stages"] == {"env": "ok", "train": "exit status 124", "kernels": "skipped"}
     assert got["kernel_tflops_32K"] == {"cudnn": [540.0, 450.0], "torch_varlen": [330.0, 310.0]}
     assert (got["plan_max_mean_flop"], got["plan_max_mean_time"]) == (1.09, 1.03)
     assert got["exchange_us_64KiB_2pe"] == 31.0 and got["exchange_us_64KiB_2pe_host_driven"] == 900.0  # main run
