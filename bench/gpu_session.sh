@@ -13,6 +13,8 @@
 # a call carries: no room for FlashAttention-4's 55 MiB beside them, nor for a much larger tree.
 #
 #   BUDGET_S=560 bash bench/gpu_session.sh        # every stage, most wanted first, in one call
+# (the device tool's run: command "BUDGET_S=560 bash bench/gpu_session.sh", carry [".whl"],
+# timeout_s 600; afterwards unpack results.tar as said below)
 #   bash bench/gpu_session.sh env ktests kernels  # some of them
 #
 # One device call: 15 minutes of device time a session, a machine's start included, and 10
