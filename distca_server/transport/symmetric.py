@@ -61,9 +61,10 @@ import torch
 from ..errors import DistCAError
 from .base import ALIGN, DONE, ExchangeHandle, aligned, check_exchange
 from .symmetric_heap import SymmetricHeap, _FirstFit, key_id
-from .symmetric_words import (_DIRECT, _LOW, CAUSE_SHIFT, CODE_BITS, CODE_MASK, _NSEG, _NWISH, _REPORT, _ROUTE, _ROW, _SEGS, _WHY, _WISH, ABORT, ANNOUNCE,
+from .symmetric_words import (_DIRECT, _LOW, _NSEG, _NWISH, _REPORT, _ROUTE, _ROW, _SEGS, _WHY, _WISH, ABORT, ANNOUNCE,
                               CLOSED, DATA, DIRECT, GEN_SHIFT, MAX_GENERATION, MAX_SEGMENTS, MAX_WISHES, MISMATCH,
-                              MOVED_ON, PEER_FAILED, SIGNAL_KINDS, STAGED, STAGING, TIMED_OUT, table_bytes)
+                              MOVED_ON, PEER_FAILED, SIGNAL_KINDS, STAGED, STAGING, TIMED_OUT, abort_low, abort_parts,
+                              table_bytes)
 
 
 
@@ -203,9 +204,7 @@ class SymmetricTransport:
         ``cause``: the (PE, code) a PEER_FAILED abort passes on."""
         if self._broken is None:
             self._broken = why
-        value = self._base | code
-        if cause is not None:
-            value |= (cause[0] + 1) << CAUSE_SHIFT | cause[1] << CODE_BITS
+        value = self._base | abort_low(code, cause)
         for pe in self._peers():
             try:
                 self.heap.signal(pe, self._slot(ABORT, self.rank), value)
@@ -237,16 +236,14 @@ class SymmetricTransport:
         """What ``pe``'s ABORT word in ``sig`` says in this generation (0: nothing; older
         generations' words are ignored)."""
         word = int(sig[self._slot(ABORT, pe)])
-        return word & CODE_MASK if word >> GEN_SHIFT == self.generation else 0
+        return abort_parts(word & _LOW)[0] if word >> GEN_SHIFT == self.generation else 0
 
     def _root(self, sig: np.ndarray, hit: tuple[int, int]) -> tuple[int, int]:
         """The failure behind ``hit`` (a PE and its code, :meth:`_aborted_by`): the one its
         PEER_FAILED word passes on, if it names one, else ``hit``."""
         pe, code = hit
-        word = int(sig[self._slot(ABORT, pe)]) & _LOW
-        if code == PEER_FAILED and word >> CAUSE_SHIFT:
-            return (word >> CAUSE_SHIFT) - 1, (word >> CODE_BITS) & CODE_MASK
-        return hit
+        cause = abort_parts(int(sig[self._slot(ABORT, pe)]) & _LOW)[1]
+        return cause if code == PEER_FAILED and cause is not None else hit
 
     def _reason(self, sig: np.ndarray, hit: tuple[int, int]) -> str:
         """``hit`` in words: "participant 2 timed out ...", or for an echo "participant 1 gave up

@@ -18,10 +18,23 @@ PEER_FAILED = 5  # gave up its exchange because another peer failed (fails only 
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
         PEER_FAILED: "gave up after another participant failed",
         MISMATCH: "found a mismatch (sizes, route or round)", MOVED_ON: "moved on to a later group epoch"}
-# A PEER_FAILED word also names the failure it passes on (its PE + 1 from bit CAUSE_SHIFT, its code
-# from bit CODE_BITS; 0: unknown), so a PE that sees the echo before the cause still names the cause.
-CODE_BITS, CAUSE_SHIFT = 4, 8
-CODE_MASK = (1 << CODE_BITS) - 1
+# A PEER_FAILED word also names the failure it passes on (its PE + 1 from bit _CAUSE_SHIFT, its code
+# from bit _CODE_BITS; 0: unknown), so a PE that sees the echo before the cause still names the cause.
+_CODE_BITS, _CAUSE_SHIFT = 4, 8
+_CODE_MASK = (1 << _CODE_BITS) - 1
+
+
+def abort_low(code: int, cause: tuple[int, int] | None = None) -> int:
+    """The low bits of an ABORT word: ``code``, and for PEER_FAILED the ``(PE, code)`` it passes on."""
+    return code if cause is None else code | (cause[0] + 1) << _CAUSE_SHIFT | cause[1] << _CODE_BITS
+
+
+def abort_parts(low: int) -> tuple[int, tuple[int, int] | None]:
+    """``(code, cause)`` of an ABORT word's low bits (:func:`abort_low`; cause None: none named)."""
+    cause = (low >> _CAUSE_SHIFT) - 1, (low >> _CODE_BITS) & _CODE_MASK
+    return low & _CODE_MASK, cause if low >> _CAUSE_SHIFT else None
+
+
 GEN_SHIFT = 32  # signal value = generation << GEN_SHIFT | exchange number (or ABORT code)
 _LOW = (1 << GEN_SHIFT) - 1
 MAX_GENERATION = (1 << 31) - 1  # keeps every value a positive int64
