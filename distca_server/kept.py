@@ -43,15 +43,15 @@ class KeptActivations:
         if self.split_pos is not None:  # a split task's O and LSE are partial: keep the others only
             results = {n: x.index_select(0, self.unsplit_pos) for n, x in results.items()}
         rows.update(results)
-        self.kept[keep] = ({n: rows[n] for n in KEPT_TENSORS},
-                           [(t, t._version) for t in rows.values()])
+        self.adopt(keep, {n: rows[n] for n in KEPT_TENSORS}, None)
 
     def adopt(self, keep: int, rows: dict | None, merged: dict | None) -> None:
-        """Keep under ``keep`` the rows a replayed forward round produced (:mod:`~distca_server.runtime.graphed`),
-        as :meth:`_keep` keeps an eager round's: the server role's ``rows`` ({name: tensor} of
-        :data:`~scheduler.cost.KEPT_TENSORS`, None for no server role), the client role's merged
-        ``out`` and ``lse`` rows (None when it owns no split shard). The caller checked ``keep``
-        (:meth:`_check_keep`)."""
+        """Keep under ``keep``: the server role's ``rows`` ({name: tensor} of
+        :data:`~scheduler.cost.KEPT_TENSORS`, None for no server role; their versions recorded,
+        as autograd records a saved tensor's) and the client role's merged ``out`` and ``lse``
+        rows (None when it owns no split shard). An eager forward round's (:meth:`_keep`), or a
+        replayed or recorded one's (:mod:`~distca_server.runtime.graphed`). The caller checked
+        ``keep`` (:meth:`_check_keep`)."""
         if rows is not None:
             self.kept[keep] = (rows, [(t, t._version) for t in rows.values()])
         if merged is not None:

@@ -134,10 +134,7 @@ class CapturedRound:
         rows, merged = self.kept_rows[i]
 
         def backward():
-            if rows is not None:
-                p.kept[CAPTURE_KEY] = (rows, [(x, x._version) for x in rows.values()])
-            if merged is not None:
-                p.kept_merged[CAPTURE_KEY] = merged
+            p.adopt(CAPTURE_KEY, rows, merged)
             drive(p.backward_kept_steps(t, ins[0], scale, kept=CAPTURE_KEY, dq=outs[0], dk=outs[1], dv=outs[2]))
         return backward
 
