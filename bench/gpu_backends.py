@@ -114,7 +114,8 @@ def bench_speed(args, run, backends, timer, checks, errors) -> list[dict]:
                     continue
                 row = dict(backend=b.name, shape=f"{hq}/{hkv}/{dim}", doc_len=L, docs=docs, fwd_ms=t_f * 1e3,
                            bwd_ms=t_b * 1e3, fwd_tflops=flops / t_f / 1e12, bwd_tflops=2.5 * flops / t_b / 1e12)
-                base_row = base_row or row
+                base_row = base_row or row  # the baseline, or the first backend that ran if it failed
+                row["baseline"] = base_row["backend"]
                 row["fwd_vs_base"] = row["fwd_tflops"] / base_row["fwd_tflops"]
                 row["bwd_vs_base"] = row["bwd_tflops"] / base_row["bwd_tflops"]
                 rows.append(row)

@@ -30,6 +30,7 @@ def test_quick_cpu_run_writes_every_section(bench, tmp_path, capsys):
     assert [(r["backend"], r["doc_len"]) for r in result["speed"]] == [("torch_cpu", 256), ("torch_cpu", 1024)]
     for r in result["speed"]:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_vs_base"] == r["bwd_vs_base"] == 1.0
+        assert r["baseline"] == "torch_cpu"
     assert [r["shard"] for r in result["shards"]] == ["whole", 128, 256]
     assert {r["backend"] for r in result["shards"]} == {"torch_cpu"}
     # plan: both planners ran for real (guarded) and every server's fused call was timed
