@@ -55,6 +55,7 @@ class DistCAClient:
         self._runtime = runtime
         self._last_step: PlannedBatch | None = None
         self._step_batches: list[PlannedBatch] = []  # the batches of the last step, in first use order
+        op.register(self)  # the operators' name for this client
 
     @classmethod
     def local(cls, num_servers: int | None = None, *, config: PlanConfig | JobConfig | None = None,

@@ -20,7 +20,7 @@ Three layers, the structure of flash-attention's ``flash_attn_interface.py``:
    call :func:`attend` / :func:`finish` here.
 
 An operator takes tensors and plain scalars only, so the client goes in as an int key into a
-registry that references clients weakly (:func:`client_key`), and a forward round's state goes
+registry that references clients weakly (:func:`register`), and a forward round's state goes
 from the forward to the backward op inside the ``round`` tensor (:class:`~distca_client.autograd.Round`).
 """
 
@@ -40,32 +40,36 @@ from . import autograd as _autograd
 from .autograd import Pending, Round
 from .validate import _doc_lens, check_lens_array, check_softmax_scale
 
-_CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> DistCAClient
-_CLIENT_KEYS = itertools.count(1)
+_CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # client_key -> DistCAClient
 _PENDING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Pending (attend_async)
 _PENDING_KEYS = itertools.count(1)
 _NO_DOCS = torch.empty(0, dtype=torch.int64)  # doc_lens of a call that finishes a started round
 
 
-@torch.compiler.assume_constant_result
+def register(client) -> None:
+    """Name ``client`` to the operators by :func:`client_key` (the registry holds it weakly).
+    Called once, when the client is made: traced code only reads the registry."""
+    _CLIENTS[client_key(client)] = client
+
+
 def client_key(client) -> int:
-    """The int that names ``client`` to the operators (registered on first use; the registry
-    holds it weakly). A constant in a compiled graph; dynamo guards on the client object, so
-    a compiled function called with another client recompiles for it."""
-    key = client.__dict__.get("_op_key")
-    if key is None:
-        key = client.__dict__["_op_key"] = next(_CLIENT_KEYS)
-        _CLIENTS[key] = client
-    return key
+    """The int that names ``client`` to the operators: ``id(client)``, which torch.compile
+    traces into a constant of the graph with a guard on the client object's identity, so a
+    compiled function called with another client recompiles for it (an int attribute would turn
+    into a dynamic int after a recompile, and torch 2.11's dynamo runs an
+    ``assume_constant_result`` function on constant arguments only, not on the client)."""
+    return id(client)
 
 
 @torch.compiler.assume_constant_result
-def keeps_activations(client) -> bool:
-    """Whether ``client``'s servers keep a counted round's activations (so the autograd formula
-    saves nothing but the round tensor). Read when torch.compile traces a call: every runtime knows
-    its setting (a connected client has its job's from registering); a runtime that did not say is
-    taken to keep nothing once it has planned no batch (the compiled graph then saves q, k, v, out
-    and lse for nothing, but stays exact)."""
+def keeps_activations(key: int) -> bool:
+    """Whether the servers of the client :func:`client_key` ``key`` names keep a counted round's
+    activations (so the autograd formula saves nothing but the round tensor). Read when
+    torch.compile traces a call: every runtime knows its setting (a connected client has its
+    job's from registering); a runtime that did not say is taken to keep nothing once it has
+    planned no batch (the compiled graph then saves q, k, v, out and lse for nothing, but stays
+    exact)."""
+    client = _client(key)
     runtime = client._runtime
     keep = getattr(runtime, "keep_activations", None)
     if keep is None and client._last_step is not None:
@@ -188,9 +192,10 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     counts = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = client_key(client)
     out, lse, _ = torch.ops.distca.attend_fwd(
-        q, k, v, _doc_lens_tensor(doc_lens), client_key(client), check_softmax_scale(softmax_scale),
-        window_arg(window), counts, 0, counts and keeps_activations(client))
+        q, k, v, _doc_lens_tensor(doc_lens), key, check_softmax_scale(softmax_scale),
+        window_arg(window), counts, 0, counts and keeps_activations(key))
     return (out, lse) if return_lse else out
 
 
