@@ -2,18 +2,21 @@
 # The GPU session of issues 10 and 22, stage by stage: run from the repository root on the lent GPU
 # machine (the device tool copies the working tree there and collects $OUT). No network: the
 # machine's python3 has torch, triton, numpy, msgpack, pytest, hypothesis, matplotlib, transformers,
-# pandas, pyarrow; nvshmem4py and Ray travel as wheels in .whl/ (ignored by git: add /.whl/ to
+# pandas, pyarrow; nvshmem4py and Ray travel as wheels (ignored by git: add /.whl/ and /.carry/ to
 # .git/info/exclude; see /work/.library/device/README.md) and are installed into /tmp/site first
-# when present (.whl/extra/cuda_core-*.whl too, only if the image's cuda.core is older than
-# nvshmem4py needs). Ray Train (the `train` stage) also imports pydantic and colorful, which the
-# image lacks; build everything with, from the project root on the development machine:
+# when present (extra/cuda_core-*.whl too, only if the image's cuda.core is older than nvshmem4py
+# needs). Ray Train (the `train` stage) also imports pydantic and colorful, which the image lacks;
+# build everything with, from the project root on the development machine:
 #   bash ../shared/gpu/carry_wheels.sh .whl pydantic==2.14.4 pydantic-core==2.50.5 \
 #       annotated-types==0.8.0 typing-inspection==0.4.5 colorful==0.5.8 nvidia-cudnn-frontend==1.32.0
-# Measured 2026-11-28: those wheels are 59.3 MiB and the tracked tree 4.2 MiB, 63.5 of the 64 MiB
-# a call carries: no room for FlashAttention-4's 55 MiB beside them, nor for a much larger tree.
+#   python bench/carry_wheels.py pack .whl .carry/wheels.tar.xz   # about 2.5 min
+# Measured 2026-11-28: those wheels are 59.3 MiB, packed 31.3 MiB; with the tracked tree (4.2 MiB)
+# a call carries 35.5 of its 64 MiB. This script rebuilds the wheels from the pack when .carry/
+# holds one (3.7 s on the development machine), else installs .whl/*.whl as they are (63.5 MiB
+# with the tree: no room to grow).
 #
 #   BUDGET_S=560 bash bench/gpu_session.sh        # every stage, most wanted first, in one call
-# (the device tool's run: command "BUDGET_S=560 bash bench/gpu_session.sh", carry [".whl"],
+# (the device tool's run: command "BUDGET_S=560 bash bench/gpu_session.sh", carry [".carry"],
 # timeout_s 600; afterwards unpack results.tar as said below)
 #   bash bench/gpu_session.sh env ktests kernels  # some of them
 #
@@ -94,16 +97,25 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$RES"
 LOG="$OUT/session.log"
 DEADLINE=$((SECONDS + ${BUDGET_S:-1000000}))
-if ls .whl/*.whl >/dev/null 2>&1; then
+# The carried wheels: .carry/wheels.tar.xz (bench/carry_wheels.py pack: about half the bytes) is
+# rebuilt into wheels first; else the wheels in .whl/ as they are.
+WHEELS=
+if [ -f .carry/wheels.tar.xz ]; then
+    rm -rf /tmp/distca_wheels
+    "$PY" bench/carry_wheels.py unpack .carry/wheels.tar.xz /tmp/distca_wheels >/dev/null && WHEELS=/tmp/distca_wheels
+elif ls .whl/*.whl >/dev/null 2>&1; then
+    WHEELS=.whl
+fi
+if [ -n "$WHEELS" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        "$WHEELS"/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     # nvshmem4py wants cuda.core >= 0.5: the carried one only where the image's is older.
-    if ls .whl/extra/cuda_core-*.whl >/dev/null 2>&1 && ! "$PY" -c '
+    if ls "$WHEELS"/extra/cuda_core-*.whl >/dev/null 2>&1 && ! "$PY" -c '
 import sys
 from importlib.metadata import version
 sys.exit(0 if tuple(int(x) for x in version("cuda-core").split(".")[:2]) >= (0, 5) else 1)'; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/extra/cuda_core-*.whl
+            "$WHEELS"/extra/cuda_core-*.whl
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
