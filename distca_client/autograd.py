@@ -113,6 +113,12 @@ class Round(bytearray):
                                "offloading, frees the round; see distca_client.autograd.Round)")
         return rnd
 
+    def run_backward(self, dout, q, k, v, out, lse):
+        """``distca::attend_bwd``'s body: :meth:`backward` with ``lse`` in the operator's layout
+        ([num_heads_q, T] or None); ``(dq, dk, dv)`` contiguous."""
+        dq, dk, dv = self.backward(dout, q, k, v, out, None if lse is None else lse.t().contiguous())
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
     def backward(self, dout, q, k, v, out, lse):
         """Run the backward round: ``(dq, dk, dv)`` like q, k, v. ``q, k, v, out`` and ``lse``
         ([T, num_heads_q], the runtime's layout) are None when the servers kept the activations.
@@ -173,12 +179,15 @@ def backward(ctx, dout, _dlse, _dround):
     """
     refuse_double_backward("DistCAClient.attend")
     rnd, *saved = ctx.saved_tensors
-    own = getattr(ctx, "round", None)
-    if own is not None:  # eager: this node's own round, also when non-reentrant checkpointing
-        rnd = own.tensor()  # recomputed the saved tensors (and so ran another forward round)
     q, k, v, out, lse = saved or (None,) * 5
     if dout is None:  # no gradient reached out: the backward round still runs, on every client alike
         shape, dtype, device = ctx.out_meta
         dout = torch.zeros(shape, dtype=dtype, device=device)
-    dq, dk, dv = torch.ops.distca.attend_bwd(dout, rnd, q, k, v, out, lse, ctx.num_heads_kv)
+    own = getattr(ctx, "round", None)
+    if own is not None:  # eager: this node's own round, also when non-reentrant checkpointing
+        # recomputed the saved tensors (and so ran another forward round); run it here, without
+        # the operator's dispatch (traced code has no own round and calls the operator)
+        dq, dk, dv = own.run_backward(dout, q, k, v, out, lse)
+    else:
+        dq, dk, dv = torch.ops.distca.attend_bwd(dout, rnd, q, k, v, out, lse, ctx.num_heads_kv)
     return dq, dk, dv, None, None, None, None, None, None, None

@@ -19,6 +19,10 @@ Three layers, the structure of flash-attention's ``flash_attn_interface.py``:
 3. The documented :meth:`DistCAClient.attend` (and ``attend_async``/``AttendHandle``), which
    call :func:`attend` / :func:`finish` here.
 
+Eager calls take :class:`EagerAttend`, a plain ``torch.autograd.Function`` with the same body and
+the same formula, since the operators' Python dispatch costs more host time than the rest of a
+replayed layer can afford; compiled code calls the operators.
+
 An operator takes tensors and plain scalars only, so the client goes in as an int key into a
 registry that references clients weakly (:func:`register`), and a forward round's state goes
 from the forward to the backward op inside the ``round`` tensor (:class:`~distca_client.autograd.Round`).
@@ -112,6 +116,11 @@ def attend_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torc
             byte moves.
         DistCAError: a participant was lost or timed out.
     """
+    return forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept)
+
+
+def forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept):
+    """``distca::attend_fwd``'s body (arguments and results as it documents)."""
     if pending:
         found = _PENDING.pop(pending, None)
         if found is None:
@@ -152,9 +161,7 @@ def attend_bwd(dout: torch.Tensor, round: torch.Tensor, q: Optional[torch.Tensor
             (``retain_graph=True``), or ``round`` names no live round.
         DistCAError: a participant was lost or timed out, or the round's step has ended.
     """
-    rnd = Round.of(round)
-    dq, dk, dv = rnd.backward(dout, q, k, v, out, None if lse is None else lse.t().contiguous())
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return Round.of(round).run_backward(dout, q, k, v, out, lse)
 
 
 @attend_bwd.register_fake
@@ -166,6 +173,26 @@ def _attend_bwd_fake(dout, round, q, k, v, out, lse, num_heads_kv):
 # ---- layer 2: the autograd function ----------------------------------------------------------
 
 attend_fwd.register_autograd(_autograd.backward, setup_context=_autograd.setup_context)
+
+
+class EagerAttend(torch.autograd.Function):
+    """``distca::attend_fwd`` and its autograd formula as a plain autograd function, for eager
+    calls: the same body (:func:`forward_round`), the same ``setup_context`` and ``backward``
+    (whose eager branch runs the backward round without ``distca::attend_bwd``), and the same
+    arguments and results, without the operator's Python dispatch. That dispatch costs 70 µs per
+    layer (forward + backward) on the development machine, against 20 µs for an autograd
+    function (``bench/host_path.py``): host time a replayed layer cannot hide. Compiled code
+    calls the operators (:func:`attend`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        # ctx in forward, not a separate setup_context: with one, apply() binds the arguments to
+        # forward's signature through inspect on every call (about 100 µs here)
+        output = forward_round(*inputs)
+        _autograd.setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_autograd.backward)
 
 
 # ---- the calls layer 3 makes -----------------------------------------------------------------
@@ -200,12 +227,12 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
 
 
 def finish(pending: Pending, q, k, v):
-    """``(out, lse)`` of the round ``pending`` (started by ``attend_async``), through the
-    operator, so its autograd node is the one every ``attend`` has."""
+    """``(out, lse)`` of the round ``pending`` (started by ``attend`` or ``attend_async``), with
+    the autograd node every ``attend`` has: :class:`EagerAttend`'s (the operator's when traced)."""
     key = next(_PENDING_KEYS)
     _PENDING[key] = pending
-    out, lse, _ = torch.ops.distca.attend_fwd(q, k, v, _NO_DOCS, 0, None, None, False, key,
-                                              pending.kept is not None)
+    fwd = torch.ops.distca.attend_fwd if torch.compiler.is_compiling() else EagerAttend.apply
+    out, lse, _ = fwd(q, k, v, _NO_DOCS, 0, None, None, False, key, pending.kept is not None)
     return out, lse
 
 

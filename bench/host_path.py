@@ -1,0 +1,257 @@
+"""Host time of one attention layer through distca, forward + backward, with its rounds replayed
+(issue 22 item 4's ``host_us_per_layer_graphed``, the host's own share, measured on the CPU).
+
+``DistCAClient.local(--servers)`` with ``JobConfig(cuda_graphs=True)`` over the in-process heap:
+after their warm-up every round is replayed from its capture, so what is left on the host is
+distca's own work per layer: the operator and its autograd node, the checks, the step's batch,
+the round's place in the order, and the replay (static inputs in, every participant's recording,
+outputs and kept rows out). On the CPU a CUDA graph cannot be replayed, so each participant's
+recording is stood in for by :class:`FirstReplays`: its first replay of each of the two signal
+sets runs the recorded round for real (on a thread of its own, so the participants' exchanges
+meet), later ones queue nothing, as a CUDA graph's replay queues its work and returns. The
+batch's inputs are the same every layer, so the no-op replays' outputs are the real ones, and the
+benchmark checks them: every layer's output and the gradients equal an eager client's.
+
+Rows, per run (µs per layer, forward + backward; best of ``--repeats`` timings of ``--steps``
+steps of ``--layers`` layers, then one backward through all of them):
+
+- ``autograd.Function``: a no-op ``torch.autograd.Function`` of q, k, v (the floor of any
+  differentiable Python op);
+- ``custom op``: a no-op ``torch.library.custom_op`` pair with distca's signature and
+  ``register_autograd`` (what dispatching ``distca::attend_fwd`` / ``attend_bwd`` costs);
+- ``distca attend``: ``client.attend`` and the backward, as training calls it;
+- ``distca via operator``: the same rounds called through ``torch.ops.distca.attend_fwd`` (the
+  path compiled code takes), the baseline the eager path is compared with.
+
+On a GPU the host also pays for queuing each copy and replay (a few µs per CUDA call); the GPU
+session's ``kernels`` stage measures that whole path (``host_us_per_layer_graphed``).
+
+Usage::
+
+    python bench/host_path.py               # 2 participants, 8 layers
+    python bench/host_path.py --quick
+
+Writes JSON to ``--json`` (default ``bench/results/host_path.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.report import finish  # noqa: E402
+from distca_client import DistCAClient  # noqa: E402
+from distca_client.op import client_key, keeps_activations  # noqa: E402
+from distca_server.runtime.graphed import RoundGraphs  # noqa: E402
+from distca_server.transport.routed import RoutedTransport  # noqa: E402
+from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+
+LENS = [60, 1, 17, 90, 29, 11]  # documents that the plan splits across both participants (min_shard 8)
+HEADS_Q, HEADS_KV, DIM = 2, 1, 8  # small rows: the CPU copies them synchronously, a GPU queues them
+
+
+class FirstReplays:
+    """Stands in for an :class:`~distca_server.transport.exchange_graph.ExchangeGraph` on the CPU:
+    the first replay of each signal set runs the recorded round ``fn`` on a thread of its own; the
+    later ones do nothing (module doc)."""
+
+    def __init__(self, transport, fn):
+        self.fn, self.next_set, self.usable, self.ran = fn, 0, True, 0
+
+    def replay(self):
+        self.next_set = 1 - self.next_set
+        if self.ran >= 2:
+            return self
+        self.ran += 1
+        failed: list = []
+
+        def body():
+            try:
+                self.fn()
+            except BaseException as exc:  # noqa: BLE001 - raised by wait()
+                failed.append(exc)
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return _Joined(thread, failed)
+
+    def wait(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class _Joined:
+    def __init__(self, thread, failed):
+        self.thread, self.failed = thread, failed
+
+    def wait(self) -> None:
+        self.thread.join(120)
+        if self.thread.is_alive():
+            raise RuntimeError("a replayed round did not finish in 120 s")
+        if self.failed:
+            raise self.failed[0]
+
+
+class _Floor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return torch.empty_like(dout), None, None
+
+
+@torch.library.custom_op("distca_bench::fwd", mutates_args=())
+def _op_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torch.Tensor, client: int,
+            softmax_scale: float | None, window: int | None, counts: bool, pending: int,
+            kept: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:2]), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("distca_bench::bwd", mutates_args=())
+def _op_bwd(dout: torch.Tensor, rnd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+
+
+def _op_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(output[2])
+
+
+def _op_backward(ctx, dout, _dlse, _drnd):
+    return (*torch.ops.distca_bench.bwd(dout, ctx.saved_tensors[0]),) + (None,) * 7
+
+
+_op_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
+    """Best of ``repeats`` timings of ``steps`` calls of ``run_step``, µs per layer of this
+    thread's CPU time (``time.thread_time``: the host work itself, without the time another
+    process held the core; nothing here waits, every replay after the first two is a no-op)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for _ in range(steps):
+            run_step()
+        best = min(best, (time.thread_time() - t0) / steps / layers * 1e6)
+    return best
+
+
+def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
+    """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds."""
+    lens_t = torch.tensor(LENS, dtype=torch.int64)
+    saved = RoundGraphs.device_types, RoutedTransport.graph
+    RoundGraphs.device_types = ("cuda", "cpu")
+    RoutedTransport.graph = lambda self, fn: FirstReplays(self, fn)
+    job = JobConfig(servers=args.servers, transport="shm", cuda_graphs=True, timeout_s=120,
+                    plan=PlanConfig(min_shard=8))
+    reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120,
+                                                    plan=PlanConfig(min_shard=8)))
+    client = DistCAClient.local(config=job)
+    try:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        key = client_key(client)
+
+        def attend_eager():
+            return client.attend(*leaves, LENS)
+
+        def attend_op():
+            kept = keeps_activations(key)
+            return torch.ops.distca.attend_fwd(*leaves, lens_t, key, None, None, True, 0, kept)[0]
+
+        def step(attend, layers=args.layers):
+            for t in leaves:
+                t.grad = None
+            outs = [attend() for _ in range(layers)]
+            torch.stack(outs).backward(dout.expand(layers, *dout.shape))
+            return outs
+
+        ref_leaves = [t.detach().requires_grad_() for t in inputs]
+        ref_out = reference.attend(*ref_leaves, LENS)
+        ref_out.backward(dout * args.layers)
+        moved = sum(b for kind in reference.traffic().values() for b in kind.values())
+        if not moved:
+            raise AssertionError(f"the plan of {LENS} moves nothing: no exchange to replay")
+        checks = {}
+        for name, attend in (("distca attend", attend_eager), ("distca via operator", attend_op)):
+            for _ in range(4):  # warm-up: 2 eager rounds per kind, then the captures and their first replays
+                outs = step(attend)
+            err = max([(o - ref_out).abs().max().item() for o in outs]
+                      + [(a.grad - b.grad).abs().max().item() for a, b in zip(leaves, ref_leaves)])
+            checks[name] = err
+            if err > 1e-5:
+                raise AssertionError(f"{name}: replayed rounds differ from the eager client by {err:.2e}")
+        replays_before = client._runtime.graphs.replays
+        times = {name: per_layer_us(lambda a=attend: step(a), args.layers, args.steps, args.repeats)
+                 for name, attend in (("distca attend", attend_eager), ("distca via operator", attend_op))}
+        replayed = client._runtime.graphs.replays - replays_before
+        expected = 2 * 2 * args.layers * args.steps * args.repeats  # 2 paths x (forward + backward)
+        if replayed != expected:
+            raise AssertionError(f"{replayed} rounds replayed while timing, expected {expected}")
+        return times, checks
+    finally:
+        client.close()
+        reference.close()
+        RoundGraphs.device_types, RoutedTransport.graph = saved
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--servers", type=int, default=2, help="participants (in-place servers)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=60, help="steps per timing")
+    ap.add_argument("--repeats", type=int, default=7, help="timings; the best is reported")
+    ap.add_argument("--quick", action="store_true", help="10 steps per timing, 3 timings")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "host_path.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 10, 3
+    torch.set_num_threads(1)  # host time, not kernel time: one thread, as a GPU host issues work
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    T = sum(LENS)
+    q, k, v, dout = (torch.randn(T, h, DIM, generator=gen) for h in (HEADS_Q, HEADS_KV, HEADS_KV, HEADS_Q))
+    x = q.detach().requires_grad_()
+    floor = per_layer_us(lambda: torch.stack([_Floor.apply(x, k, v) for _ in range(args.layers)]).sum().backward(),
+                         args.layers, args.steps, args.repeats)
+    lens_t = torch.tensor(LENS)
+    custom = per_layer_us(lambda: torch.stack([torch.ops.distca_bench.fwd(x, k, v, lens_t, 1, None, None, True, 0,
+                                                                          True)[0]
+                                               for _ in range(args.layers)]).sum().backward(),
+                          args.layers, args.steps, args.repeats)
+    times, checks = distca_runs(args, (q, k, v), dout)
+    rows = [dict(path="autograd.Function", us_per_layer=floor), dict(path="custom op", us_per_layer=custom)]
+    rows += [dict(path=name, us_per_layer=us, max_abs_err=checks[name]) for name, us in times.items()]
+    base = times["distca via operator"]
+    for r in rows:
+        r["vs_floor"] = r["us_per_layer"] / floor
+        r["vs_operator_path"] = r["us_per_layer"] / base
+
+    def show():
+        print("| path | µs / layer (fwd + bwd) | × autograd.Function | × distca via operator |")
+        print("|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['path']} | {r['us_per_layer']:.1f} | {r['vs_floor']:.2f} | {r['vs_operator_path']:.2f} |")
+    eager = times["distca attend"]
+    headline = [f"{args.servers} participants, {args.layers} layers, {T} tokens, replayed rounds: distca attend "
+                f"{eager:.0f} µs per layer on the host ({eager / base:.2f}x the operator path's {base:.0f} µs; "
+                f"the floor of a Python autograd op is {floor:.0f} µs, a custom op's {custom:.0f} µs)"]
+    finish(show, headline, time.perf_counter() - start, args.json,
+           {"args": vars(args) | {"json": str(args.json)}, "lens": LENS, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
