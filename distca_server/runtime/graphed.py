@@ -153,7 +153,8 @@ class CapturedRound:
         on ``streams[i]`` after the current stream, which then waits for them all and copies the
         ``outputs`` out (returns at once on a GPU); ``streams[i]`` None: on the current stream
         (the CPU). A kept-activation round keeps (forward) or takes (backward) ``participants``'
-        rows under ``kept``. Every copy is on the current stream: one per tensor of the batch.
+        rows under ``kept``. Every copy is on the current stream, one per tensor, all those before
+        the replays in one host call (``torch._foreach_copy_``) and all those after in another.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
@@ -165,13 +166,14 @@ class CapturedRound:
         if forward:
             for p in participants:
                 p._check_keep(kept)
-        for static, x in zip(self.inputs, inputs):
-            static.copy_(x, non_blocking=True)
+        dst, src = list(self.inputs), list(inputs)
         if backward:
             for p, statics in zip(participants, self.kept_rows):
                 for static, given in zip(statics, _take(p, kept, inputs[0])):
                     for n, x in (static or {}).items():
-                        x.copy_(given[n], non_blocking=True)
+                        dst.append(x)
+                        src.append(given[n])
+        _copy_all(dst, src)
         sets = [g.next_set for g in self.graphs]
         caller = torch.cuda.current_stream() if any(s is not None for s in streams) else None
         handles = []
@@ -185,28 +187,42 @@ class CapturedRound:
                 handle.wait()  # this stream waits for the replay, on the device
             if stream is not None:
                 caller.wait_stream(stream)
-        for y, static in zip(outputs, self.outputs):
-            y.copy_(static, non_blocking=True)
+        dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
-            for i, p in enumerate(participants):
-                rows, merged = self.stash[i][sets[i]]
-                p.adopt(kept, self._own(rows, i, p, inputs), None if merged is None else _copied(merged))
+            own = [self._own(*self.stash[i][sets[i]], i, p, inputs, dst, src) for i, p in enumerate(participants)]
+        _copy_all(dst, src)
+        if forward:
+            for p, (rows, merged) in zip(participants, own):
+                p.adopt(kept, rows, merged)
 
-    def _own(self, rows: dict | None, i: int, p, inputs) -> dict | None:
-        """Rows participant ``i``'s recording kept, as tensors of their own: its rows of a static
-        input (kept by reference, as the eager round keeps the client's own rows) become its rows
-        of the caller's tensor; the rest are copied."""
-        if rows is None:
-            return None
+    def _own(self, rows: dict | None, merged: dict | None, i: int, p, inputs, dst: list, src: list) -> tuple:
+        """(rows, merged) participant ``i``'s recording kept, as tensors of their own: its rows of a
+        static input (kept by reference, as the eager round keeps the client's own rows) become its
+        rows of the caller's tensor; the others are new tensors, whose copies from the recording's
+        are appended to ``dst`` / ``src``."""
         static = {id(x): j for j, x in enumerate(self.views[i]) if x is not None}
-        if not any(id(x) in static for x in rows.values()):
-            return _copied(rows)
-        given = self.rows(p, inputs)
-        return {n: given[static[id(x)]] if id(x) in static else x.clone() for n, x in rows.items()}
+        given = self.rows(p, inputs) if rows and any(id(x) in static for x in rows.values()) else None
+
+        def fresh(d: dict | None, by_reference: bool) -> dict | None:
+            if d is None:
+                return None
+            out = {}
+            for n, x in d.items():
+                if by_reference and id(x) in static:
+                    out[n] = given[static[id(x)]]
+                else:
+                    out[n] = torch.empty_like(x)
+                    dst.append(out[n])
+                    src.append(x)
+            return out
+        return fresh(rows, given is not None), fresh(merged, False)
 
 
-def _copied(rows: dict) -> dict:
-    return {n: x.clone() for n, x in rows.items()}
+def _copy_all(dst: list, src: list) -> None:
+    """``dst[i].copy_(src[i])`` for every i, on the current stream, in one call (one host call
+    instead of one per tensor: these copies are most of a replayed round's host work)."""
+    if dst:
+        torch._foreach_copy_(dst, src, non_blocking=True)
 
 
 def _on(stream):
