@@ -65,6 +65,7 @@ from scheduler.parts import PlanPart  # noqa: E402
 from distca_sim.workloads import TRACE_NAMES, sample_batch  # noqa: E402
 from bench.planner import COST, MIN_SHARD, render_small  # noqa: E402
 from bench.report import finish  # noqa: E402
+from distca_cli.connect import worker_pythonpath  # noqa: E402
 
 CLIENTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 RAY_CLIENTS = (8, 16, 32, 64)
@@ -232,7 +233,7 @@ def _start_ray() -> bool:
     if ray.is_initialized():
         return False
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, namespace="distca",
+             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}}, namespace="distca",
              log_to_driver=False)
     return True
 

@@ -76,6 +76,7 @@ for _path in (ROOT, TREE):
 import torch  # noqa: E402
 
 from bench.report import finish  # noqa: E402
+from distca_cli.connect import worker_pythonpath  # noqa: E402
 from bench.roundtrip_runtimes import (DTYPE, EPSILON, KINDS, MIN_SHARD, PHASES, SHAPE,  # noqa: E402
                                       TRACE, LocalRunner, RayRunner, mean_over_steps, ship_by_value,
                                       step_batch)
@@ -285,7 +286,7 @@ def _start_ray(threads: int) -> bool:
     import ray
     if ray.is_initialized():
         return False
-    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(TREE), str(ROOT)])), "OMP_NUM_THREADS": str(threads)}
+    env = {"PYTHONPATH": worker_pythonpath(TREE, ROOT), "OMP_NUM_THREADS": str(threads)}
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False,
              object_store_memory=200 * 2**20, runtime_env={"env_vars": env},
              namespace="distca", log_to_driver=False)

@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.report import finish  # noqa: E402
+from distca_cli.connect import worker_pythonpath  # noqa: E402
 
 NAME = "soak"
 WRONG = 1e-4  # relative max error above which an output is wrong (float32 runs are ~1e-7)
@@ -362,7 +363,7 @@ def _start_ray() -> bool:
     if __name__ != "__main__" and module is not None:  # imported (e.g. by a test): ship SoakClient by value
         ray.cloudpickle.register_pickle_by_value(module)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT), "OMP_NUM_THREADS": "1"}},
              namespace="distca", log_to_driver=False)
     return True
 

@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 
-__all__ = ["AUTH_HELP", "CLIError", "connect", "explicit_address"]
+__all__ = ["AUTH_HELP", "CLIError", "connect", "explicit_address", "worker_pythonpath"]
 
 _PROBE_S = 5.0  # how long the first look at the cluster's port may take
 
@@ -130,3 +130,13 @@ def connect(address: str | None = "auto") -> None:
             raise CLIError(_auth_line(where, token)) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CLIError(f"cannot reach a Ray cluster at {where}: {first}") from None
+
+
+def worker_pythonpath(*dirs) -> str:
+    """The ``PYTHONPATH`` for a Ray ``runtime_env`` whose workers must import from ``dirs``: those
+    first, then this process's own ``PYTHONPATH`` (each entry once). Ray starts a worker from a
+    script inside its package, so a Ray (or any dependency) found only through this process's
+    ``PYTHONPATH``, as on a machine where wheels were installed with ``pip --target``, is found
+    by the workers only if that path goes along."""
+    given = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(dict.fromkeys([str(d) for d in dirs] + [p for p in given.split(os.pathsep) if p]))

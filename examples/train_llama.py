@@ -46,6 +46,7 @@ import llama_data  # noqa: E402
 import llama_device  # noqa: E402
 import llama_report  # noqa: E402
 import llama_worker  # noqa: E402
+from distca_cli.connect import worker_pythonpath  # noqa: E402
 from llama_data import VOCAB_SIZE, PackedStream, load_corpus  # noqa: E402
 from llama_report import (agree_rtol, format_step, loss_agreement, plot_balance, plot_loss,  # noqa: E402
                           runs_to_compare, summary_table, train_summary)
@@ -60,13 +61,12 @@ def _ensure_ray(num_gpus: int | None = None) -> bool:
     ``num_gpus``: the GPUs it offers (None: Ray's own count)."""
     if ray.is_initialized():
         return False
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     # log_to_driver=False: Train's controller and workers log to Ray's session files, so the
     # terminal shows the progress bar and the step lines only.
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, namespace="distca",
              object_store_memory=200 * 2**20, log_to_driver=False, logging_level=logging.WARNING,
              **({} if num_gpus is None else {"num_gpus": num_gpus}),
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # workers import distca from here
+             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}})  # workers import distca from here
     return True
 
 

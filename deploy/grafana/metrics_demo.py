@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
 import ray  # noqa: E402
 
 from scheduler.metrics import JOB_LABEL, METRICS, prometheus_series  # noqa: E402
+from distca_cli.connect import worker_pythonpath  # noqa: E402
 
 NAME = "metrics-demo"
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
@@ -257,7 +258,7 @@ def run(args) -> dict:
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, namespace="distca",
              log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}})
     prom = None
     workdir = Path(tempfile.mkdtemp(prefix="distca-prometheus-"))
     try:

@@ -2,14 +2,15 @@
 environment of its workers, and loading the project's scripts (bench/, examples/) as modules."""
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
+from distca_cli.connect import worker_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 # Ray workers import the project, the test helpers (ray_workers.py) and the examples by path.
-RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join(
-    str(p) for p in (ROOT, ROOT / "tests" / "integration", ROOT / "examples"))}}
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": worker_pythonpath(
+    ROOT, ROOT / "tests" / "integration", ROOT / "examples")}}
 
 
 def load_script(relative_path: str, module_name: str):

@@ -2,6 +2,7 @@
 and the errors a user meets before any Ray cluster is involved (one line, exit status 1)."""
 
 import io
+import os
 import json
 import socket
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from distca_cli import build_parser, format_status, main
-from distca_cli.connect import CLIError, connect
+from distca_cli.connect import CLIError, connect, worker_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,3 +167,13 @@ def test_json_status_is_json():
     assert (st["name"], st["mode"], st["scheduler"]) == ("j", "dedicated", "running")
     assert [s["server"] for s in st["servers"]] == [0, 1]
     assert all(s["node"] and s["state"] not in ("dead", "unreachable") for s in st["servers"])
+
+
+def test_worker_pythonpath_puts_the_dirs_first_and_keeps_this_process_path(monkeypatch):
+    """Ray workers find the project first and, after it, whatever this process found on its own
+    PYTHONPATH (Ray itself, where wheels were installed with pip --target)."""
+    sep = os.pathsep
+    monkeypatch.setenv("PYTHONPATH", sep.join(["/tmp/site", "/repo", ""]))
+    assert worker_pythonpath(Path("/repo"), "/repo/examples") == sep.join(["/repo", "/repo/examples", "/tmp/site"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert worker_pythonpath("/repo") == "/repo"
