@@ -6,9 +6,10 @@ after their warm-up every round is replayed from its capture, so what is left on
 distca's own work per layer: the operator and its autograd node, the checks, the step's batch,
 the round's place in the order, and the replay (static inputs in, every participant's recording,
 outputs and kept rows out). On the CPU a CUDA graph cannot be replayed, so each participant's
-recording is stood in for by :class:`FirstReplays`: its first replay of each of the two signal
-sets runs the recorded round for real (on a thread of its own, so the participants' exchanges
-meet), later ones queue nothing, as a CUDA graph's replay queues its work and returns. The
+recording is stood in for by :class:`~distca_server.runtime.cpu_replay.ThreadReplay` with
+``runs=2``: its first replay of each of the two signal sets runs the recorded round for real (on
+a thread of its own, so the participants' exchanges meet), later ones queue nothing, as a CUDA
+graph's replay queues its work and returns. The
 batch's inputs are the same every layer, so the no-op replays' outputs are the real ones, and the
 benchmark checks them: every layer's output and the gradients equal an eager client's.
 
@@ -37,8 +38,8 @@ Writes JSON to ``--json`` (default ``bench/results/host_path.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,55 +52,11 @@ import torch  # noqa: E402
 from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.op import client_key, keeps_activations  # noqa: E402
-from distca_server.runtime.graphed import RoundGraphs  # noqa: E402
-from distca_server.transport.routed import RoutedTransport  # noqa: E402
+from distca_server.runtime.cpu_replay import cpu_replays  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
 LENS = [60, 1, 17, 90, 29, 11]  # documents that the plan splits across both participants (min_shard 8)
 HEADS_Q, HEADS_KV, DIM = 2, 1, 8  # small rows: the CPU copies them synchronously, a GPU queues them
-
-
-class FirstReplays:
-    """Stands in for an :class:`~distca_server.transport.exchange_graph.ExchangeGraph` on the CPU:
-    the first replay of each signal set runs the recorded round ``fn`` on a thread of its own; the
-    later ones do nothing (module doc)."""
-
-    def __init__(self, transport, fn):
-        self.fn, self.next_set, self.usable, self.ran = fn, 0, True, 0
-
-    def replay(self):
-        self.next_set = 1 - self.next_set
-        if self.ran >= 2:
-            return self
-        self.ran += 1
-        failed: list = []
-
-        def body():
-            try:
-                self.fn()
-            except BaseException as exc:  # noqa: BLE001 - raised by wait()
-                failed.append(exc)
-        thread = threading.Thread(target=body, daemon=True)
-        thread.start()
-        return _Joined(thread, failed)
-
-    def wait(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-
-class _Joined:
-    def __init__(self, thread, failed):
-        self.thread, self.failed = thread, failed
-
-    def wait(self) -> None:
-        self.thread.join(120)
-        if self.thread.is_alive():
-            raise RuntimeError("a replayed round did not finish in 120 s")
-        if self.failed:
-            raise self.failed[0]
 
 
 class _Floor(torch.autograd.Function):
@@ -151,18 +108,16 @@ def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
 
 def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
     """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds."""
-    lens_t = torch.tensor(LENS, dtype=torch.int64)
-    saved = RoundGraphs.device_types, RoutedTransport.graph
-    RoundGraphs.device_types = ("cuda", "cpu")
-    RoutedTransport.graph = lambda self, fn: FirstReplays(self, fn)
-    job = JobConfig(servers=args.servers, transport="shm", cuda_graphs=True, timeout_s=120,
-                    plan=PlanConfig(min_shard=8))
-    reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120,
-                                                    plan=PlanConfig(min_shard=8)))
-    client = DistCAClient.local(config=job)
-    try:
+    plan = PlanConfig(min_shard=8)
+    reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120, plan=plan))
+    with contextlib.ExitStack() as stack:
+        stack.callback(reference.close)
+        stack.enter_context(cpu_replays(runs=2))
+        client = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", cuda_graphs=True,
+                                                     timeout_s=120, plan=plan))
+        stack.callback(client.close)
         leaves = [t.detach().requires_grad_() for t in inputs]
-        key = client_key(client)
+        key, lens_t = client_key(client), torch.tensor(LENS, dtype=torch.int64)
 
         def attend_eager():
             return client.attend(*leaves, LENS)
@@ -184,8 +139,9 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
         moved = sum(b for kind in reference.traffic().values() for b in kind.values())
         if not moved:
             raise AssertionError(f"the plan of {LENS} moves nothing: no exchange to replay")
+        paths = (("distca attend", attend_eager), ("distca via operator", attend_op))
         checks = {}
-        for name, attend in (("distca attend", attend_eager), ("distca via operator", attend_op)):
+        for name, attend in paths:
             for _ in range(4):  # warm-up: 2 eager rounds per kind, then the captures and their first replays
                 outs = step(attend)
             err = max([(o - ref_out).abs().max().item() for o in outs]
@@ -195,16 +151,12 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
                 raise AssertionError(f"{name}: replayed rounds differ from the eager client by {err:.2e}")
         replays_before = client._runtime.graphs.replays
         times = {name: per_layer_us(lambda a=attend: step(a), args.layers, args.steps, args.repeats)
-                 for name, attend in (("distca attend", attend_eager), ("distca via operator", attend_op))}
+                 for name, attend in paths}
         replayed = client._runtime.graphs.replays - replays_before
         expected = 2 * 2 * args.layers * args.steps * args.repeats  # 2 paths x (forward + backward)
         if replayed != expected:
             raise AssertionError(f"{replayed} rounds replayed while timing, expected {expected}")
         return times, checks
-    finally:
-        client.close()
-        reference.close()
-        RoundGraphs.device_types, RoutedTransport.graph = saved
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,6 @@ reference.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ import torch
 import distca_server.runtime.graphed as graphed
 from distca_client import DistCAClient
 from distca_server.refs import attend_with_grads_ref
+from distca_server.runtime.cpu_replay import cpu_replays as replay_on_cpu
 from distca_server.runtime.graphed import WARMUP_ROUNDS, RoundGraphs
-from distca_server.transport.routed import RoutedTransport
 from distca_server.transport.symmetric_words import GRAPH_BLOCKS
 from scheduler.config import JobConfig, PlanConfig
 from scheduler.cost import RoundKind
@@ -191,46 +190,10 @@ def test_graphed_rounds_on_the_gpu_equal_the_eager_ones():
     run_fresh("test_graphed_rounds", "_gpu_layers", 300, "graphed rounds")
 
 
-class ThreadReplay:
-    """Stands in for :class:`~distca_server.transport.exchange_graph.ExchangeGraph` on the CPU: a
-    replay runs the recorded round function again, on a thread of its own (so that the
-    participants' exchanges meet, as their streams do on a GPU), alternating between the two
-    recordings as a replay does."""
-
-    def __init__(self, transport, fn):
-        self.fn, self.next_set, self.usable, self.calls = fn, 0, True, 0
-
-    def replay(self):
-        self.next_set, self.calls = 1 - self.next_set, self.calls + 1
-        failed: list = []
-
-        def body():
-            try:
-                self.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to wait()
-                failed.append(exc)
-        thread = threading.Thread(target=body, daemon=True)
-        thread.start()
-        return self._Handle(thread, failed)
-
-    class _Handle:
-        def __init__(self, thread, failed):
-            self.thread, self.failed = thread, failed
-
-        def wait(self):
-            self.thread.join(60)
-            assert not self.thread.is_alive(), "a replayed round did not finish"
-            if self.failed:
-                raise self.failed[0]
-
-    def release(self):
-        pass
-
-
 @pytest.fixture
-def cpu_replays(monkeypatch):
-    monkeypatch.setattr(RoundGraphs, "device_types", ("cuda", "cpu"))
-    monkeypatch.setattr(RoutedTransport, "graph", lambda self, fn: ThreadReplay(self, fn))
+def cpu_replays():
+    with replay_on_cpu():
+        yield
 
 
 def kept_job(servers: int, mode: str, graphs: bool, **plan) -> JobConfig:
