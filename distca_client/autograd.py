@@ -105,7 +105,7 @@ class Round(bytearray):
         Raises:
             RuntimeError: no such round lives (``t`` is not a round tensor).
         """
-        rnd = _ROUNDS.get(int(t.reshape(-1)[0])) if t.numel() == 1 else None
+        rnd = _ROUNDS.get(int(t.item())) if t.numel() == 1 else None
         if rnd is None:
             raise RuntimeError("distca::attend_bwd: its round tensor names no live forward round: pass "
                                "the third output of distca::attend_fwd as autograd saved it (in compiled "
