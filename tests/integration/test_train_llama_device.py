@@ -63,16 +63,32 @@ def cpu_runs(local_ray, tmp_path_factory):
     import contextlib
     import io
     out = {}
+    corpus = _corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl")
     for dtype in ("float32", "bfloat16"):
         runs = tmp_path_factory.mktemp(dtype)
         summary_path = runs / "out" / "train.json"
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             results = train_llama.main(["--device", "cpu", "--transport", "shm", "--dtype", dtype, *TINY,
+                                        "--data", str(corpus),
                                         "--name", "dev", "--runs-dir", str(runs), "--summary-json",
                                         str(summary_path)], progress=False)
         out[dtype] = results, text.getvalue(), json.loads(summary_path.read_text()), runs
     return out
+
+
+def _corpus(path: Path) -> Path:
+    """Documents of this test's own (seeded lengths, 120-1500 bytes), so that the plans and what
+    they move do not depend on the interpreter's standard library, the demo's default corpus."""
+    import random
+    rng = random.Random(7)
+    words = ["attention", "server", "plan", "shard", "token", "rank", "layer", "kernel"]
+    with path.open("w") as fh:
+        for _ in range(60):
+            n = rng.choice([rng.randint(120, 300), rng.randint(600, 1500)])
+            text = " ".join(rng.choice(words) for _ in range(n))[:n]
+            fh.write(json.dumps({"text": text}) + "\n")
+    return path
 
 
 def test_the_gpu_path_on_the_cpu_over_shared_memory(cpu_runs):
@@ -85,12 +101,13 @@ def test_the_gpu_path_on_the_cpu_over_shared_memory(cpu_runs):
     assert {s["transport_used"] for s in distca["steps"]} == {"RoutedTransport/ShmHeap"}
     assert {s["transport_used"] for s in local["steps"]} == {None}
     assert any(s["bytes"] > 0 for s in distca["steps"])
-    # 2 layers: 4 rounds a step; after step 0 (its buffers grow) only each plan's first forward and
-    # first backward round exchange the header, the others carry its digest (tagged rounds)
+    # 2 layers: 4 rounds a step; after step 0 only each plan's first forward and first backward
+    # round exchange the header (plus a round whose buffer grew), the others carry its digest
+    # (tagged rounds): never all 4
     assert [s["rounds"] for s in distca["steps"]] == [4, 4, 4]
-    assert all(s["header_rounds"] == 2 for s in distca["steps"][1:]), [s["header_rounds"] for s in distca["steps"]]
+    assert all(2 <= s["header_rounds"] < 4 for s in distca["steps"][1:]), [s["header_rounds"] for s in distca["steps"]]
     assert {(s["rounds"], s["header_rounds"]) for s in local["steps"]} == {(None, None)}
-    assert (summary["train_rounds_per_step_distca"], summary["train_header_rounds_per_step_distca"]) == (4, 2)
+    assert summary["train_rounds_per_step_distca"] == 4 and 2 <= summary["train_header_rounds_per_step_distca"] < 4
     assert "train_header_rounds_per_step_local" not in summary
     assert all(s["plans_match_ranks"] for s in distca["steps"])
     # the same training as local attention, to float32 rounding
