@@ -20,8 +20,8 @@ Three layers, the structure of flash-attention's ``flash_attn_interface.py``:
    call :func:`attend` / :func:`finish` here.
 
 Eager calls take :class:`EagerAttend`, a plain ``torch.autograd.Function`` with the same body and
-the same formula, since the operators' Python dispatch costs more host time than the rest of a
-replayed layer can afford; compiled code calls the operators.
+the same formula, since the operators' Python dispatch costs host time a replayed layer cannot
+hide (about 80 µs per layer on the development machine); compiled code calls the operators.
 
 An operator takes tensors and plain scalars only, so the client goes in as an int key into a
 registry that references clients weakly (:func:`register`), and a forward round's state goes
@@ -179,10 +179,10 @@ class EagerAttend(torch.autograd.Function):
     """``distca::attend_fwd`` and its autograd formula as a plain autograd function, for eager
     calls: the same body (:func:`forward_round`), the same ``setup_context`` and ``backward``
     (whose eager branch runs the backward round without ``distca::attend_bwd``), and the same
-    arguments and results, without the operator's Python dispatch. That dispatch costs 70 µs per
-    layer (forward + backward) on the development machine, against 20 µs for an autograd
-    function (``bench/host_path.py``): host time a replayed layer cannot hide. Compiled code
-    calls the operators (:func:`attend`)."""
+    arguments and results, without the operators' Python dispatch. A no-op pair of operators with
+    this signature costs about 100 µs per layer (forward + backward) on the development machine,
+    a no-op autograd function 20 µs (``bench/host_path.py``): host time a replayed layer cannot
+    hide. Compiled code calls the operators (:func:`attend`)."""
 
     @staticmethod
     def forward(ctx, *inputs):
