@@ -9,12 +9,13 @@ outputs and kept rows out). On the CPU a CUDA graph cannot be replayed, so each 
 recording is stood in for by :class:`~distca_server.runtime.cpu_replay.ThreadReplay` with
 ``runs=2``: its first replay of each of the two signal sets runs the recorded round for real (on
 a thread of its own, so the participants' exchanges meet), later ones queue nothing, as a CUDA
-graph's replay queues its work and returns. The
-batch's inputs are the same every layer, so the no-op replays' outputs are the real ones, and the
-benchmark checks them: every layer's output and the gradients equal an eager client's.
+graph's replay queues its work and returns. The batch's inputs are the same every layer, so the
+no-op replays' outputs are the real ones, and the benchmark checks them: every layer's output
+and the gradients equal an eager client's.
 
-Rows, per run (µs per layer, forward + backward; best of ``--repeats`` timings of ``--steps``
-steps of ``--layers`` layers, then one backward through all of them):
+Rows, per run (µs per layer, forward + backward, of the calling thread's CPU time; best of
+``--repeats`` timings of ``--steps`` steps of ``--layers`` layers, then one backward through all
+of them):
 
 - ``autograd.Function``: a no-op ``torch.autograd.Function`` of q, k, v (the floor of any
   differentiable Python op);
