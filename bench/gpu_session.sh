@@ -26,7 +26,7 @@
 # budget left, and runs under the smaller of its limit and what is left, so the script ends by
 # itself, with everything packed, before the call's limit. Default order (the issues' priority:
 # the device-driven exchange and the whole job first, then the kernels' numbers, then the rest):
-#   env mps inproc transport train kernels backends ktests pingpong dead graphs ngraphs tagged ntests
+#   env mps inproc transport train kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
 #
 # Stages (each under its own time limit; one failing does not stop the next):
 #   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
@@ -55,6 +55,9 @@
 #   ngraphs    the same over 2 NVSHMEM PEs (CUDA graphs of NVSHMEM's on-stream calls)
 #   dead       bench/dead_peer.py --transport nvshmem: a PE exits mid-run; seconds until the others
 #              raise DistCAError (dead_pe_error_s)
+#   host       bench/host_path.py on this machine's CPU (no GPU: a few seconds): distca's own host
+#              time per replayed layer, to set beside the kernels stage's host_us_per_layer_graphed
+#              and the same benchmark on the development machine (host_path.json)
 #   pingpong   bench/pingpong.py: two nano-batches per layer over 2 in-process participants,
 #              against one after the other and against the signal-only control (the paper's Fig. 11)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
@@ -71,7 +74,7 @@
 # Files: the stages write into $RES (default /tmp/distca_gpu_results): kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, backends.json, backends.png, transport_nvshmem.json,
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
-# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, train.json (loss agreement, step time
+# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, host_path.json, train.json (loss agreement, step time
 # and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
 # train_tokens_per_s_local, ...), train_loss.png, and at the end summary.json
 # (bench/gpu_summary.py). The device tool brings back 8 files at most per call, so after every
@@ -240,7 +243,7 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- env mps inproc transport train kernels backends ktests pingpong dead graphs ngraphs tagged ntests
+[ $# -gt 0 ] || set -- env mps inproc transport train kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
@@ -280,12 +283,13 @@ for s in "$@"; do
         dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
                   --json "$RES/dead_peer_nvshmem.json" ;;
         pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$RES/pingpong.json" ;;
+        host) stage host 60 "$PY" bench/host_path.py --json "$RES/host_path.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
         # shellcheck disable=SC2086
         tagged) stage tagged "${TAGGED_LIMIT:-150}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
                     --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$RES/tagged_rounds.json" \
                     ${TAGGED_ARGS:-} ;;
-        *) echo "unknown stage $s (mps, env, ktests, kernels, backends, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
+        *) echo "unknown stage $s (mps, env, ktests, kernels, host, backends, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
            status=1 ;;
     esac
 done
