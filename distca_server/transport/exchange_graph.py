@@ -80,7 +80,9 @@ class _Capture:
 
 class _CapturedHandle:
     """The handle an exchange returns while it is recorded: ``wait`` orders the caller's stream
-    after it on a GPU (recorded too), and has nothing to wait for on the CPU."""
+    after it on a GPU (recorded too: over MemopStream the caller's stream is the capturing one;
+    over NVSHMEM the captured marker's ``join`` does nothing, see
+    :class:`~.nvshmem_stream.CudaMarker`), and has nothing to wait for on the CPU."""
 
     __slots__ = ("_marker", "_host")
 

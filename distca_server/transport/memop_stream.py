@@ -108,8 +108,9 @@ class MemopStream:
         self._dev = self._call("cuDeviceGet", self._cuda.index())
         # CUDA 12 enables stream memory operations by default (CUDA 10's drivers only with the nvidia
         # module's NVreg_EnableStreamMemOPs=1); this attribute says whether the 64-bit ones work here.
+        # (The non-_V1 name, 122 in CUDA 13's enum; the docs of cuStreamWriteValue64 name it.)
         attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-        if not self._call("cuDeviceGetAttribute", attr, self._dev):
+        if not self._call("cuDeviceGetAttribute", attr, self._dev):  # (attrib, dev) -> (CUresult, int)
             raise DistCAError(f"participant {self.rank}: {self.device} has no 64-bit stream memory operations "
                               f"(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0); device-driven exchanges "
                               f"between PEs of one process need them")
@@ -126,7 +127,14 @@ class MemopStream:
     def _call(self, name: str, *args):
         """``driver.name(*args)``, which returns ``(CUresult, *values)``: the value (or None), or
         DistCAError naming the call and the error (also when the binding raises: no libcuda, or a
-        driver without the call)."""
+        driver without the call).
+
+        cuda-bindings 13 (the classic ``cuda.bindings.driver``, checked against its docstrings):
+        every call returns a tuple, ``(CUresult,)`` without outputs; handles (``CUstream``,
+        ``CUdeviceptr``, ``cuuint64_t``) may be passed as ints; flags are ``unsigned int`` (an
+        IntEnum passes); a negative ``cuuint64_t`` raises OverflowError, so values are masked to
+        64 bits. Without libcuda the binding raises ``cuda.pathfinder``'s DynamicLibNotFoundError,
+        a RuntimeError."""
         try:
             result = getattr(self._d, name)(*args)
         except RuntimeError as exc:
@@ -144,6 +152,7 @@ class MemopStream:
             self._call("cuCtxPopCurrent")
 
     def _new_stream(self):
+        # cuStreamCreate(unsigned int Flags) -> (CUresult, CUstream); int(CUstream) is the handle.
         with _SPARE_LOCK:
             spare = _SPARE.get(self._key)
             made = spare.pop() if spare else None
@@ -215,6 +224,7 @@ class MemopStream:
         """PE ``pe``'s word ``slot`` = ``value`` (int64) once everything queued before has run.
         Raises ValueError (bad PE or slot), DistCAError (the driver call failed)."""
         self._open()
+        # cuStreamWriteValue64(stream, addr, value, unsigned int flags) -> (CUresult,)
         self._in_ctx("cuStreamWriteValue64", self._h, self._word(pe, slot), int(value) & _U64, self._write)
 
     def wait_ge(self, slot: int, value: int) -> None:
@@ -224,6 +234,8 @@ class MemopStream:
         difference never wraps and the compare is the plain one (a zero or an older generation's
         word waits, the abort value ends the wait). Raises as :meth:`signal`."""
         self._open()
+        # cuStreamWaitValue64(stream, addr, value, unsigned int flags) -> (CUresult,); GEQ (= 0, the
+        # default) is "(int64_t)(*addr - value) >= 0" in the bindings' enum docstring.
         self._in_ctx("cuStreamWaitValue64", self._h, self._word(self.rank, slot), int(value) & _U64, self._geq)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -97,6 +97,8 @@ def unique_id() -> bytes:
 
 
 def _uid_bytes(uid) -> bytes:
+    # nvshmem.bindings.uniqueid keeps one nvshmemx_uniqueid_v1 in a numpy recarray ``_data``;
+    # nvshmem.core.init's own "emulated_mpi" path broadcasts exactly ``_data.view(np.int8)``.
     return uid._data.view(np.int8).tobytes()
 
 
@@ -154,6 +156,8 @@ class NvshmemHeap:
         return src
 
     # ---- the host thread: NVSHMEM calls ---------------------------------------------------------
+    # Signatures (int addresses, sizes in bytes, the stream as its int handle): see the host-thread
+    # section of .nvshmem_stream.NvshmemStream. ``src`` is uint8, so numel() is its byte count.
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
         n = src.numel()
         if n == 0:
@@ -263,8 +267,9 @@ class Nvshmem4py:
         torch.cuda.set_device(device)  # on the host thread, which makes every later call
         dev = Device(device.index)
         dev.set_current()
+        # nvshmem.core.init(device: cuda.core.Device, uid, rank, nranks, mpi_comm, initializer_method)
         core.init(device=dev, uid=_uid_from(uid), rank=rank, nranks=world_size, initializer_method="uid")
-        whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))
+        whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))  # uint8 [n], collective
         return NvshmemHeap(whole, rank, world_size, heap_bytes, device, bindings)
 
     def finalize(self, heap: NvshmemHeap) -> None:

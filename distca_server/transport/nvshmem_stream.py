@@ -110,21 +110,32 @@ class TorchCuda:
 
 class CudaMarker:
     """A :class:`~.pe_stream.Marker`: a CUDA event recorded on the communication stream once the
-    host thread reaches it (``recorded``)."""
+    host thread reaches it (``recorded``).
 
-    __slots__ = ("event", "recorded", "_cuda", "_bound_s", "_rank")
+    ``captured``: made inside a :meth:`NvshmemStream.capture`, so its event is a *captured event*
+    (a node of the graph, never executed as such). CUDA forbids querying one
+    (``cudaErrorCapturedEvent``), and a stream outside the capture that waits for one is pulled
+    into the capture (CUDA Programming Guide, "Cross-stream Dependencies and Events"), which then
+    fails at ``cudaStreamEndCapture`` as unjoined. Such a marker orders nothing and passes at once;
+    a replay's own marker (recorded outside the capture) is the one to wait for."""
 
-    def __init__(self, event, cuda, bound_s: float, rank: int):
+    __slots__ = ("event", "recorded", "captured", "_cuda", "_bound_s", "_rank")
+
+    def __init__(self, event, cuda, bound_s: float, rank: int, captured: bool = False):
         self.event, self._cuda, self._bound_s, self._rank = event, cuda, float(bound_s), rank
         self.recorded = threading.Event()
+        self.captured = bool(captured)
 
     def done(self) -> bool:
-        """Recorded and passed (an event never recorded, after a failure, queries as passed)."""
-        return self.recorded.is_set() and bool(self.event.query())
+        """Recorded and passed (an event never recorded, after a failure, queries as passed; a
+        captured marker passes without a query)."""
+        return self.captured or (self.recorded.is_set() and bool(self.event.query()))
 
     def wait(self, timeout_s: float) -> bool:
         """Poll :meth:`done` for at most ``timeout_s`` seconds; never ``event.synchronize()``,
         which cannot be bounded."""
+        if self.captured:
+            return True
         deadline = time.monotonic() + max(0.0, timeout_s)
         if not self.recorded.wait(max(0.0, timeout_s)):
             return False
@@ -141,6 +152,8 @@ class CudaMarker:
         Raises:
             DistCAError: the host thread did not reach the marker within the stream's bound.
         """
+        if self.captured:  # waiting for a captured event would pull the caller's stream into the capture
+            return
         if not self.recorded.wait(self._bound_s):
             raise DistCAError(f"participant {self._rank}: the NVSHMEM host thread did not queue the exchange "
                               f"within {self._bound_s:.3g} s")
@@ -207,6 +220,7 @@ class NvshmemStream:
         self._force_lock = threading.Lock()
         self.error: BaseException | None = None  # the first failure of a queued operation
         self._closed = False
+        self._capturing = False  # inside capture() (set and read on the calling thread)
 
     # ---- the calling thread -------------------------------------------------------------------------
     def _enqueue(self, fn: Callable, *args, always: bool = False) -> bool:
@@ -253,6 +267,13 @@ class NvshmemStream:
         return self._sig + 8 * slot
 
     def begin(self) -> None:
+        """Order what follows after the caller's current stream. Inside :meth:`capture` nothing:
+        a capturing stream must not wait for an event recorded outside the capture (CUDA
+        Programming Guide, "Prohibited and Unhandled Operations": invalid without
+        ``cudaEventWaitExternal``, which torch's ``Stream.wait_event`` does not pass; the capture
+        would be invalidated). :meth:`replay` runs after a ``begin`` of its own instead."""
+        if self._capturing:
+            return
         ready = self._cuda.event()
         ready.record(self._cuda.current_stream())  # here: the caller's stream is this thread's
         self._enqueue(self._comm.wait_event, ready)  # there: in order with the submissions before it
@@ -305,9 +326,11 @@ class NvshmemStream:
         captured on the host thread (where they are issued); yields the graph for :meth:`replay`."""
         graph = self._cuda.graph()
         self._enqueue(self._cuda.capture_begin, graph, self._comm)
+        self._capturing = True  # begin() waits for nothing, markers are captured (see CudaMarker)
         try:
             yield graph
         finally:
+            self._capturing = False
             self._enqueue(self._cuda.capture_end, graph, self._comm, always=True)
 
     def replay(self, graph) -> None:
@@ -336,7 +359,7 @@ class NvshmemStream:
         return snap
 
     def mark(self) -> CudaMarker:
-        marker = CudaMarker(self._cuda.event(), self._cuda, self._timeout_s, self.rank)
+        marker = CudaMarker(self._cuda.event(), self._cuda, self._timeout_s, self.rank, captured=self._capturing)
         if not self._enqueue(self._record, marker, always=True):
             marker.recorded.set()  # nothing will record it: it passes at once, and error says why
         return marker
@@ -373,6 +396,15 @@ class NvshmemStream:
         marker.wait(CLOSE_WAIT_S)
 
     # ---- the host thread ----------------------------------------------------------------------------
+    # nvshmem4py 0.4.1, nvshmem/bindings/nvshmem.pyx (every address and the stream as int handles):
+    #   putmem_on_stream(intptr_t dest, intptr_t source, size_t bytes, int pe, intptr_t cstrm)
+    #   putmem_signal_on_stream(intptr_t dest, intptr_t source, size_t bytes, intptr_t sig_addr,
+    #                           uint64_t signal, int sig_op, int pe, intptr_t cstrm)
+    #   signal_op_on_stream(intptr_t sig_addr, uint64_t signal, int sig_op, int pe, intptr_t cstrm)
+    #   signal_wait_until_on_stream(intptr_t sig_addr, int cmp, uint64_t cmp_value, intptr_t cstream)
+    #   quiet_on_stream(intptr_t cstrm)
+    # dest and sig_addr are this PE's symmetric addresses (NVSHMEM maps them to pe's); values are
+    # uint64 (ours are in [0, 2**63)); Signal_op.SIGNAL_SET and Cmp_type.CMP_GE are IntEnums.
     def _fence(self, pe: int) -> None:
         if pe in self._dirty:  # earlier plain puts to pe land before its signal does
             self._b.quiet_on_stream(self._h)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -44,9 +46,52 @@ def seq(n: int) -> int:
     return GEN << 32 | n
 
 
+class FakeCUstream:
+    """``cuStreamCreate``'s handle: like cuda.bindings' ``CUstream``, an object whose ``int()`` is
+    the ``cudaStream_t`` (the code must convert it before giving it to torch)."""
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __int__(self):
+        return self._ptr
+
+    def getPtr(self):
+        return self._ptr
+
+
+def _stream_arg(stream) -> int:
+    """A driver call's ``CUstream`` argument: a ``CUstream`` or an int handle (else TypeError)."""
+    if isinstance(stream, FakeCUstream):
+        return int(stream)
+    if not isinstance(stream, int) or isinstance(stream, bool):
+        raise TypeError(f"Argument 'stream' is not instance of type (expected <class 'int'> or CUstream), "
+                        f"found {type(stream).__name__}")
+    return stream
+
+
+def _u64_arg(value) -> int:
+    """A ``cuuint64_t`` / ``CUdeviceptr`` argument: an int in [0, 2**64) (OverflowError below 0)."""
+    if not isinstance(value, int):
+        raise TypeError("an integer is required")
+    if not 0 <= value < 1 << 64:
+        raise OverflowError("can't convert negative value to uint64_t" if value < 0 else "value too large")
+    return value
+
+
+def _uint_arg(flags) -> int:
+    """An ``unsigned int`` argument (an IntEnum passes, being an int)."""
+    if not isinstance(flags, int) or not 0 <= flags < 1 << 32:
+        raise TypeError("an integer is required")
+    return flags
+
+
 class FakeDriver:
     """``cuda.bindings.driver``: records ``(name, args, thread)`` in ``log``, returns ``(CUresult,
-    ...)`` tuples, performs 64-bit writes on host memory; ``fail`` names a call that fails."""
+    ...)`` tuples (a 1-tuple for a call without outputs), performs 64-bit writes on host memory;
+    ``fail`` names a call that fails. Signatures and argument checks as cuda-bindings 13's
+    (``cuStreamWriteValue64(stream, addr, value, unsigned int flags)``: ``stream`` a ``CUstream``
+    or int, ``addr`` a ``CUdeviceptr`` or int, ``value`` a ``cuuint64_t`` or int in [0, 2**64))."""
 
     class CUresult(IntEnum):
         CUDA_SUCCESS = 0
@@ -75,14 +120,14 @@ class FakeDriver:
             raise RuntimeError(f'Function "{name}" not found')
         return self.CUresult.CUDA_ERROR_NOT_SUPPORTED if name == self.fail else self.CUresult.CUDA_SUCCESS
 
-    def cuInit(self, flags):
-        return (self._rec("cuInit", flags),)
+    def cuInit(self, Flags):
+        return (self._rec("cuInit", _uint_arg(Flags)),)
 
     def cuDeviceGet(self, ordinal):
         return self._rec("cuDeviceGet", ordinal), ("dev", ordinal)
 
-    def cuDeviceGetAttribute(self, attr, dev):
-        return self._rec("cuDeviceGetAttribute", attr, dev), self.mem64
+    def cuDeviceGetAttribute(self, attrib, dev):  # attrib first, then dev (as the real one)
+        return self._rec("cuDeviceGetAttribute", attrib, dev), self.mem64
 
     def cuDevicePrimaryCtxRetain(self, dev):
         return self._rec("cuDevicePrimaryCtxRetain", dev), ("ctx", dev)
@@ -96,18 +141,20 @@ class FakeDriver:
     def cuCtxPopCurrent(self):
         return self._rec("cuCtxPopCurrent"), "ctx"
 
-    def cuStreamCreate(self, flags):
+    def cuStreamCreate(self, Flags):  # -> (CUresult, CUstream)
         self.made += 1
-        return self._rec("cuStreamCreate", flags), 1000 + self.made
+        return self._rec("cuStreamCreate", _uint_arg(Flags)), FakeCUstream(1000 + self.made)
 
-    def cuStreamWriteValue64(self, stream, addr, value, flags):
-        res = self._rec("cuStreamWriteValue64", stream, addr, value, flags)
+    def cuStreamWriteValue64(self, stream, addr, value, flags):  # -> (CUresult,)
+        res = self._rec("cuStreamWriteValue64", _stream_arg(stream), _u64_arg(addr), _u64_arg(value),
+                        _uint_arg(flags))
         if res == self.CUresult.CUDA_SUCCESS:  # 8 bytes at a CPU tensor's address, as the GPU would
             ctypes.c_uint64.from_address(addr).value = value
         return (res,)
 
-    def cuStreamWaitValue64(self, stream, addr, value, flags):
-        return (self._rec("cuStreamWaitValue64", stream, addr, value, flags),)
+    def cuStreamWaitValue64(self, stream, addr, value, flags):  # -> (CUresult,)
+        return (self._rec("cuStreamWaitValue64", _stream_arg(stream), _u64_arg(addr), _u64_arg(value),
+                          _uint_arg(flags)),)
 
 
 class FakeStream:
@@ -448,6 +495,21 @@ def test_the_real_driver_module_has_the_names_used():
     for name in ("cuInit", "cuDeviceGet", "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
                  "cuCtxPushCurrent", "cuCtxPopCurrent", "cuStreamCreate", "cuStreamWriteValue64", "cuStreamWaitValue64"):
         assert callable(getattr(driver, name)), name
+        # The parameters, in order, as FakeDriver takes them (the bindings' docstrings open with
+        # the signature, e.g. "cuStreamWriteValue64(stream, addr, value, unsigned int flags)").
+        real = _doc_params(getattr(driver, name))
+        if real is not None:
+            fake = list(inspect.signature(getattr(FakeDriver, name)).parameters)[1:]
+            assert real == fake, (name, real, fake)
+
+
+def _doc_params(fn) -> list[str] | None:
+    """The parameter names in the first line of a Cython binding's docstring (None: no docstring)."""
+    first = (fn.__doc__ or "").strip().splitlines()[:1]
+    m = re.match(r"\w+\((.*?)\)", first[0]) if first else None
+    if m is None:
+        return None
+    return [p.split(":")[0].split()[-1].lstrip("*") for p in m.group(1).split(",") if p.strip()]
 
 
 def test_importing_the_module_needs_neither_cuda_python_nor_cuda():

@@ -36,14 +36,35 @@ SET, GE = 7, 5  # distinct from each other and from any PE, slot or value used b
 WORDS = 24
 
 
+def _handle(x):
+    """A Cython ``intptr_t`` argument: an int (a torch stream or tensor is a TypeError)."""
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"an integer is required, got {type(x).__name__}")
+    return x
+
+
+def _unsigned(x, bits=64):
+    """A Cython ``uint64_t`` / ``size_t`` argument (OverflowError outside [0, 2**bits))."""
+    if not 0 <= _handle(x) < 1 << bits:
+        raise OverflowError(f"can't convert {x} to uint{bits}_t")
+    return x
+
+
+def _c_int(x):
+    if not -(1 << 31) <= _handle(x) < 1 << 31:
+        raise OverflowError(f"value {x} too large to convert to int")
+    return x
+
+
 class FakeBindings:
     """nvshmem4py's bindings: records ``(name, args, thread identity)``; ``fail`` names a call
-    that raises."""
+    that raises. The calls take the real signatures, argument for argument, and check their
+    types as the Cython wrappers do (nvshmem4py 0.4.1, nvshmem/bindings/nvshmem.pyx)."""
 
-    class Signal_op:
+    class Signal_op:  # real: IntEnum, SIGNAL_SET = 9, SIGNAL_ADD = 10 (the code reads the names)
         SIGNAL_SET, SIGNAL_ADD = SET, 1
 
-    class Cmp_type:
+    class Cmp_type:  # real: IntEnum, CMP_EQ = 0, ..., CMP_GE = 5
         CMP_EQ, CMP_GE = 0, GE
 
     def __init__(self):
@@ -55,29 +76,63 @@ class FakeBindings:
         if name == self.fail:
             raise RuntimeError(f"{name} failed")
 
+    # putmem_on_stream(intptr_t dest, intptr_t source, size_t bytes, int pe, intptr_t cstrm)
+    def putmem_on_stream(self, dest, source, bytes, pe, cstrm):
+        self._rec("putmem_on_stream", _handle(dest), _handle(source), _unsigned(bytes), _c_int(pe), _handle(cstrm))
 
-for _name in ("putmem_on_stream", "putmem_signal_on_stream", "signal_op_on_stream", "quiet_on_stream",
-              "signal_wait_until_on_stream"):
-    setattr(FakeBindings, _name, lambda self, *a, _n=_name: self._rec(_n, *a))
+    # putmem_signal_on_stream(intptr_t dest, intptr_t source, size_t bytes, intptr_t sig_addr,
+    #                         uint64_t signal, int sig_op, int pe, intptr_t cstrm)
+    def putmem_signal_on_stream(self, dest, source, bytes, sig_addr, signal, sig_op, pe, cstrm):
+        self._rec("putmem_signal_on_stream", _handle(dest), _handle(source), _unsigned(bytes), _handle(sig_addr),
+                  _unsigned(signal), _c_int(sig_op), _c_int(pe), _handle(cstrm))
+
+    # signal_op_on_stream(intptr_t sig_addr, uint64_t signal, int sig_op, int pe, intptr_t cstrm)
+    def signal_op_on_stream(self, sig_addr, signal, sig_op, pe, cstrm):
+        self._rec("signal_op_on_stream", _handle(sig_addr), _unsigned(signal), _c_int(sig_op), _c_int(pe),
+                  _handle(cstrm))
+
+    # quiet_on_stream(intptr_t cstrm)
+    def quiet_on_stream(self, cstrm):
+        self._rec("quiet_on_stream", _handle(cstrm))
+
+    # signal_wait_until_on_stream(intptr_t sig_addr, int cmp, uint64_t cmp_value, intptr_t cstream)
+    def signal_wait_until_on_stream(self, sig_addr, cmp, cmp_value, cstream):
+        self._rec("signal_wait_until_on_stream", _handle(sig_addr), _c_int(cmp), _unsigned(cmp_value),
+                  _handle(cstream))
 
 
 class FakeStream:
-    def __init__(self, name, log, handle):
-        self.name, self.log, self.cuda_stream = name, log, handle
+    """A CUDA stream; with ``cuda``, its ``wait_event`` keeps CUDA's stream capture rules (CUDA
+    Programming Guide, stream capture): a capturing stream may not wait for an event recorded
+    outside the capture, and a stream outside it that waits for a captured event is pulled in."""
+
+    def __init__(self, name, log, handle, cuda=None):
+        self.name, self.log, self.cuda_stream, self.cuda = name, log, handle, cuda
 
     def wait_event(self, event):
+        if self.cuda is not None and getattr(event, "stream", None) is not None:
+            capturing = self.cuda.capturing == self.name
+            if capturing and not event.captured:
+                raise RuntimeError(f"stream {self.name} is capturing: waiting for a non-captured event "
+                                   f"invalidates the capture")
+            if not capturing and event.captured:
+                raise RuntimeError(f"stream {self.name} waited for a captured event: it joins the capture, "
+                                   f"which ends unjoined")
         self.log.append(("wait_event", self.name, event, threading.get_ident()))
 
 
 class FakeEvent:
-    def __init__(self, log):
-        self.log, self.stream, self.complete = log, None, True
+    def __init__(self, log, cuda=None):
+        self.log, self.stream, self.complete, self.cuda, self.captured = log, None, True, cuda, False
 
     def record(self, stream):
         self.stream = stream
+        self.captured = self.cuda is not None and self.cuda.capturing == stream.name
         self.log.append(("record", stream.name, self, threading.get_ident()))
 
     def query(self):
+        if self.captured:  # CUDA: cudaErrorCapturedEvent
+            raise RuntimeError("operation not permitted on an event last recorded in a capturing stream")
         return self.stream is None or self.complete  # as CUDA: an event never recorded has passed
 
 
@@ -86,12 +141,13 @@ class FakeCuda:
 
     def __init__(self):
         self.log: list = []
-        self.caller = FakeStream("caller", self.log, 100)
+        self.caller = FakeStream("caller", self.log, 100, self)
         self.made = 0
+        self.capturing: str | None = None  # the name of the stream in capture
 
     def stream(self):
         self.made += 1
-        return FakeStream("side" if self.made == 1 else f"made{self.made}", self.log, 200 + self.made)
+        return FakeStream("side" if self.made == 1 else f"made{self.made}", self.log, 200 + self.made, self)
 
     def current_stream(self):
         return self.caller
@@ -102,7 +158,7 @@ class FakeCuda:
         yield
 
     def event(self):
-        return FakeEvent(self.log)
+        return FakeEvent(self.log, self)
 
     def pinned(self, n, dtype):
         return torch.zeros(n, dtype=dtype)
@@ -117,9 +173,11 @@ class FakeCuda:
         return SimpleNamespace(name="graph")
 
     def capture_begin(self, graph, stream):
+        self.capturing = stream.name
         self.log.append(("capture_begin", stream.name, graph, threading.get_ident()))
 
     def capture_end(self, graph, stream):
+        self.capturing = None
         self.log.append(("capture_end", stream.name, graph, threading.get_ident()))
 
     def replay(self, graph, stream):
@@ -130,7 +188,7 @@ class FakeCuda:
 def env():
     host = HostThread("test-nvshmem-stream")
     b, cuda = FakeBindings(), FakeCuda()
-    comm = FakeStream("comm", cuda.log, 42)
+    comm = FakeStream("comm", cuda.log, 42, cuda)
     arena = torch.zeros(1 << 12, dtype=torch.uint8)
     words = torch.zeros(WORDS, dtype=torch.int64)
 
@@ -239,6 +297,30 @@ def test_fill_and_capture_run_on_the_host_thread_around_the_recorded_calls(env):
     assert names(env.b.calls) == ["signal_wait_until_on_stream", "signal_op_on_stream"]
     with pytest.raises(ValueError, match="outside"):
         st.fill(WORDS - 1, 2, 0)
+
+
+def test_inside_a_capture_begin_waits_for_nothing_and_markers_order_nothing(env):
+    """CUDA's capture rules (kept by the fake streams): the comm stream, capturing on the host
+    thread, must not wait for begin's event from the caller's stream, and the caller's stream must
+    not wait for a marker's captured event (it would join the capture). The replay's begin and
+    marker, outside the capture, order the graph."""
+    st = env.make()
+    with st.capture() as graph:
+        st.begin()
+        st.signal(1, 4, 9)
+        marker = st.mark()
+        marker.join()
+    env.flush()
+    assert st.error is None, st.error
+    assert marker.captured and marker.done() and marker.wait(0)
+    assert [x for x in env.cuda.log if x[0] == "wait_event"] == []
+    st.begin()
+    st.replay(graph)
+    after = st.mark()
+    env.flush()
+    after.join()
+    assert st.error is None and not after.captured and after.done()
+    assert [x[1] for x in env.cuda.log if x[0] == "wait_event"] == ["comm", "caller"]
 
 
 def test_stamp_fills_a_tensor_on_the_comm_stream_from_the_host_thread(env):
@@ -350,6 +432,27 @@ def test_missing_bindings_are_named():
 
 
 # ---- how the heap offers the stream ------------------------------------------------------------------
+def test_the_real_bindings_take_the_fakes_signatures():
+    """nvshmem4py's Cython bindings (where installed): every call the stream makes takes the
+    parameters FakeBindings takes, in the same order (the docstrings open with the signature,
+    e.g. "putmem_on_stream(intptr_t dest, intptr_t source, size_t bytes, int pe, intptr_t cstrm)"),
+    and the constants are there."""
+    import inspect
+    import re
+    b = pytest.importorskip("nvshmem.bindings")
+    assert missing_bindings(b) == []
+    assert int(b.Signal_op.SIGNAL_SET) != int(b.Signal_op.SIGNAL_ADD)
+    for name in ("putmem_on_stream", "putmem_signal_on_stream", "signal_op_on_stream", "quiet_on_stream",
+                 "signal_wait_until_on_stream"):
+        first = (getattr(b, name).__doc__ or "").strip().splitlines()[:1]
+        m = re.match(r"\w+\((.*?)\)", first[0]) if first else None
+        if m is None:
+            continue
+        real = [p.split()[-1].lstrip("*") for p in m.group(1).split(",") if p.strip()]
+        fake = list(inspect.signature(getattr(FakeBindings, name)).parameters)[1:]
+        assert real == fake, (name, real, fake)
+
+
 def _fake_nvshmem_heap(bindings, comm):
     """An :class:`NvshmemHeap` without CUDA: the attributes ``stream_ops`` reads."""
     heap = NvshmemHeap.__new__(NvshmemHeap)
