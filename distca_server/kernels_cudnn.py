@@ -45,6 +45,14 @@ __all__ = ["CudnnKernels", "Bucket", "bucket_shape", "padded_offsets", "rows_wit
 
 _MIN_SEQS, _MIN_SEQLEN, _MIN_TOKENS, _CACHE_SIZE = 8, 64, 128, 64
 _MIN_BACKEND = 90600  # cuDNN 9.6: GQA with ragged offsets, ragged Stats in the backward
+# cudnn-frontend 1.32 (include/cudnn_frontend/node/scaled_dot_product_flash_attention.h,
+# CompositeSDPABackwardNode::pre_validate_node; node/sdpa_support_surface.h for the forward):
+# fp16/bf16 SDPA forward and backward are refused on cuDNN 9.10.0 / 9.10.1, and a ragged Stats
+# input of sdpa_backward is refused on sm8x and sm12x ("Packed/ragged LSE is not supported for
+# bprop thd on SM8X and SM12X GPUs"): neither may count as available, or `auto` picks a backend
+# whose graphs cannot be built.
+_BAD_BACKENDS = frozenset({91000, 91001})
+_REFUSED_MAJORS = frozenset({12})
 
 
 def _pow2(n: int) -> int:
@@ -118,14 +126,17 @@ def rows_with_keys(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, left: i
 @functools.lru_cache(maxsize=None)
 def cudnn_available() -> bool:
     """True when the ``cudnn`` package imports, CUDA is available, the current GPU is sm90 or newer
-    and the cuDNN library is at least 9.6. Asked on first use (cached), never at import."""
+    but not sm12x (ragged Stats refused in the backward) and the cuDNN library is at least 9.6 and
+    not 9.10.0 / 9.10.1 (``_BAD_BACKENDS``). Asked on first use (cached), never at import."""
     if importlib.util.find_spec("cudnn") is None or not torch.cuda.is_available():
         return False
-    if torch.cuda.get_device_capability()[0] < 9:
+    major = torch.cuda.get_device_capability()[0]
+    if major < 9 or major in _REFUSED_MAJORS:
         return False
     try:
         import cudnn
-        return int(cudnn.backend_version()) >= _MIN_BACKEND
+        version = int(cudnn.backend_version())
+        return version >= _MIN_BACKEND and version not in _BAD_BACKENDS
     except Exception:  # noqa: BLE001 - a broken install (no libcudnn, ABI mismatch) is "not available"
         return False
 

@@ -26,7 +26,8 @@ are read::
 
 Varlen (packed THD): q, out, dout, dq ``[T_q, H_q, D]``; k, v, dk, dv ``[T_k, H_kv, D]``;
 fp16/bf16 (the backward asserts it); ``H_q % H_kv == 0`` (GQA, native); head_dim 8..256 and a
-multiple of 8 on sm90 (``_validate_head_dims``); cu_seqlens int32, contiguous, ``[B + 1]``;
+multiple of 8 on sm90, but on sm100/sm110 only 8..128 or exactly 256 (``_validate_head_dims``; other
+head dims go to the reference math there); cu_seqlens int32, contiguous, ``[B + 1]``;
 max_seqlen_* host ints. LSE: ``[H_q, T_q]`` float32, natural log (``softmax.finalize`` multiplies
 its log2 sum by ln 2), -inf on rows that see no key (the forward writes out 0 there). The
 backward's preprocess reads a -inf LSE as 0; we pass +inf there instead (FlashAttention's
@@ -52,7 +53,8 @@ import sys
 
 import torch
 
-__all__ = ["FA4Kernels", "fa4_available", "fa4_installed", "window_kwargs", "lse_from_fa4", "lse_to_fa4"]
+__all__ = ["FA4Kernels", "fa4_available", "fa4_installed", "window_kwargs", "lse_from_fa4", "lse_to_fa4",
+           "fa4_head_dim_ok"]
 
 _MODULE = "flash_attn.cute.interface"
 _MIN_MAJOR = 9  # sm90 (Hopper) and newer
@@ -90,6 +92,24 @@ def fa4_available() -> bool:
     except Exception:  # noqa: BLE001 - any failure to import means "not available"
         return False
     return callable(getattr(iface, "_flash_attn_fwd", None)) and callable(getattr(iface, "_flash_attn_bwd", None))
+
+
+def fa4_head_dim_ok(head_dim: int, major: int | None) -> bool:
+    """Whether FA4's kernels take ``head_dim`` (= head_dim_v) on a GPU of compute capability ``major``
+    (None: not a CUDA device, judged as sm90). Mirrors 4.0.0b36 ``interface._validate_head_dims``,
+    which both ``_flash_attn_fwd`` and ``_flash_attn_bwd`` assert: sm90 takes 8..256, a multiple of
+    8 (fp16/bf16 alignment); sm100/sm110 take 8..128 or exactly 256 (its (192, 128) and (64 or d, 512) MLA
+    shapes need head_dim_v != head_dim); sm80/sm120 are not checked there."""
+    if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
+        return False
+    if major in (10, 11):
+        return head_dim <= 128 or head_dim == 256
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def window_kwargs(left: int, right: int) -> dict:
@@ -141,8 +161,9 @@ class FA4Kernels:
     FlashAttention-style one-call-per-(left, right) driver (``_BandedKernel``), which gives every
     kernel call one window ``(left, right)``.
 
-    Handles fp16/bf16 with head_dim a multiple of 8 in 8..256; other inputs (float32, float64, odd
-    head dims) go to the reference math, as in every backend (``AttentionBackend._kernel_handles``).
+    Handles fp16/bf16 with a head_dim FA4 accepts on the device (:func:`fa4_head_dim_ok`); other inputs
+    (float32, float64, odd head dims) go to the reference math, as in every backend
+    (``AttentionBackend._kernel_handles``).
     Errors raised by FA4 itself (AssertionError, CUTLASS compile errors) propagate unchanged.
     """
 
@@ -153,7 +174,12 @@ class FA4Kernels:
         return fa4_available()
 
     def _kernel_handles(self, q):
-        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % 8 == 0 and 8 <= q.shape[2] <= 256
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        major = None
+        if q.device.type == "cuda":
+            major = _major(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        return fa4_head_dim_ok(q.shape[2], major)
 
     def _banded_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         left, right):

@@ -9,6 +9,7 @@ and one built graph per bucket across mixes of lengths.
 
 from __future__ import annotations
 
+import importlib.machinery
 import random
 import sys
 import types
@@ -110,6 +111,27 @@ def test_unavailable_without_the_package(monkeypatch):
         kernels_cudnn.cudnn_available.cache_clear()
 
 
+@pytest.mark.parametrize("capability,version,expected", [
+    ((9, 0), 91900, True), ((10, 0), 91900, True), ((9, 0), 90600, True), ((8, 0), 91900, False),
+    ((12, 0), 91900, False), ((9, 0), 90500, False), ((9, 0), 91000, False), ((9, 0), 91001, False),
+    ((9, 0), 91002, True)])
+def test_available_only_where_cudnn_builds_the_graphs(monkeypatch, capability, version, expected):
+    # cudnn-frontend 1.32, node/scaled_dot_product_flash_attention.h (CompositeSDPABackwardNode::
+    # pre_validate_node): ragged Stats refused for the backward on sm8x/sm12x; fp16/bf16 SDPA refused
+    # on cuDNN 9.10.0/9.10.1. A stand-in `cudnn` module and CUDA: no GPU query here.
+    fake = types.ModuleType("cudnn")
+    fake.__spec__ = importlib.machinery.ModuleSpec("cudnn", None)
+    fake.backend_version = lambda: version
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    kernels_cudnn.cudnn_available.cache_clear()
+    try:
+        assert kernels_cudnn.cudnn_available() is expected
+    finally:
+        kernels_cudnn.cudnn_available.cache_clear()
+
+
 def test_auto_is_unchanged_on_the_cpu():
     assert "cudnn" in BACKENDS and "cudnn" not in available_backends("cpu")
     assert get_backend("auto", "cpu").name == "torch_cpu"
@@ -205,6 +227,100 @@ def test_one_graph_per_bucket_across_length_mixes(monkeypatch):
 
 
 # ---------------------------------------------------------------- graph arguments (CPU, needs the package)
+
+
+# The keyword parameters of the compiled bindings pygraph.sdpa / pygraph.sdpa_backward lower to in
+# cudnn-frontend 1.32.0 (`cudnn._compiled_module.backend_graph.sdpa.__doc__` / `.sdpa_backward.__doc__`;
+# the python pygraph captures every keyword and forwards it by name, `_pygraph._CAPTURED_OPS`), so a
+# misspelled one is caught here even where the package is not installed.
+_SDPA_KWARGS = frozenset(
+    "q k v is_inference attn_scale bias block_mask use_alibi_mask use_padding_mask seq_len_q seq_len_kv "
+    "use_causal_mask use_causal_mask_bottom_right sliding_window_length diagonal_alignment "
+    "diagonal_band_left_bound diagonal_band_right_bound dropout rng_dump paged_attention_k_table "
+    "paged_attention_v_table paged_attention_max_seq_len_kv max_total_seq_len_q max_total_seq_len_kv "
+    "compute_data_type name score_mod generate_stats implementation score_max score_sum_exp sink_token "
+    "unfuse_fma cu_seq_len_q cu_seq_len_kv stats_use_log2".split())
+_SDPA_BWD_POSITIONAL = ("q", "k", "v", "o", "dO", "stats")
+_SDPA_BWD_KWARGS = frozenset(
+    "q k v o dO stats attn_scale bias dBias use_alibi_mask use_padding_mask seq_len_q seq_len_kv "
+    "max_total_seq_len_q max_total_seq_len_kv use_causal_mask use_causal_mask_bottom_right "
+    "sliding_window_length diagonal_alignment diagonal_band_left_bound diagonal_band_right_bound dropout "
+    "rng_dump use_deterministic_algorithm compute_data_type name score_mod score_mod_bprop sink_token "
+    "dSink_token".split())
+
+
+class _RecTensor:
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def __getattr__(self, name):  # set_output / set_dim / set_stride / set_ragged_offset / set_data_type
+        if not name.startswith("set_"):
+            raise AttributeError(name)
+
+        def setter(value):
+            self.kw[name[4:]] = value
+            return self
+        return setter
+
+
+class _RecGraph:
+    """A stand-in for cudnn.pygraph that records the calls describe_graph makes."""
+
+    def __init__(self, **kw):
+        self.kw, self.calls = kw, []
+
+    def tensor(self, **kw):
+        return _RecTensor(**kw)
+
+    def sdpa(self, *args, **kw):
+        assert len(args) == 3 and not set(kw) - _SDPA_KWARGS, set(kw) - _SDPA_KWARGS
+        self.calls.append(("sdpa", dict(zip(("q", "k", "v"), args), **kw)))
+        return [_RecTensor(), _RecTensor()]
+
+    def sdpa_backward(self, *args, **kw):
+        assert len(args) <= len(_SDPA_BWD_POSITIONAL) and not set(kw) - _SDPA_BWD_KWARGS, set(kw) - _SDPA_BWD_KWARGS
+        self.calls.append(("sdpa_backward", dict(zip(_SDPA_BWD_POSITIONAL, args), **kw)))
+        return [_RecTensor(), _RecTensor(), _RecTensor()]
+
+
+def _rec_cudnn():
+    enum = lambda *names: types.SimpleNamespace(**{n: n for n in names})  # noqa: E731
+    return types.SimpleNamespace(pygraph=_RecGraph, data_type=enum("HALF", "BFLOAT16", "FLOAT", "INT32", "INT64"),
+                                 diagonal_alignment=enum("TOP_LEFT", "BOTTOM_RIGHT"))
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("left,right", [(-1, 0), (6, 0), (-1, -1), (3, 2), (2, -1)])
+def test_graph_call_uses_the_bindings_names_and_mask_semantics(kind, left, right):
+    # Masks (cudnn-frontend 1.32 utils/attn_score_modifiers.h sliding_window_mask, BOTTOM_RIGHT with
+    # seq_len tensors): keep j <= r + (s_kv - s_q) + R and j > r + (s_kv - s_q) - L, so FlashAttention's
+    # inclusive (left, right) is L = left + 1, R = right. Stats: natural log (stats_use_log2 unset).
+    bucket = Bucket(4, 128, 256, 256, 512)
+    g, t = kernels_cudnn.describe_graph(_rec_cudnn(), (kind, torch.float16, 8, 2, 64, 0.125, left, right, bucket))
+    ((op, kw),) = g.calls
+    assert op == ("sdpa" if kind == "fwd" else "sdpa_backward")
+    assert kw["q"] is t["q"] and kw["k"] is t["k"] and kw["v"] is t["v"]
+    assert kw["use_padding_mask"] is True and kw["seq_len_q"] is t["seq_q"] and kw["seq_len_kv"] is t["seq_k"]
+    assert kw["attn_scale"] == 0.125 and "stats_use_log2" not in kw
+    assert kw.get("diagonal_band_left_bound") == (left + 1 if left >= 0 else None)
+    assert kw.get("diagonal_band_right_bound") == (right if right >= 0 else None)
+    assert kw.get("diagonal_alignment") == ("BOTTOM_RIGHT" if left >= 0 or right >= 0 else None)
+    for name, n in (("off_q", 5), ("off_k", 5), ("off_stats", 5), ("seq_q", 4), ("seq_k", 4)):
+        assert t[name].kw["dim"] == [n, 1, 1, 1] and t[name].kw["stride"] == [1, 1, 1, 1]
+    assert t["seq_q"].kw["data_type"] == "INT32" and t["off_q"].kw["data_type"] == "INT32"
+    # THD: token-major [T, H, D] seen as [B, H, S, D]; Stats [T, H] seen as [B, H, S, 1], both ragged.
+    assert t["q"].kw["stride"] == [128 * 8 * 64, 64, 8 * 64, 1] and t["q"].kw["ragged_offset"] is t["off_q"]
+    assert t["k"].kw["dim"] == [4, 2, 256, 64] and t["v"].kw["ragged_offset"] is t["off_k"]
+    stats = t["stats"].kw
+    assert stats["dim"] == [4, 8, 128, 1] and stats["stride"] == [8 * 128, 1, 8, 1]
+    assert stats["ragged_offset"] is t["off_stats"] and stats["data_type"] == "FLOAT"
+    if kind == "fwd":
+        assert kw["generate_stats"] is True and t["o"].kw["ragged_offset"] is t["off_q"]
+    else:
+        assert (kw["o"], kw["dO"], kw["stats"]) == (t["o"], t["do"], t["stats"])
+        assert (kw["max_total_seq_len_q"], kw["max_total_seq_len_kv"]) == (256, 512)
+        assert t["dq"].kw["ragged_offset"] is t["off_q"] and t["dk"].kw["dim"] == [4, 2, 256, 64]
+        assert t["dv"].kw["ragged_offset"] is t["off_k"] and t["dk"].kw["output"] is True
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])

@@ -77,6 +77,22 @@ def _check_varlen(q, k, kw):
     assert q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype
 
 
+# The parameter names of 4.0.0b36's interface._flash_attn_fwd / _flash_attn_bwd (in signature order;
+# distca passes everything by keyword), so a misspelled keyword fails here as it would there.
+_FWD_PARAMS = frozenset(
+    "q k v qv cu_seqlens_q cu_seqlens_k seqused_q seqused_k max_seqlen_q max_seqlen_k min_seqlen_k page_table "
+    "softmax_scale causal softcap window_size_left window_size_right learnable_sink tile_mn mma_pv_is_rs "
+    "intra_wg_overlap num_threads num_splits pack_gqa _arch score_mod mask_mod block_sparse_tensors return_lse "
+    "out lse aux_tensors aux_scalars q_descale k_descale v_descale gather_kv_indices scheduler_metadata "
+    "seqlen_k_per_split disable_scheduler_metadata gather_bwd_recompute_p".split())
+_BWD_PARAMS = frozenset(
+    "q k v out dout lse softmax_scale causal softcap window_size_left window_size_right m_block_size "
+    "n_block_size num_threads pack_gqa num_stages_Q num_stages_dO SdP_swapAB dKV_swapAB dQ_swapAB "
+    "AtomLayoutMSdP AtomLayoutNdKV AtomLayoutMdQ V_in_regs cu_seqlens_q cu_seqlens_k seqused_q seqused_k "
+    "max_seqlen_q max_seqlen_k deterministic dq dk dv score_mod score_mod_bwd mask_mod aux_tensors aux_scalars "
+    "block_sparse_tensors dlse learnable_sink".split())
+
+
 class FakeFA4:
     """``flash_attn.cute.interface`` as far as distca uses it; ``arity``: values the forward returns."""
 
@@ -84,6 +100,7 @@ class FakeFA4:
         self.arity, self.fwd, self.bwd = arity, [], []
 
     def _flash_attn_fwd(self, q, k, v, **kw):
+        assert not set(kw) - _FWD_PARAMS, set(kw) - _FWD_PARAMS
         _check_varlen(q, k, kw)
         assert kw["return_lse"] is True and "seqused_q" not in kw and "seqused_k" not in kw
         out, lse = kw["out"], kw["lse"]
@@ -96,6 +113,7 @@ class FakeFA4:
         return (out, lse, None, None, None)[:self.arity]
 
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, **kw):
+        assert not set(kw) - _BWD_PARAMS, set(kw) - _BWD_PARAMS
         _check_varlen(q, k, kw)
         assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -172,6 +190,17 @@ def _assert_within_2x_plain(ours, x, window, scale=None, atol=1e-3):
     ((3, 2), (False, 3, 2)), ((2, -1), (False, 2, None)), ((-1, 4), (False, None, 4))])
 def test_window_kwargs_spell_unbounded_as_none(lr, expected):
     assert window_kwargs(*lr) == dict(zip(("causal", "window_size_left", "window_size_right"), expected))
+
+
+@pytest.mark.parametrize("major", [None, 9, 10, 11, 12])
+def test_head_dims_fa4_accepts_per_architecture(major):
+    # flash-attn-4 4.0.0b36 interface._validate_head_dims (asserted by _flash_attn_fwd and
+    # _flash_attn_bwd): sm90 8..256 in steps of 8; sm100/sm110 8..128 or exactly 256.
+    for d in range(0, 272, 4):
+        want = d % 8 == 0 and 8 <= d <= 256
+        if major in (10, 11):
+            want = want and (d <= 128 or d == 256)
+        assert kernels_fa4.fa4_head_dim_ok(d, major) is want, (d, major)
 
 
 def test_lse_layout_conversions():
