@@ -153,16 +153,18 @@ class Round(bytearray):
 # outputs: out [T, Hq, D], lse [Hq, T], round [1] int64
 
 
-def setup_context(ctx, inputs, output) -> None:
+def setup_context(ctx, inputs, output, own: "Round | None" = None) -> None:
     """Save the round tensor, plus q, k, v, out and lse unless the servers keep the round's
-    activations (the op's ``kept`` argument); the LSE is not differentiable."""
+    activations (the op's ``kept`` argument); the LSE is not differentiable. ``own``: the
+    :class:`Round` the round tensor names, where the caller has it (eager), else found from the
+    tensor."""
     q, k, v, *_, kept = inputs
     out, lse, rnd = output
     ctx.mark_non_differentiable(lse, rnd)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of lse and round (two launches a layer)
     ctx.out_meta = (out.shape, out.dtype, out.device)  # for a dout that never came (below)
-    if not is_fake(rnd):  # eager: the node owns the round too, whatever saved-tensor hooks
-        ctx.round = Round.of(rnd)  # (offloading copies) do with the saved tensor
+    if own is not None or not is_fake(rnd):  # eager: the node owns the round too, whatever
+        ctx.round = own if own is not None else Round.of(rnd)  # saved-tensor hooks (offloading) do
     ctx.num_heads_kv = k.shape[1]
     if kept:
         ctx.save_for_backward(rnd)

@@ -382,7 +382,7 @@ class AttendHandle:
                 except FutureTimeout:
                     raise TimeoutError(f"the forward round is still running after {timeout} s "
                                        f"(it goes on; wait again for its result)") from None
-            self._result = op.finish(self._pending, *self._inputs)
+            self._result = op.finish(self._pending, *self._inputs, lse_wanted=self._return_lse)
         return self._result if self._return_lse else self._result[0]
 
     def done(self) -> bool:

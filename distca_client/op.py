@@ -119,16 +119,29 @@ def attend_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torc
     return forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept)
 
 
-def forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept):
-    """``distca::attend_fwd``'s body (arguments and results as it documents)."""
-    if pending:
+def forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept, *, lse_view=False):
+    """``distca::attend_fwd``'s body (arguments and results as it documents). ``lse_view``: the
+    LSE as a transposed view of the runtime's ``[T, Hq]`` tensor instead of a contiguous copy (an
+    operator's outputs need the layout its fake gives; an eager call need not copy: see
+    :class:`EagerAttend`)."""
+    out, lse, rnd = _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept,
+                                     lse_view=lse_view)
+    return out, lse, rnd.tensor()
+
+
+def _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept, *, lse_view):
+    """(out, lse, the :class:`Round`) of :func:`forward_round`; ``pending`` may also be the
+    :class:`Pending` itself (an eager call: no trip through the registry of started rounds)."""
+    if isinstance(pending, Pending):
+        found = pending
+    elif pending:
         found = _PENDING.pop(pending, None)
         if found is None:
             raise RuntimeError(f"distca::attend_fwd: no started round has key {pending}")
     else:
         found = _client(client)._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=True)
     out, lse = found.result()
-    return out.contiguous(), lse.t().contiguous(), Round(found).tensor()
+    return out.contiguous(), lse.t() if lse_view else lse.t().contiguous(), Round(found)
 
 
 @attend_fwd.register_fake
@@ -182,14 +195,21 @@ class EagerAttend(torch.autograd.Function):
     arguments and results, without the operators' Python dispatch. A no-op pair of operators with
     this signature costs about 100 µs per layer (forward + backward) on the development machine,
     a no-op autograd function 20 µs (``bench/host_path.py``): host time a replayed layer cannot
-    hide. Compiled code calls the operators (:func:`attend`)."""
+    hide. Compiled code calls the operators (:func:`attend`).
+
+    One difference: its LSE output is ``[Hq, T]`` as a transposed view of the runtime's
+    contiguous ``[T, Hq]`` LSE, not a copy. Training (``return_lse=False``) never reads it, a
+    stateless round's backward takes the runtime's layout back without a copy
+    (:meth:`~distca_client.autograd.Round.run_backward`), and :func:`finish` makes the one copy
+    when the caller asks for the LSE: one device copy of T·Hq·4 bytes per layer less."""
 
     @staticmethod
     def forward(ctx, *inputs):
         # ctx in forward, not a separate setup_context: with one, apply() binds the arguments to
         # forward's signature through inspect on every call (about 100 µs here)
-        output = forward_round(*inputs)
-        _autograd.setup_context(ctx, inputs, output)
+        out, lse, rnd = _forward_results(*inputs, lse_view=True)
+        output = (out, lse, rnd.tensor())
+        _autograd.setup_context(ctx, inputs, output, rnd)
         return output
 
     backward = staticmethod(_autograd.backward)
@@ -226,14 +246,18 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
-def finish(pending: Pending, q, k, v):
+def finish(pending: Pending, q, k, v, lse_wanted: bool = True):
     """``(out, lse)`` of the round ``pending`` (started by ``attend`` or ``attend_async``), with
-    the autograd node every ``attend`` has: :class:`EagerAttend`'s (the operator's when traced)."""
-    key = next(_PENDING_KEYS)
-    _PENDING[key] = pending
-    fwd = torch.ops.distca.attend_fwd if torch.compiler.is_compiling() else EagerAttend.apply
-    out, lse, _ = fwd(q, k, v, _NO_DOCS, 0, None, None, False, key, pending.kept is not None)
-    return out, lse
+    the autograd node every ``attend`` has: :class:`EagerAttend`'s (the operator's when traced);
+    lse [Hq, T] contiguous, or (not ``lse_wanted``, eager) whatever layout costs no copy."""
+    if torch.compiler.is_compiling():
+        key = next(_PENDING_KEYS)
+        _PENDING[key] = pending
+        out, lse, _ = torch.ops.distca.attend_fwd(q, k, v, _NO_DOCS, 0, None, None, False, key,
+                                                  pending.kept is not None)
+        return out, lse
+    out, lse, _ = EagerAttend.apply(q, k, v, _NO_DOCS, 0, None, None, False, pending, pending.kept is not None)
+    return out, lse.contiguous() if lse_wanted else lse
 
 
 def _doc_lens_tensor(doc_lens) -> torch.Tensor:

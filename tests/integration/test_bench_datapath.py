@@ -1,7 +1,8 @@
 """bench/datapath.py in --quick mode: the data path's copies and memory, kernel stubbed.
 
-The assertions are structural (bytes, not seconds): one in-place server copies nothing but the
-LSE's transpose into the operator's [Hq, T] layout and holds what varlen_attention holds; a dedicated server's data path copies each byte once each way beside
+The assertions are structural (bytes, not seconds): one in-place server copies nothing (eager
+calls return the LSE as a transposed view: no copy into the operator's [Hq, T] layout) and holds
+what varlen_attention holds; a dedicated server's data path copies each byte once each way beside
 the transfer itself (one gather and one scatter per byte and direction: 5.04x Q+K+V for this GQA
 shape, see the script's docstring)."""
 
@@ -24,10 +25,9 @@ def rows(bench, tmp_path_factory):
     return {(r["mode"], r["servers"]): r for r in json.loads(out.read_text())["rows"]}
 
 
-def test_one_inplace_server_copies_nothing_but_the_lse_layout(bench, rows):
+def test_one_inplace_server_copies_nothing(rows):
     one, ref = rows[("inplace", 1)], rows[("varlen_attention", 0)]
-    lse_bytes = one["tokens"] * bench.HQ * 4  # float32 [T, Hq] -> [Hq, T], once per forward
-    assert one["copied_by_op"] == {"clone": lse_bytes} and one["moved_x_qkv"] == 0
+    assert one["copied_by_op"] == {} and one["moved_x_qkv"] == 0
     assert one["peak_x_qkv"] <= 1.3 * ref["peak_x_qkv"] + 0.2
 
 
