@@ -440,28 +440,29 @@ class _OpenTicket:
             self.batch.release_round(self.kept)
 
 
-class _ClaimedFuture(Future):
-    """A round's future that calls ``on_claim`` once, at the first ``result()`` call; ``kept``:
-    see :meth:`PlannedBatch.forward_async`."""
+class _ClaimedFuture:
+    """A round's future (``inner``) that calls ``on_claim`` once, at the first ``result()`` call;
+    ``kept``: see :meth:`PlannedBatch.forward_async`. It reads through to ``inner`` (a queued
+    round's :class:`~.order.RoundFuture` joins the taker's stream in its ``result``), rather than
+    being a second ``Future`` fed by a callback."""
 
-    def __init__(self, inner: Future, on_claim, kept: int | None = None):
-        super().__init__()
+    __slots__ = ("_on_claim", "kept", "_inner")
+
+    def __init__(self, inner, on_claim, kept: int | None = None):
         self._on_claim, self.kept, self._inner = on_claim, kept, inner
-        inner.add_done_callback(self._copy)
 
-    def _copy(self, inner: Future) -> None:
-        exc = inner.exception()
-        if exc is not None:
-            self.set_exception(exc)
-        else:
-            self.set_result(Future.result(inner))  # the stream join is the taker's (result below)
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def exception(self, timeout=None) -> BaseException | None:
+        return self._inner.exception(timeout)
+
+    def add_done_callback(self, fn) -> None:
+        """``fn(self)`` once the round is done (now, if it is)."""
+        self._inner.add_done_callback(lambda _: fn(self))
 
     def result(self, timeout=None):
         claim, self._on_claim = self._on_claim, None
         if claim is not None:
             claim()
-        out = super().result(timeout)
-        join = getattr(self._inner, "join_stream", None)  # a queued round: see RoundFuture
-        if join is not None:
-            join()
-        return out
+        return self._inner.result(timeout)

@@ -76,8 +76,52 @@ class StreamFence:
                 stream.wait_event(done)
 
 
-def _settle(future: Future, finished: threading.Event, fn, args) -> None:
-    """Run ``fn(*args)`` into ``future``, then set ``finished``."""
+class Settled:
+    """The future of a round that ran on the caller's thread (:meth:`RoundSlot.here`): done when
+    made, with ``concurrent.futures.Future``'s reading methods. A ``Future`` builds a condition
+    variable and its lock, and its callbacks take that lock: host time every synchronous round
+    (``attend`` and every backward) paid for a result that is already there."""
+
+    __slots__ = ("_result", "_exception")
+
+    def __init__(self, result=None, exception: BaseException | None = None):
+        self._result, self._exception = result, exception
+
+    @staticmethod
+    def of(fn, args) -> "Settled":
+        """``fn(*args)``'s result, or the exception it raised (for whoever takes the result)."""
+        try:
+            return Settled(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - the round's error belongs to whoever takes its result
+            return Settled(exception=exc)
+
+    def done(self) -> bool:
+        return True
+
+    def running(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout=None):
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout=None) -> BaseException | None:
+        return self._exception
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` now (the future is done), as ``Future`` does for a done future."""
+        fn(self)
+
+
+def _settle(future: Future, finished, fn, args) -> None:
+    """Run ``fn(*args)`` into ``future``, then call ``finished()``."""
     try:
         if not future.set_running_or_notify_cancel():
             return
@@ -88,7 +132,7 @@ def _settle(future: Future, finished: threading.Event, fn, args) -> None:
         else:
             future.set_result(result)
     finally:
-        finished.set()
+        finished()
 
 
 class RoundFuture(Future):
@@ -116,31 +160,48 @@ class RoundSlot:
     runtime's lock, in the order rounds are counted); run it with :meth:`here` or :meth:`queued`,
     exactly once.
 
-    The queue links slots by their ``finished`` events, never by their futures: a future keeps its
-    result, and a forward round's ``out`` carries its autograd node, which must go when the caller
-    drops it (that frees the activations the servers keep for it)."""
+    The queue links each slot to the one before it, never to a future: a future keeps its result,
+    and a forward round's ``out`` carries its autograd node, which must go when the caller drops
+    it (that frees the activations the servers keep for it). A slot makes its ``threading.Event``
+    only when a later round has to wait for it (a round queued on the worker thread still
+    running): synchronous rounds one after another, the common case, make none."""
 
-    __slots__ = ("_queue", "_before", "finished")
+    __slots__ = ("_queue", "_before", "_done", "_event")
 
-    def __init__(self, queue: "RoundQueue", before: threading.Event | None):
-        self._queue, self._before, self.finished = queue, before, threading.Event()
+    def __init__(self, queue: "RoundQueue", before: "RoundSlot | None"):
+        self._queue, self._before, self._done, self._event = queue, before, False, None
+
+    def _finish(self) -> None:
+        """The round ran (or failed): wake whoever waits for it."""
+        with self._queue._lock:
+            self._done, event = True, self._event
+        if event is not None:
+            event.set()
+
+    def wait_done(self) -> None:
+        """Return once the round ran (each round's own waits are bounded by the transports'
+        timeouts, so this is too)."""
+        with self._queue._lock:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait()
 
     def _after_before(self) -> None:
         before, self._before = self._before, None
         if before is not None:
-            before.wait()  # each round's own waits are bounded (the transports' timeouts)
+            before.wait_done()
 
-    def here(self, fn, *args) -> Future:
+    def here(self, fn, *args) -> Settled:
         """Run ``fn(*args)`` on this thread once the rounds before it are done; returns the
         (done) future of its result."""
-        future: Future = Future()
         try:
             self._after_before()
-        except BaseException:
-            self.finished.set()
-            raise
-        _settle(future, self.finished, fn, args)
-        return future
+            return Settled.of(fn, args)
+        finally:
+            self._finish()
 
     def queued(self, fn, tensors, *args) -> Future:
         """Run ``fn(*args)`` on the queue's worker thread after the rounds before it, ordered
@@ -158,9 +219,9 @@ class RoundSlot:
             finally:  # set before the result: whoever sees the future done sees its event
                 future.device_done = fence.leave()
         try:
-            self._queue._worker().submit(_settle, future, self.finished, job, ())
+            self._queue._worker().submit(_settle, future, self._finish, job, ())
         except BaseException:
-            self.finished.set()
+            self._finish()
             raise
         return future
 
@@ -172,7 +233,7 @@ class RoundQueue:
     def __init__(self, name: str):
         self._name = name
         self._lock = threading.Lock()
-        self._last: threading.Event | None = None
+        self._last: RoundSlot | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -185,8 +246,7 @@ class RoundQueue:
         with self._lock:
             if self._closed:
                 raise DistCAError("this DistCAClient is closed")
-            slot = RoundSlot(self, self._last)
-            self._last = slot.finished
+            slot = self._last = RoundSlot(self, self._last)
             return slot
 
     def _worker(self) -> ThreadPoolExecutor:
@@ -201,6 +261,6 @@ class RoundQueue:
             self._closed = True
             last, pool = self._last, self._pool
         if last is not None:
-            last.wait()
+            last.wait_done()
         if pool is not None:
             pool.shutdown(wait=True)

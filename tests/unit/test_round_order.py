@@ -4,6 +4,7 @@ thread (no hand-off), a queued one on the rounds thread (``distca_server.runtime
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -62,6 +63,42 @@ def test_a_failed_round_does_not_stop_the_next_and_close_refuses_new_rounds():
     rounds.close()
     with pytest.raises(DistCAError, match="closed"):
         rounds.reserve()
+
+
+def test_synchronous_rounds_make_no_event_and_carry_their_errors():
+    rounds = RoundQueue("t")
+    slots = [rounds.reserve() for _ in range(3)]
+    assert slots[0].here(lambda: 1).result() == 1
+
+    def boom():
+        raise ValueError("bad round")
+    failed = slots[1].here(boom)  # the error goes to whoever takes the result, as a Future's would
+    assert failed.done() and isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError, match="bad round"):
+        failed.result()
+    seen = []
+    failed.add_done_callback(seen.append)  # a done future calls back at once
+    assert seen == [failed]
+    assert slots[2].here(lambda: 3).result() == 3
+    assert all(s._event is None for s in slots)  # nobody had to wait: no threading.Event was made
+    rounds.close()
+
+
+def test_a_round_waiting_for_a_running_one_wakes_when_it_ends():
+    rounds = RoundQueue("t")
+    gate, first, second = threading.Event(), rounds.reserve(), rounds.reserve()
+    f1 = first.queued(gate.wait, (), 60)
+    out = []
+    t = threading.Thread(target=lambda: out.append(second.here(lambda: "after").result()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while first._event is None and time.monotonic() < deadline:  # it waits on an event made for it
+        time.sleep(0.01)
+    assert first._event is not None and t.is_alive() and out == []
+    gate.set()
+    t.join(60)
+    assert f1.result(timeout=60) is True and out == ["after"]
+    rounds.close()
 
 
 def test_fence_does_nothing_on_the_cpu():
