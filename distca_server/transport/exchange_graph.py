@@ -104,13 +104,19 @@ class _ReplayHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait for every exchange of the replay (none is left unresolved), then raise the first
-        failure."""
-        first = None
+        failure. The replay's exchanges share one marker: once the caller's stream was made to
+        wait for it (a device-driven wait, which leaves them to be resolved later), the others
+        would only make the same wait again, two CUDA calls each; a passed marker resolves each."""
+        first, joined = None, None
         for e in self._entries:
+            if joined is not None and e.marker is joined:
+                continue
             try:
                 self._transport._wait_entry(e, timeout_s)
             except (DistCAError, ValueError) as exc:
                 first = first or exc
+            if not e.resolved:  # joined on the device: the caller's stream waits for the marker
+                joined = e.marker
         if first is not None:
             raise first
 

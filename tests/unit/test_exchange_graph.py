@@ -316,6 +316,44 @@ def test_replays_over_the_in_process_heap_are_exact():
         group.close()
 
 
+class _FakeEntry:
+    def __init__(self, marker):
+        self.marker, self.resolved = marker, False
+
+
+class _FakeWaits:
+    """``_wait_entry`` of a transport on a GPU stream: a marker that has not passed makes the
+    caller's stream wait (the entry stays unresolved); one that passed resolves the entry."""
+
+    def __init__(self, passed: bool, fail_first: bool = False):
+        self.calls, self.passed, self.fail_first = [], passed, fail_first
+
+    def _wait_entry(self, e, timeout_s):
+        self.calls.append(e)
+        if self.passed:
+            e.resolved = True
+        if self.fail_first and len(self.calls) == 1:
+            raise DistCAError("group aborted")
+
+
+def test_a_replay_joins_its_shared_marker_once_and_resolves_each_exchange_once_it_passed():
+    from distca_server.transport.exchange_graph import _ReplayHandle
+    shared = object()
+    entries = [_FakeEntry(shared) for _ in range(3)]
+    waits = _FakeWaits(passed=False)
+    _ReplayHandle(waits, entries).wait()
+    assert waits.calls == entries[:1]  # one device wait (two CUDA calls), not one per exchange
+    entries = [_FakeEntry(shared) for _ in range(3)]
+    waits = _FakeWaits(passed=True)
+    _ReplayHandle(waits, entries).wait()
+    assert waits.calls == entries  # each is resolved from its own snapshot
+    entries = [_FakeEntry(shared), _FakeEntry(object())]
+    waits = _FakeWaits(passed=False, fail_first=True)
+    with pytest.raises(DistCAError, match="aborted"):
+        _ReplayHandle(waits, entries).wait()
+    assert waits.calls == entries  # an exchange with a marker of its own is waited for too
+
+
 def _gpu_replays() -> None:
     """Two and three PEs of one process on CUDA (stream memory operations in a CUDA graph)."""
     for P in (2, 3):
