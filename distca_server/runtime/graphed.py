@@ -100,6 +100,7 @@ class CapturedRound:
                           if self.keeps and kind == RoundKind.BACKWARD else None)
         # forward with kept activations: per participant, what each of its 2 recordings kept
         self.stash = [[(None, None)] * 2 for _ in participants]
+        self._owning: dict = {}  # (participant, set) -> how its kept rows become its own (_own)
         self.graphs = []
         for i, (p, t) in enumerate(zip(participants, transports)):
             self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, self.views[i], rows(p, self.outputs))))
@@ -128,8 +129,9 @@ class CapturedRound:
 
             def forward():
                 drive(p.forward_steps(t, *ins, scale, out=outs[0], lse=outs[1], keep=CAPTURE_KEY))
-                rows = p.kept.pop(CAPTURE_KEY, (None,))[0]
-                self.stash[i][next(calls) % 2] = (rows, p.kept_merged.pop(CAPTURE_KEY, None))
+                rows, graph_set = p.kept.pop(CAPTURE_KEY, (None,))[0], next(calls) % 2
+                self.stash[i][graph_set] = (rows, p.kept_merged.pop(CAPTURE_KEY, None))
+                self._owning.pop((i, graph_set), None)  # worked out again from these rows
             return forward
         rows, merged = self.kept_rows[i]
 
@@ -189,33 +191,49 @@ class CapturedRound:
                 caller.wait_stream(stream)
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
-            own = [self._own(*self.stash[i][sets[i]], i, p, inputs, dst, src) for i, p in enumerate(participants)]
+            own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]
         _copy_all(dst, src)
         if forward:
             for p, (rows, merged) in zip(participants, own):
                 p.adopt(kept, rows, merged)
 
-    def _own(self, rows: dict | None, merged: dict | None, i: int, p, inputs, dst: list, src: list) -> tuple:
-        """(rows, merged) participant ``i``'s recording kept, as tensors of their own: its rows of a
+    def _own(self, i: int, graph_set: int, p, inputs, dst: list, src: list) -> tuple:
+        """(rows, merged) participant ``i``'s recording ``graph_set`` kept, as tensors of their own: its rows of a
         static input (kept by reference, as the eager round keeps the client's own rows) become its
         rows of the caller's tensor; the others are new tensors, whose copies from the recording's
-        are appended to ``dst`` / ``src``."""
-        static = {id(x): j for j, x in enumerate(self.views[i]) if x is not None}
-        given = self.rows(p, inputs) if rows and any(id(x) in static for x in rows.values()) else None
+        are appended to ``dst`` / ``src``. Which is which is the same at every replay of a
+        recording (its kept tensors and static views do not change), so it is worked out once."""
+        plan = self._owning.get((i, graph_set))
+        if plan is None:
+            plan = self._owning[(i, graph_set)] = self._owning_plan(*self.stash[i][graph_set], i)
+        by_reference, rows_plan, merged_plan = plan
+        given = self.rows(p, inputs) if by_reference else None
 
-        def fresh(d: dict | None, by_reference: bool) -> dict | None:
-            if d is None:
+        def fresh(entries):
+            if entries is None:
                 return None
             out = {}
-            for n, x in d.items():
-                if by_reference and id(x) in static:
-                    out[n] = given[static[id(x)]]
+            for n, x, j in entries:
+                if j is not None:
+                    out[n] = given[j]
                 else:
-                    out[n] = torch.empty_like(x)
-                    dst.append(out[n])
+                    out[n] = y = torch.empty_like(x)
+                    dst.append(y)
                     src.append(x)
             return out
-        return fresh(rows, given is not None), fresh(merged, False)
+        return fresh(rows_plan), fresh(merged_plan)
+
+    def _owning_plan(self, rows: dict | None, merged: dict | None, i: int) -> tuple:
+        """(whether any kept row is a static input's view, then per kept dict a list of (name,
+        tensor, index of the static input it is a view of, or None: copied))."""
+        static = {id(x): j for j, x in enumerate(self.views[i]) if x is not None}
+        by_reference = bool(rows) and any(id(x) in static for x in rows.values())
+
+        def entries(d: dict | None, may_share: bool):
+            if d is None:
+                return None
+            return [(n, x, static.get(id(x)) if may_share else None) for n, x in d.items()]
+        return by_reference, entries(rows, by_reference), entries(merged, False)
 
 
 def _copy_all(dst: list, src: list) -> None:

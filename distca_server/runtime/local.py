@@ -90,19 +90,18 @@ class LocalBatch(PlannedBatch):
         a, b = self.bounds[p.rank], self.bounds[p.rank + 1]
         return tuple(t[a:b] for t in tensors)
 
-    @contextlib.contextmanager
-    def _round(self):
-        """Around one round: a failed round releases the batch's kept activations."""
-        try:
-            yield
-        except BaseException as exc:
-            self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
-            raise
+    def _failed(self, exc: BaseException) -> None:
+        """A round of the batch raised ``exc``: release the batch's kept activations (the caller
+        re-raises; a try/except, not a context manager, on a path every layer takes)."""
+        self.release(f"a round of batch {self.batch} failed: {type(exc).__name__}: {str(exc)[:200]}")
 
     def _run(self, jobs) -> list:
         """Run one round's jobs (eagerly)."""
-        with self._round():
+        try:
             return self.runtime.run(jobs, self.device)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
 
     def _replayed(self, kind: RoundKind, softmax_scale: float, inputs: tuple, outputs: tuple,
                   kept: int | None = None) -> bool:
@@ -118,9 +117,12 @@ class LocalBatch(PlannedBatch):
             self._replay_on = (group, [group.endpoint(i, self.device) for i in range(n)],
                                [streams.get(i) for i in range(n)])
         _, transports, streams = self._replay_on
-        with self._round():
+        try:
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
                                       inputs, outputs, self._rows, streams, kept)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
 
     def _single_rank(self, jobs) -> tuple:
         """One client rank holds the whole batch: its results are the outputs, as they are (a rank
