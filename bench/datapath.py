@@ -132,6 +132,7 @@ _COPY_OPS = {
     aten.repeat_interleave: None, aten.copy_: 1, aten.index_copy_: 3, aten.index_copy: 3,
     aten.index_add_: 3, aten.index_add: 3, aten.index_put_: 2, aten.scatter_: 3,
     aten.masked_scatter_: 2,
+    aten._foreach_copy_: 0,  # a list of destinations (the replayed rounds' copies in and out)
 }
 
 
@@ -183,6 +184,8 @@ class CopyCounter(TorchDispatchMode):
                 n = _nbytes(args[where]) if where < len(args) else 0
                 if packet is aten.copy_:
                     n = _nbytes(args[0])
+                elif packet is aten._foreach_copy_:
+                    n = sum(_nbytes(t) for t in args[0])
             with self.lock:
                 self.copied += n
                 self.by_op[packet.__name__] = self.by_op.get(packet.__name__, 0) + n
@@ -194,21 +197,31 @@ class CopyCounter(TorchDispatchMode):
 
 
 _submit = concurrent.futures.ThreadPoolExecutor.submit
+_thread_run = threading.Thread.run
 
 
 def counting_in_threads(counter: CopyCounter):
-    """Make every ThreadPoolExecutor task run under ``counter`` (dispatch modes are per thread)."""
+    """Make every ThreadPoolExecutor task, and every thread started from now on (the CPU stand-in
+    of a graph replay runs the recorded round on one), run under ``counter`` (dispatch modes are
+    per thread). Threads already running (a routed transport's stream thread, whose puts are the
+    transfer itself) are not counted."""
     def submit(self, fn, /, *args, **kwargs):
         @functools.wraps(fn)
         def run(*a, **kw):
             with counter:
                 return fn(*a, **kw)
         return _submit(self, run, *args, **kwargs)
+
+    def thread_run(self):
+        with counter:
+            _thread_run(self)
     concurrent.futures.ThreadPoolExecutor.submit = submit
+    threading.Thread.run = thread_run
 
 
 def restore_threads() -> None:
     concurrent.futures.ThreadPoolExecutor.submit = _submit
+    threading.Thread.run = _thread_run
 
 
 # ---- the workload ---------------------------------------------------------------------------------------
@@ -236,9 +249,10 @@ def one_step(attn, q, k, v, dout):
     return out, q.grad, k.grad, v.grad
 
 
-def measure(attn, q, k, v, dout, repeats: int, base: int | None = None) -> dict:
+def measure(attn, q, k, v, dout, repeats: int, base: int | None = None, replays=None) -> dict:
     """Copies, peak heap growth over ``base`` (default: the heap before the measured step; pass
-    the heap before the client existed to count what it holds between steps) and time."""
+    the heap before the client existed to count what it holds between steps) and time;
+    ``replays``: a count of replayed rounds, read around the counted step (``counted_replays``)."""
     qkv = sum(_nbytes(t) for t in (q, k, v))
     one_step(attn, q, k, v, dout)  # warm-up: plans, threads, buffers
     times = []
@@ -252,12 +266,14 @@ def measure(attn, q, k, v, dout, repeats: int, base: int | None = None) -> dict:
         gc.collect()
         base = heap_in_use() if base is None else base
         counter.peak = base
+        replayed = replays() if replays else 0
         with counter:
             result = one_step(attn, q, k, v, dout)
+        replayed = replays() - replayed if replays else None
         del result
     finally:
         restore_threads()
-    return {"copied_x_qkv": counter.copied / qkv, "peak_x_qkv": (counter.peak - base) / qkv,
+    return {"counted_replays": replayed, "copied_x_qkv": counter.copied / qkv, "peak_x_qkv": (counter.peak - base) / qkv,
             "ms": statistics.median(times) * 1e3, "copied_by_op": dict(sorted(counter.by_op.items())),
             "launches": counter.launches,
             "qkv_bytes": qkv}
@@ -278,16 +294,29 @@ def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int
         row = measure(lambda a, b, c: varlen_attention(a, b, c, lens, backend="stub"), q, k, v, dout,
                       repeats)
     else:
+        base_mode, _, path = mode.partition(" ")  # "inplace", or "inplace shm" / "inplace shm+graphs"
         gc.collect()
         before_client = heap_in_use()  # buffers and plans the client keeps count as its memory
-        if JobConfig is None:
-            client = DistCAClient.local(servers, backend="stub", mode=mode)
-        else:
-            client = DistCAClient.local(config=JobConfig(servers=servers, backend="stub", plan=PlanConfig(mode=mode)))
-        with client:
+        with contextlib.ExitStack() as stack:
+            if JobConfig is None:
+                client = DistCAClient.local(servers, backend="stub", mode=base_mode)
+            else:
+                extra = {}
+                if path:
+                    extra = dict(transport="shm", cuda_graphs=path == "shm+graphs", timeout_s=120)
+                if path == "shm+graphs":
+                    from distca_server.runtime.cpu_replay import cpu_replays
+                    stack.enter_context(cpu_replays())  # every replay runs the recorded round again
+                client = DistCAClient.local(config=JobConfig(servers=servers, backend="stub",
+                                                             plan=PlanConfig(mode=base_mode), **extra))
+            stack.enter_context(client)
+            graphs = client._runtime.graphs if path == "shm+graphs" else None
             row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, repeats,
-                          base=before_client)
+                          base=before_client, replays=graphs and (lambda: graphs.replays))
             comm = client.last_plan.comm_bytes()
+            if graphs is not None and row["counted_replays"] != 2:
+                raise AssertionError(f"{mode}: {row['counted_replays']} of the counted step's 2 rounds were "
+                                     f"replayed (more warm-up steps needed: --repeats)")
         row["moved_x_qkv"] = (comm["forward"]["total"] + comm["backward"]["total"]) / row["qkv_bytes"]
     row.update(tokens=total, servers=servers, mode=mode)
     return row
@@ -309,6 +338,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heads-kv", type=int, default=2, help=f"KV heads (q heads: {HQ})")
     parser.add_argument("--quick", action="store_true", help="T = 4K, S = 1 and 2, 2 repeats")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also each mode over the in-process routed heap (transport shm), eagerly and with "
+                             "its rounds captured and replayed (cuda_graphs; on the CPU a stand-in replays "
+                             "each recording by running it again): what replaying adds to the copies")
     parser.add_argument("--before-tree", type=Path, default=None,
                         help="a checkout of an earlier distca (e.g. `git worktree add /tmp/before "
                              "5e1a9bb`): each configuration is also measured there, in this run")
@@ -326,7 +359,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = []
     configs = [(t, "varlen_attention", 0) for t in args.tokens]
-    configs += [(t, m, s) for t in args.tokens for m in args.modes for s in args.servers]
+    modes = list(args.modes)
+    if args.graphs:
+        modes += [f"{m} {path}" for m in args.modes for path in ("shm", "shm+graphs")]
+    configs += [(t, m, s) for t in args.tokens for m in modes for s in args.servers
+                if not (s == 1 and m.endswith("graphs"))]  # one client rank: its rounds are never captured
     for total, mode, servers in sorted(configs):
         cfg = dict(total=total, mode=mode, servers=servers, heads_kv=args.heads_kv, repeats=args.repeats)
         row = run_config(**cfg)
@@ -351,13 +388,13 @@ def main(argv=None) -> int:
     def table():
         print(f"\ndata path per forward+backward step ({args.label}), Q+K+V multiples; kernel stubbed; "
               f"hq={HQ} hkv={args.heads_kv} d={D} {str(DTYPE).removeprefix('torch.')}")
-        print(f"{'T':>6} {'mode':<17} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} "
+        print(f"{'T':>6} {'mode':<20} {'S':>2} {'copied':>7} {'moved':>6} {'peak':>6} {'ms':>8} "
               f"{'vs varlen':>9} {'launches':>8} {'copied before':>13} {'peak before':>11} {'ms before':>9} "
               f"{'ms vs before':>12} {'launches before':>15} {'launches vs before':>18}")
         for r in rows:
             def opt(key, fmt):
                 return format(r[key], fmt) if r.get(key) is not None else "-"
-            print(f"{r['tokens']:>6} {r['mode']:<17} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
+            print(f"{r['tokens']:>6} {r['mode']:<20} {r['servers'] or '-':>2} {r['copied_x_qkv']:>7.2f} "
                   f"{opt('moved_x_qkv', '.2f'):>6} {r['peak_x_qkv']:>6.2f} {r['ms']:>8.2f} "
                   f"{opt('ms_vs_varlen', '.1f'):>9} {r['launches']:>8} {opt('copied_before', '.2f'):>13} "
                   f"{opt('peak_before', '.2f'):>11} {opt('ms_before', '.2f'):>9} "

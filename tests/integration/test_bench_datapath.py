@@ -37,3 +37,20 @@ def test_each_byte_is_gathered_and_scattered_once(rows):
     assert ded["copied_x_qkv"] - ded["moved_x_qkv"] <= floor / 1.5 + 0.05
     for r in rows.values():
         assert r["copied_x_qkv"] < 15  # the previous data path copied 23-32x
+
+
+def test_replayed_rounds_copy_what_the_eager_ones_do_and_more(bench, tmp_path):
+    """``--graphs``: over the in-process routed heap, a step whose rounds are replayed (CPU stand-in:
+    each recording run again) copies everything the eager step does, plus the static inputs and
+    outputs and the kept rows in and out of the recordings (``_foreach_copy_``); the script itself
+    fails unless the counted step's two rounds were replays."""
+    out = tmp_path / "g.json"
+    assert bench.main(["--quick", "--graphs", "--servers", "2", "--json", str(out)]) == 0
+    rows = {(r["mode"], r["servers"]): r for r in json.loads(out.read_text())["rows"]}
+    for mode in ("inplace", "dedicated"):
+        eager, graphed = rows[(f"{mode} shm", 2)], rows[(f"{mode} shm+graphs", 2)]
+        assert graphed["counted_replays"] == 2 and eager["counted_replays"] is None
+        assert "_foreach_copy_" in graphed["copied_by_op"] and "_foreach_copy_" not in eager["copied_by_op"]
+        extra = graphed["copied_x_qkv"] - eager["copied_x_qkv"]
+        assert abs(extra * graphed["qkv_bytes"] - graphed["copied_by_op"]["_foreach_copy_"]) <= 0.01 * graphed["qkv_bytes"]
+        assert extra >= 3.3  # at least q, k, v in, out and lse out, dout in, dq, dk, dv out
