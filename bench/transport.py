@@ -45,6 +45,7 @@ Writes JSON to ``--json`` (default ``bench/results/transport_shm.json``, on GPU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import statistics
@@ -110,18 +111,25 @@ def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, c
 
 
 def _time_calls(issue, iters: int, warmup: int, cuda: bool) -> tuple[float, float]:
-    """Medians of ``issue().wait()`` (GPU: synchronized) and of ``issue()`` alone (the host's part:
-    how long the caller is held before it may queue more work)."""
+    """Medians of ``issue().wait()`` (GPU: the caller's stream synchronized) and of ``issue()``
+    alone (the host's part: how long the caller is held before it may queue more work).
+
+    Only the caller's current stream is synchronized, never the device: ``wait()`` made that stream
+    wait for the exchange, which is all it must see. A device-wide synchronize would also wait for
+    every other participant's streams, and where participants are threads of one process
+    (``--transport local``) a peer's stream may be held in a device-side wait for rows this thread
+    has not sent yet: the two would wait for each other until the watchdog's deadline
+    (``memop_stream``'s module doc)."""
     times, issued = [], []
     for i in range(warmup + iters):
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         handle = issue()
         t1 = time.perf_counter()
         handle.wait()
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             issued.append(t1 - t0)
@@ -232,9 +240,14 @@ def run_local(P: int, device: torch.device, sizes: list[int], iters: int, warmup
     per_rank, errors = {}, []
 
     def one(r):
+        # Each participant thread issues on a CUDA stream of its own: on the legacy default stream,
+        # which they would share, one participant's wait for a peer's exchange (a marker's join,
+        # the host-driven path's quiet) would hold up the peers' work behind it.
+        own = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
         try:
-            per_rank[r] = _measure(r, P, syms[r], group.endpoint(r, device), "local", sizes, iters, warmup, device,
-                                   graph)
+            with own:
+                per_rank[r] = _measure(r, P, syms[r], group.endpoint(r, device), "local", sizes, iters, warmup,
+                                       device, graph)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
             group.abort(r, str(exc))
