@@ -76,7 +76,8 @@
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
 # tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, host_path.json, train.json (loss agreement, step time
 # and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
-# train_tokens_per_s_local, ...), train_loss.png, and at the end summary.json
+# train_tokens_per_s_local, ...), train_loss.png, train_ray_logs.txt / tagged_ray_logs.txt (the tails
+# of Ray's own logs, only when that stage failed), and at the end summary.json
 # (bench/gpu_summary.py). The device tool brings back 8 files at most per call, so after every
 # stage $RES is packed into $OUT/results.tar (a call cut short still brings back every finished
 # stage's files); $OUT (default /tmp/distca_gpu_session) also holds session.log (every stage's
@@ -99,34 +100,63 @@ RES=${RES:-/tmp/distca_gpu_results}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$RES"
 LOG="$OUT/session.log"
+status=0
 DEADLINE=$((SECONDS + ${BUDGET_S:-1000000}))
 # The carried wheels: .carry/wheels.tar.xz (bench/carry_wheels.py pack: about half the bytes) is
-# rebuilt into wheels first; else the wheels in .whl/ as they are.
+# rebuilt into wheels first; else the wheels in .whl/ as they are. Installed into $SITE (default
+# /tmp/site). Logged as the stage "wheels" (session.log and summary.json's stages): the device
+# tool's output_tail keeps only the last 12,000 characters, so a failed install would otherwise
+# leave no reason behind.
+SITE=${SITE:-/tmp/site}
+WHEELS_DIR=${WHEELS_DIR:-/tmp/distca_wheels}
 WHEELS=
+wheels_t0=$SECONDS
+wheels_rc=0
 if [ -f .carry/wheels.tar.xz ]; then
-    rm -rf /tmp/distca_wheels
-    "$PY" bench/carry_wheels.py unpack .carry/wheels.tar.xz /tmp/distca_wheels >/dev/null && WHEELS=/tmp/distca_wheels
+    echo "== wheels: unpacking .carry/wheels.tar.xz into $WHEELS_DIR" | tee -a "$LOG"
+    rm -rf "$WHEELS_DIR"
+    "$PY" bench/carry_wheels.py unpack .carry/wheels.tar.xz "$WHEELS_DIR" 2>&1 >/dev/null | tee -a "$LOG"
+    wheels_rc=${PIPESTATUS[0]}
+    [ "$wheels_rc" -eq 0 ] && WHEELS=$WHEELS_DIR
 elif ls .whl/*.whl >/dev/null 2>&1; then
     WHEELS=.whl
+else  # no Ray, no nvshmem4py: most stages will fail
+    echo "== wheels: skipped, none carried (no .carry/wheels.tar.xz, no .whl/*.whl)" | tee -a "$LOG"
 fi
 if [ -n "$WHEELS" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHEELS"/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "== wheels: installing $(ls "$WHEELS"/*.whl | wc -l) wheels into $SITE" | tee -a "$LOG"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl 2>&1 | tee -a "$LOG"
+    wheels_rc=${PIPESTATUS[0]}
+    if [ "$wheels_rc" -ne 0 ]; then
+        # pip installs all of them or none: one bad wheel must not cost the others (Ray, nvshmem4py)
+        echo "== wheels: pip failed ($wheels_rc); installing them one by one" | tee -a "$LOG"
+        for w in "$WHEELS"/*.whl; do
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+                "$w" 2>&1 | tee -a "$LOG"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || echo "== wheels: FAILED $(basename "$w")" | tee -a "$LOG"
+        done
+    fi
+    [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     # nvshmem4py wants cuda.core >= 0.5: the carried one only where the image's is older.
     if ls "$WHEELS"/extra/cuda_core-*.whl >/dev/null 2>&1 && ! "$PY" -c '
 import sys
 from importlib.metadata import version
 sys.exit(0 if tuple(int(x) for x in version("cuda-core").split(".")[:2]) >= (0, 5) else 1)'; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "$WHEELS"/extra/cuda_core-*.whl
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            "$WHEELS"/extra/cuda_core-*.whl 2>&1 | tee -a "$LOG"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || wheels_rc=1
     fi
+fi
+if [ -n "$WHEELS" ] || [ "$wheels_rc" -ne 0 ]; then
+    echo "== wheels: exit status $wheels_rc after $((SECONDS - wheels_t0)) s" | tee -a "$LOG"
+    [ "$wheels_rc" -eq 0 ] || status=1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # In-process participants hold stream waits on streams of their own (a communication, a force and
 # a replay stream each): past CUDA_DEVICE_MAX_CONNECTIONS (default 8) streams share hardware
 # queues, where one held wait could hold a peer's work (transport/memop_stream.py).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-status=0
 
 # $RES into $OUT/results.tar, replacing the last one whole (a call cut short brings back a whole tar)
 pack() {
@@ -177,7 +207,9 @@ EOF
 
 # Whether the MPS control daemon starts here and a CUDA client runs under it. Its pipe and log
 # folders are private to this stage (CUDA_MPS_PIPE_DIRECTORY), so no other stage's process connects
-# to it; it is stopped (quit) before the stage ends.
+# to it; it is stopped (quit, killed if it outlives that) before the stage ends. A shell function
+# runs without the stage's timeout, so its own timeouts (10 + 40 + 5 + 10 s, 2 s of sleeps) keep it
+# inside the stage's 90 s.
 mps_check() {
     if ! command -v nvidia-cuda-mps-control >/dev/null; then
         echo "mps: nvidia-cuda-mps-control is not on PATH: MPS cannot be used here"
@@ -186,30 +218,51 @@ mps_check() {
     local dir=/tmp/distca_mps rc
     mkdir -p "$dir/pipe" "$dir/log"
     export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe" CUDA_MPS_LOG_DIRECTORY="$dir/log"
-    timeout 20 nvidia-cuda-mps-control -d
+    # stdio not inherited: a daemon left holding this stage's pipe to tee would hang the session
+    timeout 10 nvidia-cuda-mps-control -d </dev/null >"$dir/start.out" 2>&1
     rc=$?
+    sed 's/^/mps: -d said: /' "$dir/start.out"
     if [ "$rc" -ne 0 ]; then
         echo "mps: nvidia-cuda-mps-control -d failed (exit status $rc): MPS is not available here"
     else
         sleep 1
         echo "mps: the control daemon started"
-        timeout 60 "$PY" -c '
+        timeout 40 "$PY" -c '
 import torch
 x = torch.arange(4.0, device="cuda")
 print("mps: a CUDA client ran under it:", (x * 2).sum().item() == 12.0, torch.cuda.get_device_name(0))'
         echo "mps: client exit status $? (124: it hung)"
-        echo get_server_list | timeout 10 nvidia-cuda-mps-control | sed 's/^/mps: server /'
-        echo quit | timeout 20 nvidia-cuda-mps-control
+        echo get_server_list | timeout 5 nvidia-cuda-mps-control | sed 's/^/mps: server /'
+        echo quit | timeout 10 nvidia-cuda-mps-control
         sleep 1
         pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null  # -f: the names exceed 15 characters
         case $? in
-            0) echo "mps: an MPS daemon is STILL RUNNING after quit:"; pgrep -af 'nvidia-cuda-mps-(control|server)' ;;
+            0) echo "mps: an MPS daemon is STILL RUNNING after quit (killed, so later stages run without it):"
+               pgrep -af 'nvidia-cuda-mps-(control|server)'; pkill -f 'nvidia-cuda-mps-(control|server)' ;;
             1) echo "mps: stopped" ;;
             *) echo "mps: quit sent; whether it stopped is unknown (no pgrep)" ;;
         esac
     fi
     tail -n 20 "$dir/log/control.log" 2>/dev/null | sed 's/^/mps: control.log: /'
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    return 0
+}
+
+# The tails of the newest Ray session's logs into $RES/<name>_ray_logs.txt, and the lines of them
+# that name errors into the log: train_llama.py and tagged_rounds.py start Ray with
+# log_to_driver=False, so what a dying worker printed (NVSHMEM's own messages included) is only there.
+ray_logs() {
+    local name=$1 dir=${RAY_TMPDIR:-/tmp/ray}/session_latest/logs out="$RES/$1_ray_logs.txt" f
+    if [ ! -d "$dir" ]; then
+        echo "$name: no Ray logs under $dir"
+        return 0
+    fi
+    : > "$out"
+    for f in $(ls -t "$dir"/*.err "$dir"/worker-*.out "$dir"/raylet.out 2>/dev/null | head -n 60); do
+        [ -s "$f" ] && { echo "---- $(basename "$f")"; grep -av '^\[state-dump\]' "$f" | tail -n 40; } >> "$out"
+    done
+    echo "$name: tails of Ray's logs in $(basename "$out") ($(wc -c < "$out") bytes); lines naming errors:"
+    grep -aiE "error|exception|traceback|nvshmem|killed|died|signal|abort" "$out" | tail -n 40
     return 0
 }
 
@@ -232,6 +285,7 @@ train_run() {
     timeout -s INT -k 30 "${STAGE_LIMIT:-${TRAIN_LIMIT:-240}}" "$PY" examples/train_llama.py $args --runs-dir "$runs" \
         --summary-json "$RES/train.json" ${TRAIN_ARGS:-}
     rc=$?
+    [ "$rc" -eq 0 ] || ray_logs train
     cp "$runs/demo-gpu/loss.png" "$RES/train_loss.png" 2>/dev/null
     [ -f "$RES/train.json" ] && "$PY" -c '
 import json, sys
@@ -239,6 +293,17 @@ s = json.load(open(sys.argv[1]))
 keys = [k for k in s if k.startswith(("train_loss_max_rel", "train_tokens_per_s", "train_step_time_s",
                                        "train_loss_rtol", "train_rounds_per_step", "train_header_rounds"))]
 print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$RES/train.json"
+    return $rc
+}
+
+# bench/tagged_rounds.py: two in-place Ray jobs over NVSHMEM; Ray's logs kept when it fails
+tagged_run() {
+    local rc
+    # shellcheck disable=SC2086
+    timeout -k 5 "${STAGE_LIMIT:-${TAGGED_LIMIT:-150}}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
+        --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$RES/tagged_rounds.json" ${TAGGED_ARGS:-}
+    rc=$?
+    [ "$rc" -eq 0 ] || ray_logs tagged
     return $rc
 }
 
@@ -285,10 +350,7 @@ for s in "$@"; do
         pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$RES/pingpong.json" ;;
         host) stage host 60 "$PY" bench/host_path.py --json "$RES/host_path.json" ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
-        # shellcheck disable=SC2086
-        tagged) stage tagged "${TAGGED_LIMIT:-150}" "$PY" bench/tagged_rounds.py --device cuda --dtype bfloat16 \
-                    --clients 2 --context 8192 16384 --layers 8 --steps 3 --json "$RES/tagged_rounds.json" \
-                    ${TAGGED_ARGS:-} ;;
+        tagged) stage tagged "${TAGGED_LIMIT:-150}" tagged_run ;;
         *) echo "unknown stage $s (mps, env, ktests, kernels, host, backends, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2
            status=1 ;;
     esac
