@@ -46,7 +46,10 @@ def check_result(result, device, backend, dtype, json_path):
         (p, x, t) for p, x in runs for t in (512, 1024)]
     for r in result["overhead"]:
         assert r["direct_ms"] > 0 and r["distca_ms"] > 0 and math.isfinite(r["overhead"]) and r["overhead"] > -1
-        assert 0 < r["host_ms"] <= r["distca_ms"] * 1.5 + 5
+        assert 0 < r["host_ms"] and math.isfinite(r["host_ms"])
+        if device == "cuda":  # the host's part of a step; on the CPU both are wall times of the same
+            # work, taken at different moments, which a loaded machine can make differ by any ratio
+            assert r["host_ms"] <= r["distca_ms"] * 1.5 + 5
         assert r["replays"] == 0 if device == "cpu" else (r["replays"] > 0) == (r["exchange"] == "graphs")
     # the guard ran before timing: 5 checks per shard size (out, lse, dq, dk, dv), 4 per batch and
     # run, 1 per profile point
