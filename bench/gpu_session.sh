@@ -98,6 +98,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/distca_gpu_session}
 RES=${RES:-/tmp/distca_gpu_results}
 PY=${PYTHON:-python3}
+# A warm machine keeps /tmp between calls: this call's results only (KEEP_RES=1 keeps the last's)
+[ "${KEEP_RES:-0}" = 1 ] || rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
 LOG="$OUT/session.log"
 status=0
@@ -182,9 +184,9 @@ stage() {
     pack
 }
 
-env_info() {
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-    "$PY" - <<'EOF'
+env_info() {  # a shell function runs without the stage's timeout: each command has its own
+    timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    timeout 35 "$PY" - <<'EOF'
 import importlib.util, platform, torch
 from importlib.metadata import PackageNotFoundError, version
 from distca_server.kernels import available_backends
