@@ -312,7 +312,7 @@ def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int
             stack.enter_context(client)
             graphs = client._runtime.graphs if path == "shm+graphs" else None
             row = measure(lambda a, b, c: client.attend(a, b, c, lens), q, k, v, dout, repeats,
-                          base=before_client, replays=graphs and (lambda: graphs.replays))
+                          base=before_client, replays=None if graphs is None else (lambda: graphs.replays))
             comm = client.last_plan.comm_bytes()
             if graphs is not None and row["counted_replays"] != 2:
                 raise AssertionError(f"{mode}: {row['counted_replays']} of the counted step's 2 rounds were "

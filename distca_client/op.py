@@ -119,19 +119,19 @@ def attend_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: torc
     return forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept)
 
 
-def forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept, *, lse_view=False):
-    """``distca::attend_fwd``'s body (arguments and results as it documents). ``lse_view``: the
-    LSE as a transposed view of the runtime's ``[T, Hq]`` tensor instead of a contiguous copy (an
-    operator's outputs need the layout its fake gives; an eager call need not copy: see
-    :class:`EagerAttend`)."""
+def forward_round(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept):
+    """``distca::attend_fwd``'s body (arguments and results as it documents)."""
     out, lse, rnd = _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept,
-                                     lse_view=lse_view)
+                                     lse_view=False)
     return out, lse, rnd.tensor()
 
 
 def _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept, *, lse_view):
     """(out, lse, the :class:`Round`) of :func:`forward_round`; ``pending`` may also be the
-    :class:`Pending` itself (an eager call: no trip through the registry of started rounds)."""
+    :class:`Pending` itself (an eager call: no trip through the registry of started rounds).
+    ``lse_view``: the LSE as a transposed view of the runtime's ``[T, Hq]`` tensor instead of a
+    contiguous copy (an operator's outputs need the layout its fake gives; an eager call need not
+    copy: see :class:`EagerAttend`)."""
     if isinstance(pending, Pending):
         found = pending
     elif pending:

@@ -78,9 +78,10 @@ class StreamFence:
 
 class Settled:
     """The future of a round that ran on the caller's thread (:meth:`RoundSlot.here`): done when
-    made, with ``concurrent.futures.Future``'s reading methods. A ``Future`` builds a condition
-    variable and its lock, and its callbacks take that lock: host time every synchronous round
-    (``attend`` and every backward) paid for a result that is already there."""
+    made, with the methods of ``concurrent.futures.Future`` that rounds' takers use (``done``,
+    ``result``, ``exception``, ``add_done_callback``). A ``Future`` builds a condition variable and
+    its lock, and its callbacks take that lock: host time every synchronous round (``attend`` and
+    every backward) paid for a result that is already there."""
 
     __slots__ = ("_result", "_exception")
 
@@ -97,15 +98,6 @@ class Settled:
 
     def done(self) -> bool:
         return True
-
-    def running(self) -> bool:
-        return False
-
-    def cancelled(self) -> bool:
-        return False
-
-    def cancel(self) -> bool:
-        return False
 
     def result(self, timeout=None):
         if self._exception is not None:
