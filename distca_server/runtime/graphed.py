@@ -12,10 +12,10 @@ input and output tensors (:meth:`~distca_server.transport.routed.RoutedTransport
 exchanges go to the participant's communication stream while it is recorded). Every later round
 of that shape, in every layer and in later steps, is replayed from the thread that runs the round:
 copy the batch's tensors into the static inputs (one copy per tensor; each participant's rows are
-views of them), replay every participant's recording, each on a CUDA stream of its own ordered
-after the caller's, and copy the static outputs out once the caller's stream has waited for them
-all. The host queues that work and waits for nothing; the participants' streams wait for each
-other on the device.
+views of them), replay every participant's recording (each on its transport's communication
+stream, ordered after the caller's), and copy the static outputs out once the caller's stream has
+waited for them all. The host queues that work and waits for nothing; the participants' streams
+wait for each other on the device.
 
 Kept activations (the default plan: a server keeps each layer's rows from its forward round until
 that layer's backward round, :mod:`distca_server.kept`) are host-side dicts keyed by the round,
@@ -44,7 +44,6 @@ kept rows), and the group that the next round forms starts without graphs.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import warnings
 from collections import OrderedDict
@@ -150,13 +149,20 @@ class CapturedRound:
         for g in self.graphs:
             g.release()
 
-    def replay(self, participants, inputs, outputs, streams: list, kept: int | None = None) -> None:
-        """Copy the batch's ``inputs`` in, replay every participant's recording, participant ``i``
-        on ``streams[i]`` after the current stream, which then waits for them all and copies the
-        ``outputs`` out (returns at once on a GPU); ``streams[i]`` None: on the current stream
-        (the CPU). A kept-activation round keeps (forward) or takes (backward) ``participants``'
-        rows under ``kept``. Every copy is on the current stream, one per tensor, all those before
-        the replays in one host call (``torch._foreach_copy_``) and all those after in another.
+    def replay(self, participants, inputs, outputs, kept: int | None = None) -> None:
+        """Copy the batch's ``inputs`` in, replay every participant's recording and copy the
+        ``outputs`` out, all queued from the caller's current stream (returns at once on a GPU).
+        A kept-activation round keeps (forward) or takes (backward) ``participants``' rows under
+        ``kept``. Every copy is on the current stream, one per tensor, all those before the
+        replays in one host call (``torch._foreach_copy_``) and all those after in another.
+
+        Each recording runs on its transport's communication stream, which its replay orders after
+        the current stream (``begin``); the current stream then waits for each replay's marker.
+        Every replay is queued before the first of those waits, so no participant's recording is
+        queued behind another's (they wait for each other's rows on the device). No stream of the
+        caller's own is needed between the two: per participant that would be two more
+        stream-to-stream waits (an event made, recorded and waited for each) and two stream
+        switches per round.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
@@ -177,18 +183,9 @@ class CapturedRound:
                         src.append(given[n])
         _copy_all(dst, src)
         sets = [g.next_set for g in self.graphs]
-        caller = torch.cuda.current_stream() if any(s is not None for s in streams) else None
-        handles = []
-        for graph, stream in zip(self.graphs, streams):
-            if stream is not None:
-                stream.wait_stream(caller)
-            with _on(stream):
-                handles.append(graph.replay())
-        for handle, stream in zip(handles, streams):
-            with _on(stream):
-                handle.wait()  # this stream waits for the replay, on the device
-            if stream is not None:
-                caller.wait_stream(stream)
+        handles = [graph.replay() for graph in self.graphs]
+        for handle in handles:
+            handle.wait()  # the current stream waits for the replay, on the device
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
             own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]
@@ -243,10 +240,6 @@ def _copy_all(dst: list, src: list) -> None:
         torch._foreach_copy_(dst, src, non_blocking=True)
 
 
-def _on(stream):
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
 def _take(p, kept: int, like) -> tuple:
     """Participant ``p``'s (server rows, merged rows) kept under ``kept``, no longer held by it."""
     rows = p._take_kept(kept) if p.server is not None else None
@@ -275,12 +268,11 @@ class RoundGraphs:
         self._captured.clear()
 
     def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs, rows,
-            streams: list, kept: int | None = None) -> bool:
+            kept: int | None = None) -> bool:
         """Replay round ``key`` if it was captured, capture it once it ran :data:`WARMUP_ROUNDS`
         times eagerly; returns whether it ran here (False: run it eagerly). ``inputs``,
         ``outputs``, ``rows``: the batch's tensors and each participant's rows of them
-        (:class:`CapturedRound`); ``streams``: a CUDA stream per participant (the runtime's) for
-        the replay; ``kept``: a kept-activation plan's round key (:meth:`CapturedRound.replay`)."""
+        (:class:`CapturedRound`); ``kept``: a kept-activation plan's round key (:meth:`CapturedRound.replay`)."""
         if self.disabled is not None:
             return False
         key = (key, kind, float(softmax_scale), kept is not None)
@@ -307,7 +299,7 @@ class RoundGraphs:
                 return False
             self._captured[key] = found
         self._captured.move_to_end(key)
-        found.replay(participants, inputs, outputs, streams, kept)
+        found.replay(participants, inputs, outputs, kept)
         self.replays += 1
         return True
 

@@ -77,7 +77,7 @@ class LocalBatch(PlannedBatch):
                                  for part in plan_parts(plan, step, batch, plan_id)]
         tokens = [sum(x) for x in plan.doc_lens_per_rank]
         self.bounds = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64).tolist()
-        self._replay_on = None  # (group, its endpoints, the replay streams) of the last replayed round
+        self._replay_on = None  # (group, its endpoints) of the last replayed round
 
     @property
     def plan(self) -> Plan:
@@ -112,14 +112,11 @@ class LocalBatch(PlannedBatch):
                 or not isinstance(group, HeapGroup) or group.broken):
             return False
         if self._replay_on is None or self._replay_on[0] is not group:  # the group's endpoints, once
-            n = len(self.participants)
-            streams = runtime._participant_streams(self.device, n, first=0)  # replays queue every participant
-            self._replay_on = (group, [group.endpoint(i, self.device) for i in range(n)],
-                               [streams.get(i) for i in range(n)])
-        _, transports, streams = self._replay_on
+            self._replay_on = (group, [group.endpoint(i, self.device) for i in range(len(self.participants))])
+        transports = self._replay_on[1]
         try:
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
-                                      inputs, outputs, self._rows, streams, kept)
+                                      inputs, outputs, self._rows, kept)
         except BaseException as exc:
             self._failed(exc)
             raise
@@ -360,14 +357,13 @@ class LocalRuntime(Runtime):
             raise (root or errors)[0]
         return first + [f.result() for f in futures]
 
-    def _participant_streams(self, device: torch.device, n: int, first: int = 1) -> dict:
-        """CUDA streams of participants ``first``..n-1 on ``device`` (made once; participant 0 runs
-        eager rounds on the caller's thread and stream, and needs its own only for replays), or {}
-        on the CPU."""
+    def _participant_streams(self, device: torch.device, n: int) -> dict:
+        """CUDA streams of participants 1..n-1 on ``device`` (made once; participant 0 runs eager
+        rounds on the caller's thread and stream), or {} on the CPU."""
         if device.type != "cuda":
             return {}
         streams = self._streams.setdefault(str(device), {})
-        for i in range(first, n):
+        for i in range(1, n):
             if i not in streams:
                 streams[i] = torch.cuda.Stream(device)
         return streams

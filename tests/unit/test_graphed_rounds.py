@@ -81,8 +81,8 @@ class FakeCapture:
     def release(self):
         self.released = True
 
-    def replay(self, participants, inputs, outputs, streams, kept):
-        self.replays.append((inputs, outputs, len(streams), kept))
+    def replay(self, participants, inputs, outputs, kept):
+        self.replays.append((inputs, outputs, len(participants), kept))
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def fake(monkeypatch):
 
 
 def run(graphs, key, kind=RoundKind.FORWARD, scale=0.25, n=2, kept=None):
-    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, ("in",), ("out",), None, ["s"] * n, kept)
+    return graphs.run(key, ["p"] * n, ["t"] * n, kind, scale, ("in",), ("out",), None, kept)
 
 
 def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
@@ -102,7 +102,7 @@ def test_a_round_is_captured_after_its_warm_up_and_replayed_from_then_on(fake):
     assert run(g, "shape") and run(g, "shape")
     (cap,) = fake.made
     assert cap.args == (["p", "p"], ["t", "t"], RoundKind.FORWARD, 0.25) and len(cap.replays) == 2
-    assert cap.replays[0] == (("in",), ("out",), 2, None)  # the batch's tensors, a stream per participant
+    assert cap.replays[0] == (("in",), ("out",), 2, None)  # the batch's tensors, its 2 participants
     assert g.replays == 2
     # another kind or scale is another round: its own warm-up, and so is a kept-activation one
     assert not run(g, "shape", kind=RoundKind.BACKWARD) and not run(g, "shape", scale=0.5)
