@@ -39,8 +39,10 @@ Writes JSON to ``--json`` (default ``bench/results/host_path.json``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +56,8 @@ from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_client.op import client_key, keeps_activations  # noqa: E402
 from distca_server.runtime.cpu_replay import cpu_replays  # noqa: E402
+from distca_server.transport.local_heap import HeapGroup  # noqa: E402
+from distca_server.transport.routed import RoutedTransport  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
 LENS = [60, 1, 17, 90, 29, 11]  # documents that the plan splits across both participants (min_shard 8)
@@ -94,21 +98,127 @@ def _op_backward(ctx, dout, _dlse, _drnd):
 _op_fwd.register_autograd(_op_backward, setup_context=_op_setup)
 
 
+class _PassesOnceJoined:
+    """A replay's marker as a GPU's event behaves when the device finishes the work soon: not yet
+    passed when the handle's ``wait`` joins it (the caller's stream waits on the device), passed
+    at the next look."""
+
+    __slots__ = ("passed",)
+
+    def __init__(self):
+        self.passed = False
+
+    def done(self) -> bool:
+        return self.passed
+
+    def wait(self, timeout_s: float) -> bool:
+        self.passed = True
+        return True
+
+    def join(self) -> None:
+        self.passed = True
+
+
+def _in_threads(n: int, fn) -> None:
+    """``fn(r)`` for r < n, each on a thread of its own (participants' exchanges must meet); the
+    first error raised, re-raised here."""
+    errors: list = []
+
+    def one(r):
+        try:
+            fn(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
+def transport_replay_us(participants: int, exchanges: int, replays: int, repeats: int) -> float:
+    """The transport's own host work per participant and replayed round, in µs of this thread's
+    CPU time: :meth:`~distca_server.transport.exchange_graph.ExchangeGraph.replay` of a graph of
+    ``exchanges`` captured exchanges and its handle's ``wait`` (the entries, their deadlines and
+    markers, settling and resolving the previous replays' exchanges from their snapshots, the
+    watchdog's poke), what :class:`~distca_server.runtime.cpu_replay.ThreadReplay` leaves out of
+    the rows above. Over the in-process heap on the CPU (64 bytes per peer and exchange), the
+    graphs captured and replayed for real first; then the stream's own calls (``begin``, the
+    replay's launch, ``mark``) are stubbed (a marker passes once its handle joined it, as on a
+    GPU), so the time is distca's Python alone: on a GPU each of those is one to three CUDA calls
+    more. Every participant's graph is replayed from this thread, then each handle waited for, as
+    :meth:`~distca_server.runtime.graphed.CapturedRound.replay` does. Best of ``repeats``."""
+    group = HeapGroup(participants, timeout_s=120)
+    ts = [group.endpoint(r) for r in range(participants)]
+    splits = [[[64] * participants] for _ in range(participants)]
+    recv_splits = [[64] * participants]
+
+    def one_round(r):
+        t = ts[r]
+        for j in range(exchanges):
+            send = [torch.zeros(64 * participants, dtype=torch.uint8)]
+            recv = [t.buffer(f"host-path-{j}", 64 * participants)]
+            t.exchange(send, splits[r], recv, recv_splits, route=("host_path", j)).wait()
+    try:
+        _in_threads(participants, lambda r: [one_round(r) for _ in range(2)])  # the buffers grow, routes install
+        graphs: list = [None] * participants
+
+        def capture(r):
+            graphs[r] = ts[r].graph(lambda: one_round(r))
+            for _ in range(4):
+                graphs[r].replay().wait()
+        _in_threads(participants, capture)
+        for t in ts:
+            t._drain()
+            st = t._stream
+            st.begin, st.replay, st.mark, st.synchronous = (lambda: None), (lambda graph: None), _PassesOnceJoined, False
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            for _ in range(replays):
+                for handle in [g.replay() for g in graphs]:
+                    handle.wait()
+            best = min(best, (time.process_time() - t0) / replays / participants * 1e6)
+        return best
+    finally:
+        for t in ts:
+            t.close()
+
+
+@contextlib.contextmanager
+def counting_exchanges():
+    """While inside, a Counter of the exchanges each participant (by rank) makes."""
+    counts: collections.Counter = collections.Counter()
+    saved = RoutedTransport.exchange
+
+    def exchange(self, *args, **kwargs):
+        counts[self.rank] += 1
+        return saved(self, *args, **kwargs)
+    RoutedTransport.exchange = exchange
+    try:
+        yield counts
+    finally:
+        RoutedTransport.exchange = saved
+
+
 def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
     """Best of ``repeats`` timings of ``steps`` calls of ``run_step``, µs per layer of this
     thread's CPU time (``time.thread_time``: the host work itself, without the time another
     process held the core; nothing here waits, every replay after the first two is a no-op)."""
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.thread_time()
+        t0 = time.process_time()
         for _ in range(steps):
             run_step()
-        best = min(best, (time.thread_time() - t0) / steps / layers * 1e6)
+        best = min(best, (time.process_time() - t0) / steps / layers * 1e6)
     return best
 
 
-def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
-    """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds."""
+def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
+    """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds,
+    and the exchanges each participant makes in a forward and a backward round (by kind)."""
     plan = PlanConfig(min_shard=8)
     reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120, plan=plan))
     with contextlib.ExitStack() as stack:
@@ -135,8 +245,10 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
             return outs
 
         ref_leaves = [t.detach().requires_grad_() for t in inputs]
-        ref_out = reference.attend(*ref_leaves, LENS)
-        ref_out.backward(dout * args.layers)
+        with counting_exchanges() as forward_exchanges:
+            ref_out = reference.attend(*ref_leaves, LENS)
+        with counting_exchanges() as backward_exchanges:
+            ref_out.backward(dout * args.layers)
         moved = sum(b for kind in reference.traffic().values() for b in kind.values())
         if not moved:
             raise AssertionError(f"the plan of {LENS} moves nothing: no exchange to replay")
@@ -157,7 +269,9 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict]:
         expected = 2 * 2 * args.layers * args.steps * args.repeats  # 2 paths x (forward + backward)
         if replayed != expected:
             raise AssertionError(f"{replayed} rounds replayed while timing, expected {expected}")
-        return times, checks
+        exchanges = {"forward": [forward_exchanges[r] for r in range(args.servers)],
+                     "backward": [backward_exchanges[r] for r in range(args.servers)]}
+        return times, checks, exchanges
 
 
 def main(argv=None) -> int:
@@ -184,9 +298,17 @@ def main(argv=None) -> int:
                                                                           True)[0]
                                                for _ in range(args.layers)]).sum().backward(),
                           args.layers, args.steps, args.repeats)
-    times, checks = distca_runs(args, (q, k, v), dout)
+    times, checks, exchanges = distca_runs(args, (q, k, v), dout)
+    # the transport's part of each replay (left out of the stand-in's rows): per participant, a
+    # forward and a backward round per layer, each replaying a graph of that round's exchanges
+    per_graph = {n: transport_replay_us(args.servers, n, args.steps * args.layers, args.repeats)
+                 for n in sorted({n for ns in exchanges.values() for n in ns if n})}
+    transport = sum(per_graph.get(n, 0.0) for ns in exchanges.values() for n in ns)
     rows = [dict(path="autograd.Function", us_per_layer=floor), dict(path="custom op", us_per_layer=custom)]
     rows += [dict(path=name, us_per_layer=us, max_abs_err=checks[name]) for name, us in times.items()]
+    rows += [dict(path="transport's part of the replays", us_per_layer=transport, exchanges_per_round=exchanges,
+                  us_per_participant_replay={str(n): us for n, us in per_graph.items()}),
+             dict(path="distca attend + transport", us_per_layer=times["distca attend"] + transport)]
     base = times["distca via operator"]
     for r in rows:
         r["vs_floor"] = r["us_per_layer"] / floor
@@ -200,7 +322,10 @@ def main(argv=None) -> int:
     eager = times["distca attend"]
     headline = [f"{args.servers} participants, {args.layers} layers, {T} tokens, replayed rounds: distca attend "
                 f"{eager:.0f} µs per layer on the host ({eager / base:.2f}x the operator path's {base:.0f} µs; "
-                f"the floor of a Python autograd op is {floor:.0f} µs, a custom op's {custom:.0f} µs)"]
+                f"the floor of a Python autograd op is {floor:.0f} µs, a custom op's {custom:.0f} µs)",
+                f"the transport's part of the replays: {transport:.0f} µs per layer ("
+                + ", ".join(f"{us:.1f} µs per participant and replay of {n} exchanges" for n, us in per_graph.items())
+                + f"); with it {eager + transport:.0f} µs per layer, before the CUDA calls"]
     finish(show, headline, time.perf_counter() - start, args.json,
            {"args": vars(args) | {"json": str(args.json)}, "lens": LENS, "rows": rows})
     return 0

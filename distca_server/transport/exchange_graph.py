@@ -42,6 +42,7 @@ from .routed import _Entry
 from .symmetric_words import _LOW, GRAPH_BLOCKS, GRAPH_EXCHANGES, SIGNAL_KINDS
 
 CREDIT, ARRIVED = 0, 1  # the two words per source PE of a captured exchange
+_REPLAY_LABEL = "captured exchange {} of route {!r} (replay {}), group epoch {}"  # formatted on failure only
 
 
 def graph_slot(world_size: int, block: int, graph_set: int, j: int, kind: int, src: int) -> int:
@@ -182,6 +183,11 @@ class ExchangeGraph:
                              f"(routes {names[0]} and {names[1]}): fn must make the same exchanges every call")
         self._last: list[list] = [[], []]  # the entries of each set's latest replay
         self.exchanges = len(self._records[0])
+        # the buffer growth its routes were installed at (all the same, as each exchange checked;
+        # None: no exchange) and the bytes a replay sends: read at every replay
+        growths = {r.growths for r, _ in self._records[0]}
+        self._growths = None if not growths else growths.pop() if len(growths) == 1 else -1
+        self._sent = [sum(r.sent for r, _ in records) for records in self._records]
 
     @property
     def next_set(self) -> int:
@@ -193,7 +199,7 @@ class ExchangeGraph:
         """Whether :meth:`replay` can run: no later capture took the graph's words and no growth
         moved the buffers its exchanges were recorded with."""
         t = self._t
-        return t._graphs[self._block] is self and all(r.growths == t._growths for r, _ in self._records[0])
+        return t._graphs[self._block] is self and self._growths in (None, t._growths)
 
     def replay(self, timeout_s: float | None = None) -> ExchangeHandle:
         """Queue the recorded exchanges again (one host call on a GPU) and return their handle.
@@ -212,28 +218,27 @@ class ExchangeGraph:
                    "was captured before the exchange buffers grew")
             raise ValueError(f"participant {t.rank}: this graph {why}; capture it again")
         for e in self._last[v]:  # its snapshots and markers are used again
-            t._finish(e)
+            if not e.resolved or e.error is not None:  # (most were settled since, and delivered)
+                t._finish(e)
         deadline = time.monotonic() + (t.timeout_s if timeout_s is None else float(timeout_s))
         with t._lock:
             t._settle()
             if t._closed or t._broken is not None:
                 raise DistCAError(f"graph replay on participant {t.rank} of group epoch {t.epoch}: the group is "
                                   f"{'closed' if t._closed else 'aborted: ' + t._broken}")
-            entries = [_Entry(t._base | self._tag, deadline, r, snap, None, credits, arrivals,
-                              label=f"captured exchange {j} of route {r.name!r} (replay {self.replays}), group "
-                                    f"epoch {t.epoch}")
-                       for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
             t._stream.begin()  # after the caller's work (the send rows)
             t._stream.replay(self._recordings[v])
             marker = t._stream.mark()  # not the recorded markers: a GPU's recorded event passes early
-            for e in entries:
-                e.marker = marker
+            value, n = t._base | self._tag, self.replays
+            entries = [_Entry(value, deadline, r, snap, marker, credits, arrivals,
+                              label=(_REPLAY_LABEL, j, r.name, n, t.epoch))
+                       for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
             t._inflight.extend(entries)
         self._last[v], self._next = entries, 1 - v
         self.replays += 1
         t._watch().poke()
         t.device_exchanges += len(entries)
-        t.bytes_sent += sum(r.sent for r, _ in self._records[v])
+        t.bytes_sent += self._sent[v]
         return _ReplayHandle(t, entries)
 
     def release(self) -> None:

@@ -37,6 +37,9 @@ import torch
 from ..errors import DistCAError
 from .nvshmem_stream import CudaMarker, DeviceSnapshot, TorchCuda, _stampable
 
+_RECORDED = threading.Event()  # every marker's "recorded": a marker's event is recorded as it is made
+_RECORDED.set()
+
 CLOSE_WAIT_S = 1.0  # how long close() lets the queued work drain (the transport forced its waits)
 _U64 = (1 << 64) - 1
 _SPARE: dict[tuple[int, int], list] = {}  # (id(driver), device index) -> drained streams to reuse
@@ -305,9 +308,8 @@ class MemopStream:
         polls it (never ``synchronize``, which cannot be bounded), ``join`` makes the caller's
         current stream wait for it."""
         self._open()
-        marker = CudaMarker(self._cuda.event(), self._cuda, 0.0, self.rank)
-        marker.event.record(self._comm)
-        marker.recorded.set()  # recorded here, on the calling thread: join never waits for it
+        marker = CudaMarker(self._cuda.event(), self._cuda, 0.0, self.rank, recorded=_RECORDED)
+        marker.event.record(self._comm)  # here, on the calling thread: join never waits for it
         return marker
 
     def force(self, slot: int, value: int) -> None:

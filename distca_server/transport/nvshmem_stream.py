@@ -119,17 +119,24 @@ class CudaMarker:
     fails at ``cudaStreamEndCapture`` as unjoined. Such a marker orders nothing and passes at once;
     a replay's own marker (recorded outside the capture) is the one to wait for."""
 
-    __slots__ = ("event", "recorded", "captured", "_cuda", "_bound_s", "_rank")
+    __slots__ = ("event", "recorded", "captured", "_cuda", "_bound_s", "_rank", "_passed")
 
-    def __init__(self, event, cuda, bound_s: float, rank: int, captured: bool = False):
+    def __init__(self, event, cuda, bound_s: float, rank: int, captured: bool = False,
+                 recorded: threading.Event | None = None):
+        """``recorded``: a set Event when the caller records the event itself, at once (shared:
+        making one per marker costs the host a lock and a condition each time)."""
         self.event, self._cuda, self._bound_s, self._rank = event, cuda, float(bound_s), rank
-        self.recorded = threading.Event()
+        self.recorded = threading.Event() if recorded is None else recorded
         self.captured = bool(captured)
+        self._passed = False  # an event passed stays passed (a marker's is never recorded again)
 
     def done(self) -> bool:
         """Recorded and passed (an event never recorded, after a failure, queries as passed; a
-        captured marker passes without a query)."""
-        return self.captured or (self.recorded.is_set() and bool(self.event.query()))
+        captured marker passes without a query). Once it passed, answered without a query."""
+        if self._passed or self.captured:
+            return True
+        self._passed = self.recorded.is_set() and bool(self.event.query())
+        return self._passed
 
     def wait(self, timeout_s: float) -> bool:
         """Poll :meth:`done` for at most ``timeout_s`` seconds; never ``event.synchronize()``,

@@ -27,7 +27,7 @@ class _Route:
     with, where its rows go in each peer's arena, and its report rows."""
 
     __slots__ = ("rid", "name", "send_splits", "recv_splits", "recv_ptrs", "puts", "reports", "report_rows",
-                 "tag", "send_to", "recv_from", "own", "growths", "sent")
+                 "tag", "send_to", "recv_from", "own", "growths", "sent", "expects")
 
     def __init__(self, transport: "RoutedTransport", rid: int, name, ss, rs, recv, puts):
         me = transport.rank
@@ -51,6 +51,8 @@ class _Route:
         self.report_rows = torch.from_numpy(rows).to(transport.device)
         self.reports = {pe: self.report_rows[i].view(torch.uint8) for i, pe in enumerate(self.send_to)}
         self.tag = 0  # the tag word 0 of the rows holds once the queued work has run
+        # per peer we receive from, words 1.. of the report row it must send (nseg, route, bytes...)
+        self.expects = {pe: [nseg, rid] + [rs[s][pe] for s in range(nseg)] for pe in self.recv_from}
         self.sent = sum(sum(sp) - sp[me] for sp in ss)
 
 

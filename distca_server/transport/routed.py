@@ -75,19 +75,26 @@ MAX_ROUTES = 64  # installed routes kept per transport (the least recently used 
 
 class _Entry:
     """One device-driven exchange in flight: ``seq`` the value its words must reach, ``credits`` and
-    ``arrivals`` this PE's words (by source PE) it waits on for each peer's credit and rows."""
+    ``arrivals`` this PE's words (by source PE) it waits on for each peer's credit and rows;
+    ``label`` names it in errors: a str, or ``(format, *args)`` formatted only when read (an
+    exchange that succeeds, nearly every one, never formats it: a replay makes one per exchange)."""
 
-    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "credits", "arrivals", "label", "tag",
+    __slots__ = ("seq", "deadline", "route", "snapshot", "marker", "credits", "arrivals", "_label", "tag",
                  "expired", "error", "resolved")
 
     def __init__(self, seq: int, deadline: float, route: _Route, snapshot, marker, credits: dict[int, int],
-                 arrivals: dict[int, int], label: str, tag: int | None = None):
+                 arrivals: dict[int, int], label: str | tuple, tag: int | None = None):
         self.seq, self.deadline, self.route, self.snapshot, self.marker = seq, deadline, route, snapshot, marker
-        self.credits, self.arrivals, self.label = credits, arrivals, label
-        self.tag = tag  # the round tag every sender's report row must carry; None: not checked
+        self.credits, self.arrivals, self._label = credits, arrivals, label
+        self.tag = tag  # the round tag every sender's report row carries; None: not checked
         self.expired: str | None = None  # why the watchdog ended its waits
         self.error: BaseException | None = None
         self.resolved = False
+
+    @property
+    def label(self) -> str:
+        label = self._label
+        return label if isinstance(label, str) else label[0].format(*label[1:])
 
 
 class _Handle:
@@ -270,7 +277,7 @@ class RoutedTransport(SymmetricTransport):
         queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe), lambda pe: self._slot(DATA, pe),
                              tag)
         entry = _Entry(seq, deadline, r, *queued,
-                       label=f"device-driven exchange {self._seq} of route {r.name!r}, group epoch {self.epoch}",
+                       label=("device-driven exchange {} of route {!r}, group epoch {}", self._seq, r.name, self.epoch),
                        tag=tag)
         with self._lock:
             self._inflight.append(entry)
@@ -383,26 +390,26 @@ class RoutedTransport(SymmetricTransport):
             if e.resolved:
                 return
             e.resolved = True
-            r, me, where = e.route, self.rank, e.label
+            r, me = e.route, self.rank
             error = getattr(self._stream, "error", None)
             code = None  # what to tell the peers: nothing when they know already
             if error is not None:
-                e.error, code = DistCAError(f"all-to-all ({where}) on participant {me}: the stream failed: "
+                e.error, code = DistCAError(f"all-to-all ({e.label}) on participant {me}: the stream failed: "
                                             f"{error}"), TIMED_OUT
             elif e.expired is not None:
-                e.error = DistCAError(f"all-to-all ({where}): {e.expired}")  # _expire told them
+                e.error = DistCAError(f"all-to-all ({e.label}): {e.expired}")  # _expire told them
             else:
                 words, table = e.snapshot.value()
                 pending = self._pending(e, words)
                 hit = self._aborted_by(words, pending)
                 if hit is not None:  # the peer that aborted told everyone
-                    e.error = DistCAError(f"all-to-all ({where}) aborted on participant {me}: "
+                    e.error = DistCAError(f"all-to-all ({e.label}) aborted on participant {me}: "
                                           f"{self._reason(words, hit)}")
                 elif pending:
-                    e.error, code = DistCAError(f"all-to-all ({where}) aborted on participant {me}: no rows from "
+                    e.error, code = DistCAError(f"all-to-all ({e.label}) aborted on participant {me}: no rows from "
                                                 f"participants {sorted(pending)}"), TIMED_OUT
                 else:
-                    e.error = self._check_reports(r, table, where, e.tag)
+                    e.error = self._check_reports(r, table, e, e.tag)
                     code = MISMATCH if e.error is not None else None
             if e.error is not None:
                 if self._broken is None:
@@ -410,9 +417,18 @@ class RoutedTransport(SymmetricTransport):
                 if code is not None:
                     self._abort(code, str(e.error))
 
-    def _check_reports(self, r: _Route, table: np.ndarray, where: str, tag: int | None = None) -> ValueError | None:
+    def _check_reports(self, r: _Route, table: np.ndarray, e: _Entry, tag: int | None = None) -> ValueError | None:
+        """The error, naming exchange ``e``, if a peer's report row in ``table`` says it sent other
+        sizes or under another route than ``r`` expects, or (``tag`` not None) ran another round."""
         rows = table.reshape(self.world_size, _REPORT)
         nseg = len(r.recv_splits)
+        for pe, expects in r.expects.items():  # every row as expected: no error to word (nearly always)
+            rep = rows[pe]
+            if rep[1:3 + nseg].tolist() != expects or (tag is not None and int(rep[0]) != tag):
+                break
+        else:
+            return None
+        where = e.label
         for pe in r.recv_from:
             rep = rows[pe]
             expect = [r.recv_splits[s][pe] for s in range(nseg)]

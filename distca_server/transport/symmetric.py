@@ -97,6 +97,8 @@ class SymmetricTransport:
         self._base = self.generation << GEN_SHIFT
         self.heap = heap
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
+        # the other PEs, rotated so that senders start on different receivers (_peers)
+        self._peer_order = tuple((self.rank + i) % self.world_size for i in range(1, self.world_size))
         self.timeout_s, self.epoch = float(timeout_s), epoch
         self.bytes_sent = 0
         P = self.world_size
@@ -195,9 +197,9 @@ class SymmetricTransport:
     def _slot(self, kind: int, src: int) -> int:
         return kind * self.world_size + src
 
-    def _peers(self) -> list[int]:
-        P, me = self.world_size, self.rank
-        return [(me + i) % P for i in range(1, P)]  # rotated, so senders start on different receivers
+    def _peers(self) -> tuple[int, ...]:
+        """The other PEs, rotated, so that senders start on different receivers."""
+        return self._peer_order
 
     def _abort(self, code: int, why: str, cause: tuple[int, int] | None = None) -> None:
         """Mark the group broken here and tell every peer (best effort: a peer may be gone);

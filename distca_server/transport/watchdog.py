@@ -23,12 +23,19 @@ class Watchdog:
         self._transport = transport
         self._wake = threading.Condition()
         self._stop = False
+        # True from before the thread looks for exchanges in flight until it knows it has some: only
+        # then may it sleep with no timeout, so only then must a new exchange wake it (a poke
+        # otherwise woke it at every exchange, and a layer's replays make several)
+        self._idle = True
         self._thread = threading.Thread(target=self._run, name=f"distca-watchdog-{transport.rank}", daemon=True)
         self._thread.start()
 
     def poke(self) -> None:
-        with self._wake:
-            self._wake.notify()
+        """Call after adding an exchange in flight: wakes the thread if it may be sleeping with no
+        timeout (else it looks again within :data:`WATCH_POLL_S`)."""
+        if self._idle:
+            with self._wake:
+                self._wake.notify()
 
     def stop(self) -> None:
         with self._wake:
@@ -44,7 +51,12 @@ class Watchdog:
                     return
                 # Deadlines are seconds: looking every WATCH_POLL_S while anything is in flight
                 # keeps a failure within GRACE_S of its deadline; idle, it sleeps until poked.
-                self._wake.wait(WATCH_POLL_S if t._unresolved() else None)
+                # _idle is set before the look: an exchange added after it finds _idle set and
+                # notifies (under the lock, so once this thread waits); one added before is seen
+                self._idle = True
+                busy = bool(t._unresolved())
+                self._idle = not busy
+                self._wake.wait(WATCH_POLL_S if busy else None)
                 if self._stop:
                     return
             now, words = time.monotonic(), None
