@@ -125,6 +125,8 @@ class MemopStream:
         self._h = self._cuda.handle(self._comm)
         self._lock = threading.Lock()  # force() against close()
         self._closed = False
+        self._ready = None  # begin()'s event, made at the first begin and recorded again at each
+        self._capturing = False  # inside capture()
 
     # ---- the driver -----------------------------------------------------------------------------
     def _call(self, name: str, *args):
@@ -198,8 +200,23 @@ class MemopStream:
 
     # ---- the stream -----------------------------------------------------------------------------
     def begin(self) -> None:
+        """Order what follows on the communication stream after the caller's current stream (this
+        thread's): one event, this stream's own, recorded there again each time, and one wait for
+        it. A wait orders after the record made before it, so a later record does not move an
+        earlier wait (``Stream.wait_stream`` would make, and later destroy, an event each time: two
+        CUDA calls more per exchange or replay). Nothing inside :meth:`capture` (the caller's stream
+        is the communication stream there, and the cached event is never recorded in a capture) or
+        when the caller's stream is the communication stream."""
         self._open()
-        self._comm.wait_stream(self._cuda.current_stream())  # the caller's stream is this thread's
+        if self._capturing:
+            return
+        caller = self._cuda.current_stream()
+        if caller == self._comm:
+            return
+        if self._ready is None:
+            self._ready = self._cuda.event()
+        self._ready.record(caller)
+        self._comm.wait_event(self._ready)
 
     def put(self, pe: int, offset: int, src: torch.Tensor, credit: int | None = None) -> None:
         """Copy ``src`` (contiguous, on this device; bytes = numel * element size) into PE ``pe``'s
@@ -277,10 +294,12 @@ class MemopStream:
         self._open()
         graph = self._cuda.graph()
         self._cuda.capture_begin(graph, self._comm)
+        self._capturing = True
         try:
             with self._cuda.use(self._comm):
                 yield graph
         finally:
+            self._capturing = False
             self._cuda.capture_end(graph, self._comm)
 
     def replay(self, graph) -> None:

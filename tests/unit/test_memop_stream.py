@@ -282,6 +282,23 @@ def test_a_device_without_64_bit_stream_memops_is_refused(env):
     assert env.ops("cuStreamCreate") == []
 
 
+def test_begin_records_one_event_of_its_own_again_each_time_and_nothing_on_its_own_stream(env):
+    st = env.make(rank=0)
+    env.log.clear()
+    st.begin()
+    first = st._ready
+    st.begin()
+    assert st._ready is first  # made once, recorded again: no event made and destroyed per exchange
+    assert env.ops("record", "wait_event", "wait_stream") == [("record", ("caller", first)),
+                                                              ("wait_event", ("s1001", first))] * 2
+    env.log.clear()
+    with st.capture():  # the comm stream records: no wait, and the cached event stays out of the graph
+        st.begin()
+    env.cuda.current_stream = lambda: st._comm  # the caller's stream is the comm stream: nothing to order
+    st.begin()
+    assert env.ops("record", "wait_event", "wait_stream") == []
+
+
 def test_operations_map_to_memops_and_copies_in_order_on_the_comm_stream(env):
     st = env.make(rank=0)
     h = st._h
@@ -296,7 +313,8 @@ def test_operations_map_to_memops_and_copies_in_order_on_the_comm_stream(env):
     st.copy(env.arenas[0][256:264], c)
     ap, bp = env.arenas[1].data_ptr(), env.arenas[2].data_ptr()
     assert env.ops() == [
-        ("wait_stream", ("s1001", "caller")),
+        ("record", ("caller", st._ready)),  # begin: the comm stream after the caller's
+        ("wait_event", ("s1001", st._ready)),
         ("cuStreamWriteValue64", (h, env.word(1, 3), seq(11), WRITE)),
         ("cuStreamWaitValue64", (h, env.word(0, 4), seq(12), GEQ)),
         ("copy", ("s1001", ap + 64, a.data_ptr(), 10)),
