@@ -13,9 +13,9 @@ graph's replay queues its work and returns. The batch's inputs are the same ever
 no-op replays' outputs are the real ones, and the benchmark checks them: every layer's output
 and the gradients equal an eager client's.
 
-Rows, per run (µs per layer, forward + backward, of the calling thread's CPU time; best of
-``--repeats`` timings of ``--steps`` steps of ``--layers`` layers, then one backward through all
-of them):
+Rows, per run (µs per layer, forward + backward, of the process's CPU time, so that work
+handed to another thread, e.g. the watchdog's, is counted; best of ``--repeats`` timings of
+``--steps`` steps of ``--layers`` layers, then one backward through all of them):
 
 - ``autograd.Function``: a no-op ``torch.autograd.Function`` of q, k, v (the floor of any
   differentiable Python op);
@@ -23,7 +23,12 @@ of them):
   ``register_autograd`` (what dispatching ``distca::attend_fwd`` / ``attend_bwd`` costs);
 - ``distca attend``: ``client.attend`` and the backward, as training calls it;
 - ``distca via operator``: the same rounds called through ``torch.ops.distca.attend_fwd`` (the
-  path compiled code takes), the baseline the eager path is compared with.
+  path compiled code takes), the baseline the eager path is compared with;
+- ``transport's part of the replays``: what the stand-in leaves out, measured apart
+  (:func:`transport_replay_us`) and summed over the layer's replays (each participant's forward
+  and backward round);
+- ``distca attend + transport``: the two together, distca's whole host work per replayed layer
+  before the CUDA calls.
 
 On a GPU the host also pays for queuing each copy and replay (a few µs per CUDA call); the GPU
 session's ``kernels`` stage measures that whole path (``host_us_per_layer_graphed``).
@@ -205,8 +210,9 @@ def counting_exchanges():
 
 def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
     """Best of ``repeats`` timings of ``steps`` calls of ``run_step``, µs per layer of this
-    thread's CPU time (``time.thread_time``: the host work itself, without the time another
-    process held the core; nothing here waits, every replay after the first two is a no-op)."""
+    process's CPU time (``time.process_time``: the host work itself, every thread's, without the
+    time another process held the core; nothing here waits, every replay after the first two is a
+    no-op)."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()

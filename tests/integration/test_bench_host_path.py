@@ -4,6 +4,8 @@ are to the rows they name."""
 
 import json
 
+import pytest
+
 from scripts import load_script
 
 from distca_server.runtime.graphed import RoundGraphs
@@ -12,13 +14,22 @@ from distca_server.transport.routed import RoutedTransport
 
 def test_quick_run_times_replayed_rounds_that_equal_the_eager_ones(tmp_path, capsys):
     bench = load_script("bench/host_path.py", "bench_host_path")
-    graph, kinds = RoutedTransport.graph, RoundGraphs.device_types
+    graph, kinds, exchange = RoutedTransport.graph, RoundGraphs.device_types, RoutedTransport.exchange
     out = tmp_path / "host.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
-    assert (RoutedTransport.graph, RoundGraphs.device_types) == (graph, kinds)  # the stand-in is undone
+    # the stand-in and the exchange counter are undone
+    assert (RoutedTransport.graph, RoundGraphs.device_types, RoutedTransport.exchange) == (graph, kinds, exchange)
     assert "µs per layer on the host" in capsys.readouterr().out
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["autograd.Function", "custom op", "distca attend", "distca via operator"]
+    assert list(rows) == ["autograd.Function", "custom op", "distca attend", "distca via operator",
+                          "transport's part of the replays", "distca attend + transport"]
+    transport = rows["transport's part of the replays"]
+    # each participant's forward and backward round exchanges rows out and back (this plan moves rows)
+    assert transport["exchanges_per_round"] == {"forward": [2, 2], "backward": [2, 2]}
+    assert transport["us_per_layer"] == pytest.approx(4 * transport["us_per_participant_replay"]["2"])
+    assert transport["us_per_layer"] > 0
+    assert rows["distca attend + transport"]["us_per_layer"] == pytest.approx(rows["distca attend"]["us_per_layer"]
+                                                                              + transport["us_per_layer"])
     assert rows["autograd.Function"]["vs_floor"] == 1.0 and rows["distca via operator"]["vs_operator_path"] == 1.0
     for name in ("distca attend", "distca via operator"):
         assert rows[name]["max_abs_err"] <= 1e-5 and rows[name]["us_per_layer"] > rows["autograd.Function"]["us_per_layer"]
