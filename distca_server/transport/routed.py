@@ -86,7 +86,7 @@ class _Entry:
                  arrivals: dict[int, int], label: str | tuple, tag: int | None = None):
         self.seq, self.deadline, self.route, self.snapshot, self.marker = seq, deadline, route, snapshot, marker
         self.credits, self.arrivals, self._label = credits, arrivals, label
-        self.tag = tag  # the round tag every sender's report row carries; None: not checked
+        self.tag = tag  # the round tag every sender's report row must carry; None: not checked
         self.expired: str | None = None  # why the watchdog ended its waits
         self.error: BaseException | None = None
         self.resolved = False
