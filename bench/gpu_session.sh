@@ -55,9 +55,11 @@
 #   ngraphs    the same over 2 NVSHMEM PEs (CUDA graphs of NVSHMEM's on-stream calls)
 #   dead       bench/dead_peer.py --transport nvshmem: a PE exits mid-run; seconds until the others
 #              raise DistCAError (dead_pe_error_s)
-#   host       bench/host_path.py on this machine's CPU (no GPU: a few seconds): distca's own host
-#              time per replayed layer, to set beside the kernels stage's host_us_per_layer_graphed
-#              and the same benchmark on the development machine (host_path.json)
+#   host       bench/host_path.py on this machine's CPU (a few seconds): distca's own host time per
+#              replayed layer, to set beside the same benchmark on the development machine
+#              (host_path.json); then with --device cuda, the recordings CUDA graphs replayed for
+#              real, 8 layers a step, the CUDA calls included (host_path_cuda.json), beside the
+#              kernels stage's host_us_per_layer_graphed (one layer of 8K tokens)
 #   pingpong   bench/pingpong.py: two nano-batches per layer over 2 in-process participants,
 #              against one after the other and against the signal-only control (the paper's Fig. 11)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
@@ -74,7 +76,7 @@
 # Files: the stages write into $RES (default /tmp/distca_gpu_results): kernels.json, kernels.png,
 # kernels_profile/<model>-tp<tp>/{forward,backward}.json, backends.json, backends.png, transport_nvshmem.json,
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
-# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, host_path.json, train.json (loss agreement, step time
+# tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, host_path.json, host_path_cuda.json, train.json (loss agreement, step time
 # and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
 # train_tokens_per_s_local, ...), train_loss.png, train_ray_logs.txt / tagged_ray_logs.txt (the tails
 # of Ray's own logs, only when that stage failed), and at the end summary.json
@@ -298,6 +300,22 @@ print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("tr
     return $rc
 }
 
+# bench/host_path.py on the CPU, then on the GPU where there is one (a dry run has none), each
+# under what is left of the stage's limit
+host_run() {
+    local t0=$SECONDS rc left
+    timeout -k 5 "${STAGE_LIMIT:-60}" "$PY" bench/host_path.py --json "$RES/host_path.json"
+    rc=$?
+    if ! timeout 30 "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+        echo "host: no CUDA device here, host_path.py --device cuda not run"
+        return $rc
+    fi
+    left=$(( ${STAGE_LIMIT:-60} - (SECONDS - t0) ))
+    [ "$left" -ge 5 ] || left=5
+    timeout -k 5 "$left" "$PY" bench/host_path.py --device cuda --json "$RES/host_path_cuda.json" || rc=$?
+    return $rc
+}
+
 # bench/tagged_rounds.py: two in-place Ray jobs over NVSHMEM; Ray's logs kept when it fails
 tagged_run() {
     local rc
@@ -350,7 +368,7 @@ for s in "$@"; do
         dead) stage dead 60 "$PY" bench/dead_peer.py --transport nvshmem --procs 2 3 --timeout 2 \
                   --json "$RES/dead_peer_nvshmem.json" ;;
         pingpong) stage pingpong 120 "$PY" bench/pingpong.py --device cuda --json "$RES/pingpong.json" ;;
-        host) stage host 60 "$PY" bench/host_path.py --json "$RES/host_path.json" ;;
+        host) stage host 60 host_run ;;
         train) stage train "${TRAIN_LIMIT:-240}" train_run ;;
         tagged) stage tagged "${TAGGED_LIMIT:-150}" tagged_run ;;
         *) echo "unknown stage $s (mps, env, ktests, kernels, host, backends, ntests, transport, inproc, graphs, ngraphs, dead, pingpong, train, tagged)" >&2

@@ -18,6 +18,7 @@ nothing measures yet) is ``null``, with the reason under ``"missing"``:
 | ``host_us_per_layer`` | ``kernels.json`` overhead, 2 participants over the heap, 8K tokens |
 | ``host_us_per_layer_lockstep`` | the same, 2 participants in lock step |
 | ``host_us_per_layer_graphed`` | the same, its rounds replayed from CUDA graphs |
+| ``host_us_per_layer_graphed_8layers`` | ``host_path_cuda.json`` (the ``host`` stage): ``distca attend``'s host CPU time per layer, 8 replayed layers a step, 2 participants, 208 tokens |
 | ``overhead_pct_8K_2participants`` | ``kernels.json`` overhead, 2 participants over the heap, 8K |
 | ``overhead_pct_8K_2participants_lockstep`` | the same in lock step |
 | ``pingpong_vs_signal_only`` | ``pingpong.json`` |
@@ -77,6 +78,10 @@ def collect(folder: Path) -> dict:
             missing.setdefault("host_us_per_layer" + suffix,
                                f"kernels.json absent or without the 2-participant {exchange} 8K row")
             missing["overhead_pct_8K_2participants" + suffix] = missing["host_us_per_layer" + suffix]
+    host = {r["path"]: r for r in (_load(folder, "host_path_cuda.json") or {}).get("rows", [])}
+    out["host_us_per_layer_graphed_8layers"] = (host.get("distca attend") or {}).get("us_per_layer")
+    if out["host_us_per_layer_graphed_8layers"] is None:
+        missing["host_us_per_layer_graphed_8layers"] = "host_path_cuda.json absent"
     train = _load(folder, "train.json") or {}
     for key in ("train_loss_max_rel_diff_10_steps", "train_tokens_per_s_distca", "train_tokens_per_s_local"):
         out[key] = train.get(key)

@@ -30,13 +30,17 @@ handed to another thread, e.g. the watchdog's, is counted; best of ``--repeats``
 - ``distca attend + transport``: the two together, distca's whole host work per replayed layer
   before the CUDA calls.
 
-On a GPU the host also pays for queuing each copy and replay (a few µs per CUDA call); the GPU
-session's ``kernels`` stage measures that whole path (``host_us_per_layer_graphed``).
+On a GPU the host also pays for queuing each copy and replay (a few µs per CUDA call). With
+``--device cuda`` (the GPU session's ``host`` stage runs both) the same rows are timed with the
+tensors on the GPU (bf16, head_dim 16) and every recording a CUDA graph replayed for real, the
+transport's part and the CUDA calls included in the distca rows: 8 layers per step, beside the
+``kernels`` stage's one layer of 8K tokens (``host_us_per_layer_graphed``).
 
 Usage::
 
     python bench/host_path.py               # 2 participants, 8 layers
     python bench/host_path.py --quick
+    python bench/host_path.py --device cuda --json bench/results/host_path_cuda.json
 
 Writes JSON to ``--json`` (default ``bench/results/host_path.json``).
 """
@@ -67,6 +71,8 @@ from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 
 LENS = [60, 1, 17, 90, 29, 11]  # documents that the plan splits across both participants (min_shard 8)
 HEADS_Q, HEADS_KV, DIM = 2, 1, 8  # small rows: the CPU copies them synchronously, a GPU queues them
+CUDA_DIM, CUDA_DTYPE = 16, torch.bfloat16  # on CUDA: the shape and dtype the gpu test of graphed rounds runs
+CPU = torch.device("cpu")
 
 
 class _Floor(torch.autograd.Function):
@@ -211,13 +217,17 @@ def counting_exchanges():
         RoutedTransport.exchange = saved
 
 
-def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
+def per_layer_us(run_step, layers: int, steps: int, repeats: int, device: torch.device = CPU) -> float:
     """Best of ``repeats`` timings of ``steps`` calls of ``run_step``, µs per layer of this
     process's CPU time (``time.process_time``: the host work itself, every thread's, without the
-    time another process held the core; nothing here waits, every replay after the first two is a
-    no-op)."""
+    time another process held the core; on the CPU nothing here waits, every replay after the
+    first two is a no-op). On CUDA the current stream, which waited for every replay, is
+    synchronized before each timing, outside it (never the device: a peer's stream may hold a
+    device-side wait)."""
     best = float("inf")
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         t0 = time.process_time()
         for _ in range(steps):
             run_step()
@@ -228,11 +238,12 @@ def per_layer_us(run_step, layers: int, steps: int, repeats: int) -> float:
 def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
     """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds,
     and the exchanges each participant makes in a forward and a backward round (by kind)."""
-    plan = PlanConfig(min_shard=8)
+    plan, device = PlanConfig(min_shard=8), args.device
     reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120, plan=plan))
     with contextlib.ExitStack() as stack:
         stack.callback(reference.close)
-        stack.enter_context(cpu_replays(runs=2))
+        if device.type == "cpu":  # on CUDA the recordings are CUDA graphs, replayed for real
+            stack.enter_context(cpu_replays(runs=2))
         client = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", cuda_graphs=True,
                                                      timeout_s=120, plan=plan))
         stack.callback(client.close)
@@ -268,11 +279,13 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
                 outs = step(attend)
             err = max([(o - ref_out).abs().max().item() for o in outs]
                       + [(a.grad - b.grad).abs().max().item() for a, b in zip(leaves, ref_leaves)])
+            if client._runtime.graphs.disabled is not None:
+                raise AssertionError(f"{name}: capturing a round failed: {client._runtime.graphs.disabled}")
             checks[name] = err
             if err > 1e-5:
                 raise AssertionError(f"{name}: replayed rounds differ from the eager client by {err:.2e}")
         replays_before = client._runtime.graphs.replays
-        times = {name: per_layer_us(lambda a=attend: step(a), args.layers, args.steps, args.repeats)
+        times = {name: per_layer_us(lambda a=attend: step(a), args.layers, args.steps, args.repeats, device)
                  for name, attend in paths}
         replayed = client._runtime.graphs.replays - replays_before
         expected = 2 * 2 * args.layers * args.steps * args.repeats  # 2 paths x (forward + backward)
@@ -290,34 +303,43 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="steps per timing")
     ap.add_argument("--repeats", type=int, default=7, help="timings; the best is reported")
     ap.add_argument("--quick", action="store_true", help="10 steps per timing, 3 timings")
+    ap.add_argument("--device", type=torch.device, default=CPU,
+                    help="cuda: the tensors on the GPU and the recordings CUDA graphs replayed for real (the "
+                         "transport's part is then in the distca rows, not measured apart)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "host_path.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 10, 3
+    if args.device.type not in ("cpu", "cuda") or (args.device.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: cpu, or cuda where a GPU is present")
+    cuda = args.device.type == "cuda"
     torch.set_num_threads(1)  # host time, not kernel time: one thread, as a GPU host issues work
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    T = sum(LENS)
-    q, k, v, dout = (torch.randn(T, h, DIM, generator=gen) for h in (HEADS_Q, HEADS_KV, HEADS_KV, HEADS_Q))
+    T, dim, dtype = sum(LENS), CUDA_DIM if cuda else DIM, CUDA_DTYPE if cuda else torch.float32
+    q, k, v, dout = (torch.randn(T, h, dim, generator=gen).to(args.device, dtype)
+                     for h in (HEADS_Q, HEADS_KV, HEADS_KV, HEADS_Q))
     x = q.detach().requires_grad_()
     floor = per_layer_us(lambda: torch.stack([_Floor.apply(x, k, v) for _ in range(args.layers)]).sum().backward(),
-                         args.layers, args.steps, args.repeats)
+                         args.layers, args.steps, args.repeats, args.device)
     lens_t = torch.tensor(LENS)
     custom = per_layer_us(lambda: torch.stack([torch.ops.distca_bench.fwd(x, k, v, lens_t, 1, None, None, True, 0,
                                                                           True)[0]
                                                for _ in range(args.layers)]).sum().backward(),
-                          args.layers, args.steps, args.repeats)
+                          args.layers, args.steps, args.repeats, args.device)
     times, checks, exchanges = distca_runs(args, (q, k, v), dout)
-    # the transport's part of each replay (left out of the stand-in's rows): per participant, a
-    # forward and a backward round per layer, each replaying a graph of that round's exchanges
-    per_graph = {n: transport_replay_us(args.servers, n, args.steps * args.layers, args.repeats)
-                 for n in sorted({n for ns in exchanges.values() for n in ns if n})}
-    transport = sum(per_graph.get(n, 0.0) for ns in exchanges.values() for n in ns)
     rows = [dict(path="autograd.Function", us_per_layer=floor), dict(path="custom op", us_per_layer=custom)]
     rows += [dict(path=name, us_per_layer=us, max_abs_err=checks[name]) for name, us in times.items()]
-    rows += [dict(path="transport's part of the replays", us_per_layer=transport, exchanges_per_round=exchanges,
-                  us_per_participant_replay={str(n): us for n, us in per_graph.items()}),
-             dict(path="distca attend + transport", us_per_layer=times["distca attend"] + transport)]
+    per_graph, transport = {}, 0.0
+    if not cuda:
+        # the transport's part of each replay (left out of the stand-in's rows): per participant, a
+        # forward and a backward round per layer, each replaying a graph of that round's exchanges
+        per_graph = {n: transport_replay_us(args.servers, n, args.steps * args.layers, args.repeats)
+                     for n in sorted({n for ns in exchanges.values() for n in ns if n})}
+        transport = sum(per_graph.get(n, 0.0) for ns in exchanges.values() for n in ns)
+        rows += [dict(path="transport's part of the replays", us_per_layer=transport, exchanges_per_round=exchanges,
+                      us_per_participant_replay={str(n): us for n, us in per_graph.items()}),
+                 dict(path="distca attend + transport", us_per_layer=times["distca attend"] + transport)]
     base = times["distca via operator"]
     for r in rows:
         r["vs_floor"] = r["us_per_layer"] / floor
@@ -329,14 +351,18 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['path']} | {r['us_per_layer']:.1f} | {r['vs_floor']:.2f} | {r['vs_operator_path']:.2f} |")
     eager = times["distca attend"]
-    headline = [f"{args.servers} participants, {args.layers} layers, {T} tokens, replayed rounds: distca attend "
+    headline = [f"{args.servers} participants, {args.layers} layers, {T} tokens, replayed rounds"
+                f"{' (CUDA graphs on ' + torch.cuda.get_device_name(args.device) + ')' if cuda else ''}: distca attend "
                 f"{eager:.0f} µs per layer on the host ({eager / base:.2f}x the operator path's {base:.0f} µs; "
-                f"the floor of a Python autograd op is {floor:.0f} µs, a custom op's {custom:.0f} µs)",
-                f"the transport's part of the replays: {transport:.0f} µs per layer ("
-                + ", ".join(f"{us:.1f} µs per participant and replay of {n} exchanges" for n, us in per_graph.items())
-                + f"); with it {eager + transport:.0f} µs per layer, before the CUDA calls"]
+                f"the floor of a Python autograd op is {floor:.0f} µs, a custom op's {custom:.0f} µs)"]
+    if not cuda:
+        headline.append(f"the transport's part of the replays: {transport:.0f} µs per layer ("
+                        + ", ".join(f"{us:.1f} µs per participant and replay of {n} exchanges"
+                                    for n, us in per_graph.items())
+                        + f"); with it {eager + transport:.0f} µs per layer, before the CUDA calls")
     finish(show, headline, time.perf_counter() - start, args.json,
-           {"args": vars(args) | {"json": str(args.json)}, "lens": LENS, "rows": rows})
+           {"args": vars(args) | {"json": str(args.json), "device": str(args.device)}, "lens": LENS,
+            "dtype": str(dtype).removeprefix("torch."), "head_dim": dim, "rows": rows})
     return 0
 
 

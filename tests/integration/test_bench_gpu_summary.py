@@ -30,6 +30,8 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
                   {"backend": "torch_varlen", "shape": "32/8/128", "doc_len": 32768, "fwd_tflops": 330.0,
                    "bwd_tflops": 310.0}],
         "plan": {"planners": {"flop": {"measured_max_mean": 1.09}, "time": {"measured_max_mean": 1.03}}}}))
+    (tmp_path / "host_path_cuda.json").write_text(json.dumps({"rows": [
+        {"path": "autograd.Function", "us_per_layer": 9.0}, {"path": "distca attend", "us_per_layer": 180.0}]}))
     (tmp_path / "session.log").write_text(
         "== env (limit 60 s): env_info\n== env: exit status 0 after 2 s\n"
         "== train (limit 240 s): train_run\n== train: exit status 124 after 240 s\n"
@@ -42,6 +44,7 @@ def test_summary_takes_each_key_from_its_benchmark(tmp_path):
     assert got["exchange_us_64KiB_2pe"] == 31.0 and got["exchange_us_64KiB_2pe_host_driven"] == 900.0  # main run
     assert got["host_us_per_layer"] == 250.0 and abs(got["overhead_pct_8K_2participants"] - 2.1) < 1e-9
     assert got["host_us_per_layer_graphed"] == 40.0 and "host_us_per_layer_stateless" not in got
+    assert got["host_us_per_layer_graphed_8layers"] == 180.0  # the host stage's run on the GPU
     assert got["dead_pe_error_s"] == 2.04 and got["exchange_host_us_64KiB_2pe_graphed"] == 6.5
     assert (got["tagged_step_ratio_2clients"], got["tagged_attend_host_ratio_2clients"]) == (0.8, 0.3)
     for key in ("host_us_per_layer_lockstep", "train_tokens_per_s_local",
@@ -60,3 +63,4 @@ def test_a_graphs_run_that_never_replayed_is_no_graphed_number(tmp_path):
     got = json.loads((tmp_path / "summary.json").read_text())
     assert got["host_us_per_layer_graphed"] is None
     assert "not permitted when stream is capturing" in got["missing"]["host_us_per_layer_graphed"]
+    assert got["host_us_per_layer_graphed_8layers"] is None and got["missing"]["host_us_per_layer_graphed_8layers"]

@@ -5,6 +5,7 @@ are to the rows they name."""
 import json
 
 import pytest
+import torch
 
 from scripts import load_script
 
@@ -33,3 +34,12 @@ def test_quick_run_times_replayed_rounds_that_equal_the_eager_ones(tmp_path, cap
     assert rows["autograd.Function"]["vs_floor"] == 1.0 and rows["distca via operator"]["vs_operator_path"] == 1.0
     for name in ("distca attend", "distca via operator"):
         assert rows[name]["max_abs_err"] <= 1e-5 and rows[name]["us_per_layer"] > rows["autograd.Function"]["us_per_layer"]
+
+
+def test_a_device_without_graphs_to_replay_is_refused_before_anything_runs(capsys):
+    bench = load_script("bench/host_path.py", "bench_host_path")
+    refused = ["meta"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in refused:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--quick", "--device", device])
+        assert exit_.value.code == 2 and f"--device {device}" in capsys.readouterr().err
