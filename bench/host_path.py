@@ -239,6 +239,9 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
     """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds,
     and the exchanges each participant makes in a forward and a backward round (by kind)."""
     plan, device = PlanConfig(min_shard=8), args.device
+    # The same rounds give the same bits on the CPU; on a GPU the kernels' backward may sum dQ with
+    # atomics (FlashAttention-2 unless deterministic), so bf16 results may differ in rounding.
+    tolerance = 1e-6 if device.type == "cpu" else 1e-2
     reference = DistCAClient.local(config=JobConfig(servers=args.servers, transport="shm", timeout_s=120, plan=plan))
     with contextlib.ExitStack() as stack:
         stack.callback(reference.close)
@@ -257,7 +260,7 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
             kept = keeps_activations(key)
             return torch.ops.distca.attend_fwd(*leaves, lens_t, key, None, None, True, 0, kept)[0]
 
-        def step(attend, layers=args.layers):
+        def step(attend, layers=args.layers, leaves=leaves):
             for t in leaves:
                 t.grad = None
             outs = [attend() for _ in range(layers)]
@@ -268,7 +271,10 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
         with counting_exchanges() as forward_exchanges:
             ref_out = reference.attend(*ref_leaves, LENS)
         with counting_exchanges() as backward_exchanges:
-            ref_out.backward(dout * args.layers)
+            ref_out.backward(dout)
+        # the eager client's step, as the replayed ones run it (the gradients summed over the
+        # layers in the same order: bit for bit the replayed step's, in bf16 too)
+        ref_outs = step(lambda: reference.attend(*ref_leaves, LENS), leaves=ref_leaves)
         moved = sum(b for kind in reference.traffic().values() for b in kind.values())
         if not moved:
             raise AssertionError(f"the plan of {LENS} moves nothing: no exchange to replay")
@@ -277,13 +283,15 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
         for name, attend in paths:
             for _ in range(4):  # warm-up: 2 eager rounds per kind, then the captures and their first replays
                 outs = step(attend)
-            err = max([(o - ref_out).abs().max().item() for o in outs]
-                      + [(a.grad - b.grad).abs().max().item() for a, b in zip(leaves, ref_leaves)])
+            pairs = list(zip(outs, ref_outs)) + [(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
+            err = max((a - b).abs().max().item() for a, b in pairs)
+            rel = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in pairs)
             if client._runtime.graphs.disabled is not None:
                 raise AssertionError(f"{name}: capturing a round failed: {client._runtime.graphs.disabled}")
             checks[name] = err
-            if err > 1e-5:
-                raise AssertionError(f"{name}: replayed rounds differ from the eager client by {err:.2e}")
+            if rel > tolerance:
+                raise AssertionError(f"{name}: replayed rounds differ from the eager client by {err:.2e} "
+                                     f"({rel:.2e} of the largest value; at most {tolerance:g})")
         replays_before = client._runtime.graphs.replays
         times = {name: per_layer_us(lambda a=attend: step(a), args.layers, args.steps, args.repeats, device)
                  for name, attend in paths}

@@ -32,7 +32,8 @@ which a recording cannot write. So:
   eager round's checks: kept, not modified in place) and copies them into the static ones.
 
 The replayed rounds cost one extra device copy of the kept rows per round against the eager ones;
-their results are the eager rounds' bit for bit.
+their results are the eager rounds' bit for bit (the same kernels on the same rows; a kernel whose
+backward sums with atomics, as FlashAttention-2's dQ, varies in rounding, eager or replayed).
 
 Neither single-rank batches (nothing is exchanged) nor rounds on the CPU are captured.
 

@@ -151,10 +151,13 @@ def test_captures_beyond_the_graph_words_go_least_recently_used_first_and_unusab
     assert run(g, keys[0]) and len(fake.made) == GRAPH_BLOCKS + 3
 
 
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # a rounding step of the last summand, with margin
+
+
 def _gpu_layers() -> None:
     """2 and 3 in-place participants on CUDA, bf16 and float32, stateless and kept-activation plans:
-    graphed rounds equal the eager ones bit for bit (the same kernels on the same rows) and the
-    float64 reference to dtype rounding."""
+    graphed rounds equal the eager ones (outputs bit for bit, the same kernels on the same rows;
+    gradients to rounding, see below) and the float64 reference to dtype rounding."""
     lens = [300, 1, 77, 512, 129, 31]
     for servers in (2, 3):
         for dtype in (torch.float32, torch.bfloat16):
@@ -174,8 +177,12 @@ def _gpu_layers() -> None:
                     finally:
                         client.close()
                 for eager, replayed in zip(*outs):
-                    for a, b in zip(eager[4:], replayed[4:]):
-                        assert torch.equal(a, b), (servers, dtype, keep)
+                    assert torch.equal(eager[4], replayed[4]), (servers, dtype, keep)  # out: the same kernels
+                    # the gradients to rounding: FlashAttention-2's backward sums a document's dQ over
+                    # its key blocks with atomics (not deterministic), eager or replayed alike
+                    for a, b in zip(eager[5:], replayed[5:]):
+                        torch.testing.assert_close(a, b, rtol=GRAD_RTOL[dtype], atol=GRAD_RTOL[dtype],
+                                                   msg=lambda m: f"{(servers, dtype, keep)}: {m}")
                 q, k, v, dout, out, dq, dk, dv = outs[1][-1]
                 ref = attend_with_grads_ref(q, k, v, lens, dout, 16 ** -0.5)
                 tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
