@@ -72,8 +72,12 @@ class LocalHeapEndpoint:
 
     On the CPU a put is a copy into the peer's arena and a signal one store plus a wake-up of the
     peer's waiter. On CUDA the host-driven protocol's puts and signals are stream-ordered on the
-    calling thread's current stream, and reads of the words synchronise it (slow, but only the
-    first exchanges of a route are host-driven).
+    calling thread's current stream (after the rows they announce), and the host reads its words
+    and arena on a stream of this endpoint's own, made now, waiting for nothing else: the calling
+    thread's stream may be held by a device-side wait (a device-driven exchange's marker it
+    joined), which only the watchdog's force ends, after it read the words (slow, but only the
+    first exchanges of a route are host-driven). :meth:`signal_now` writes a word on that stream
+    too, for the abort path.
     """
 
     def __init__(self, heap: LocalHeap, rank: int):
@@ -82,6 +86,10 @@ class LocalHeapEndpoint:
         self.arena, self.arenas, self.words = heap.arenas[rank], heap.arenas, heap.words
         self._cpu = self.device.type == "cpu"
         self._views = [w.numpy() for w in heap.words] if self._cpu else None
+        if not self._cpu:  # made now: the failure path must allocate nothing (cf. MemopStream's force)
+            self._poll = torch.cuda.Stream(self.device)  # a pool stream: never waits for the legacy one
+            self._host = torch.empty(self.words[rank].numel(), dtype=torch.int64, pin_memory=True)
+            self._poll_lock = threading.Lock()  # the watchdog's thread and the PE's share _host
 
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
         n = src.numel()
@@ -107,11 +115,32 @@ class LocalHeapEndpoint:
         else:
             dst.copy_(src.reshape(-1))
 
+    def signal_now(self, pe: int, slot: int, value: int) -> None:
+        """:meth:`signal`, ordered after nothing the calling thread queued (its stream may be held):
+        the word is written when this returns. For the abort path (``SymmetricTransport._abort``)."""
+        if self._cpu:
+            self.signal(pe, slot, value)
+            return
+        with self._poll_lock, torch.cuda.stream(self._poll):
+            self.words[pe][slot].fill_(int(value))
+            self._poll.synchronize()
+
     def signals(self) -> np.ndarray:
-        return self._views[self.rank].copy() if self._cpu else self.words[self.rank].cpu().numpy()
+        if self._cpu:
+            return self._views[self.rank].copy()
+        with self._poll_lock:
+            with torch.cuda.stream(self._poll):
+                self._host.copy_(self.words[self.rank], non_blocking=True)
+            self._poll.synchronize()
+            return self._host.numpy().copy()
 
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.arena[offset:offset + nbytes].to("cpu", copy=True)
+        if self._cpu:
+            return self.arena[offset:offset + nbytes].to("cpu", copy=True)
+        with torch.cuda.stream(self._poll):
+            out = self.arena[offset:offset + nbytes].to("cpu", copy=True)  # pageable: done on return
+        self._poll.synchronize()
+        return out
 
     def quiet(self) -> None:
         if not self._cpu:

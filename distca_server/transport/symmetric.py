@@ -207,15 +207,20 @@ class SymmetricTransport:
         if self._broken is None:
             self._broken = why
         value = self._base | abort_low(code, cause)
+        # A heap whose signals are stream-ordered (the in-process heap on CUDA) writes these now:
+        # behind the caller's stream, which may be held by the very wait this abort is to end, they
+        # would never land, and quiet() would never return.
+        now = getattr(self.heap, "signal_now", None)
         for pe in self._peers():
             try:
-                self.heap.signal(pe, self._slot(ABORT, self.rank), value)
+                (now or self.heap.signal)(pe, self._slot(ABORT, self.rank), value)
             except Exception:  # noqa: BLE001 - a dead peer's memory may be unreachable
                 pass
-        try:
-            self.heap.quiet()
-        except Exception:  # noqa: BLE001
-            pass
+        if now is None:
+            try:
+                self.heap.quiet()
+            except Exception:  # noqa: BLE001
+                pass
 
     def _aborted_by(self, sig: np.ndarray, pending) -> tuple[int, int] | None:
         """The first peer whose ABORT word ends this wait: any that timed out or found a mismatch,

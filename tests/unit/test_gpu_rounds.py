@@ -1,7 +1,8 @@
 """Rounds on a CUDA device (skipped without one): ``DistCAClient.local`` with several participants
 in lock step on one GPU equals the reference, and rounds are ordered against the caller's streams
 (q, k, v made on a side stream behind a long kernel; a queued round's result read on another
-stream), as ``distca_server.runtime.order`` promises."""
+stream), as ``distca_server.runtime.order`` promises; over the device heap, a participant failing
+mid-round leaves no wait held (its CPU run, over the host heap, runs everywhere)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,10 @@ def test_device_driven_rounds_make_no_synchronizing_cuda_call():
     """Issue 22 item 1: once a plan's routes are installed, a forward and a backward round of
     in-process participants over the device heap queue their work without a synchronizing CUDA
     call (torch's sync debug mode names any: a device-to-host copy, an ``.item()``, a stream or
-    event synchronize), so the host can run ahead of the device."""
+    event synchronize), so the host can run ahead of the device. Only this thread's calls count:
+    each participant's watchdog reads its signal words on a thread and a stream of its own while
+    exchanges are in flight (a synchronizing copy there holds up nothing the host queues)."""
+    import threading
     import warnings
     q, k, v, dout = _inputs(torch.bfloat16)
     job = JobConfig(servers=2, transport="nvshmem", heap_bytes=256 << 20,
@@ -135,15 +139,77 @@ def test_device_driven_rounds_make_no_synchronizing_cuda_call():
             client.new_step()
         torch.cuda.synchronize()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with warnings.catch_warnings(record=True) as caught:
+        main, caught = threading.get_ident(), []
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == main:
+                caught.append((filename, lineno, message))
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record  # restored on leaving
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 out = client.attend(*leaves, LENS)
                 out.backward(dout)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+        syncs = [f"{f}:{n}: {m}" for f, n, m in caught if "synchroniz" in str(m)]
         assert not syncs, "\n".join(syncs)
         torch.cuda.synchronize()
         _close([out.detach()] + [t.grad for t in leaves], _reference(q, k, v, dout), torch.bfloat16)
+
+
+def _gpu_failing_participant(device: str = "cuda") -> None:
+    """In-process participants over the device heap, called from the default stream: participant
+    1's kernel raises in a device-driven round after its peers queued their waits for its rows and
+    joined them on their streams. The round raises that error; the peers' watchdogs read their
+    words on a stream of their own, see participant 1 leave and force the waits (a read or an
+    abort signal queued behind the held stream would wait for itself); then the default stream
+    drains and the next step, on a new group, equals the reference."""
+    from unittest import mock
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, dout = _inputs(dtype, device=device)
+    want = _reference(q, k, v, dout)
+    job = JobConfig(servers=3, transport="nvshmem", heap_bytes=256 << 20,
+                    plan=PlanConfig(mode="inplace", min_shard=64), timeout_s=20)
+
+    def step(client):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = client.attend(*leaves, LENS)
+        out.backward(dout)
+        client.new_step()
+        _close([out.detach()] + [t.grad for t in leaves], want, dtype)
+    with DistCAClient.local(config=job) as client:
+        for _ in range(3):  # the routes install: the next rounds are device-driven
+            step(client)
+        first = client._runtime._group
+        executor = next(iter(client._runtime._bound.values()))[1].executor
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("kernel failed on participant 1")
+        with mock.patch.object(executor, "forward", broken):
+            try:
+                client.attend(*[t.clone().requires_grad_() for t in (q, k, v)], LENS)
+            except RuntimeError as exc:
+                assert "kernel failed on participant 1" in str(exc), exc
+            else:
+                raise AssertionError("the round with a failing participant did not fail")
+        client.new_step()
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()  # returns: no wait is left held
+        assert first.broken
+        for _ in range(2):
+            step(client)
+        assert client._runtime._group is not first
+
+
+def test_a_participant_failing_mid_round_over_the_in_process_heap_on_the_cpu():
+    _gpu_failing_participant("cpu")  # what the gpu test below runs, on the CPU (HostStream)
+
+
+@pytest.mark.gpu
+def test_a_participant_failing_mid_round_on_the_gpu_ends_its_peers_waits_and_the_next_step_runs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from gpu_subprocess import run_fresh
+    run_fresh("test_gpu_rounds", "_gpu_failing_participant", 180, "the failing round and the next steps")
