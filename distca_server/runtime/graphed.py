@@ -185,8 +185,14 @@ class CapturedRound:
         _copy_all(dst, src)
         sets = [g.next_set for g in self.graphs]
         handles = [graph.replay() for graph in self.graphs]
-        for handle in handles:
-            handle.wait()  # the current stream waits for the replay, on the device
+        failed = None
+        for handle in handles:  # every one, a failure too: nothing queued later may overtake a replay
+            try:
+                handle.wait()  # the current stream waits for the replay, on the device
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are waited for
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
             own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]

@@ -20,6 +20,7 @@ import torch
 
 import distca_server.runtime.graphed as graphed
 from distca_client import DistCAClient
+from distca_server.errors import DistCAError
 from distca_server.refs import attend_with_grads_ref
 from distca_server.runtime.cpu_replay import cpu_replays as replay_on_cpu
 from distca_server.runtime.graphed import WARMUP_ROUNDS, RoundGraphs
@@ -304,3 +305,35 @@ def test_a_replayed_backward_round_checks_its_kept_rows_as_the_eager_one(cpu_rep
         assert any(entry.path.name == "graphed.py" for entry in failed.traceback)
     finally:
         client.close()
+
+
+def test_a_failed_replay_still_waits_for_every_participants_replay_then_raises_the_first_error():
+    """A replay's caller stream must wait for every participant's recording, a failing one too:
+    work it queues later (the next round's input copies, a new group's allocations) must not
+    overtake a recording still running on the device."""
+    waited = []
+
+    class Handle:
+        def __init__(self, i, error=None):
+            self.i, self.error = i, error
+
+        def wait(self):
+            waited.append(self.i)
+            if self.error is not None:
+                raise self.error
+
+    class Graph:
+        next_set = 0
+
+        def __init__(self, i, error=None):
+            self.i, self.error = i, error
+
+        def replay(self):
+            return Handle(self.i, self.error)
+    first = DistCAError("participant 0's replay failed")
+    captured = object.__new__(graphed.CapturedRound)
+    captured.kind, captured.keeps, captured.inputs, captured.outputs = RoundKind.FORWARD, False, (), ()
+    captured.graphs = [Graph(0, first), Graph(1, DistCAError("later")), Graph(2)]
+    with pytest.raises(DistCAError) as err:
+        captured.replay(["p0", "p1", "p2"], (), ())
+    assert err.value is first and waited == [0, 1, 2]
