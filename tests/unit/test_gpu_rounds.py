@@ -212,4 +212,4 @@ def test_a_participant_failing_mid_round_on_the_gpu_ends_its_peers_waits_and_the
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from gpu_subprocess import run_fresh
-    run_fresh("test_gpu_rounds", "_gpu_failing_participant", 180, "the failing round and the next steps")
+    run_fresh("test_gpu_rounds", "_gpu_failing_participant", 90, "the failing round and the next steps")
