@@ -89,7 +89,7 @@ class LocalHeapEndpoint:
         if not self._cpu:  # made now: the failure path must allocate nothing (cf. MemopStream's force)
             self._poll = torch.cuda.Stream(self.device)  # a pool stream: never waits for the legacy one
             self._host = torch.empty(self.words[rank].numel(), dtype=torch.int64, pin_memory=True)
-            self._poll_lock = threading.Lock()  # the watchdog's thread and the PE's share _host
+            self._poll_lock = threading.Lock()  # signals(): the watchdog's thread and the PE's share _host
 
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
         n = src.numel()
@@ -121,9 +121,9 @@ class LocalHeapEndpoint:
         if self._cpu:
             self.signal(pe, slot, value)
             return
-        with self._poll_lock, torch.cuda.stream(self._poll):
+        with torch.cuda.stream(self._poll):
             self.words[pe][slot].fill_(int(value))
-            self._poll.synchronize()
+        self._poll.synchronize()
 
     def signals(self) -> np.ndarray:
         if self._cpu:

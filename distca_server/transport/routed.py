@@ -431,7 +431,7 @@ class RoutedTransport(SymmetricTransport):
         where = e.label
         for pe in r.recv_from:
             rep = rows[pe]
-            expect = [r.recv_splits[s][pe] for s in range(nseg)]
+            expect = r.expects[pe][2:]  # the segment bytes of the row checked above
             sent = rep[3:3 + int(rep[1])].tolist() if 0 <= int(rep[1]) <= MAX_SEGMENTS else None
             if int(rep[2]) != r.rid or sent != expect:
                 return ValueError(f"participant {self.rank} ({where}): participant {pe} sent segment bytes "
