@@ -154,8 +154,9 @@ class CapturedRound:
         """Copy the batch's ``inputs`` in, replay every participant's recording and copy the
         ``outputs`` out, all queued from the caller's current stream (returns at once on a GPU).
         A kept-activation round keeps (forward) or takes (backward) ``participants``' rows under
-        ``kept``. Every copy is on the current stream, one per tensor, all those before the
-        replays in one host call (``torch._foreach_copy_``) and all those after in another.
+        ``kept``. Every copy is on the current stream, one per tensor, those before the replays
+        in one host call per dtype pair (``torch._foreach_copy_``: :func:`copy_groups`) and
+        those after likewise.
 
         Each recording runs on its transport's communication stream, which its replay orders after
         the current stream (``begin``); the current stream then waits for each replay's marker.
@@ -241,10 +242,36 @@ class CapturedRound:
 
 
 def _copy_all(dst: list, src: list) -> None:
-    """``dst[i].copy_(src[i])`` for every i, on the current stream, in one call (one host call
-    instead of one per tensor: these copies are most of a replayed round's host work)."""
-    if dst:
+    """``dst[i].copy_(src[i])`` for every i, on the current stream, in as few host calls as the
+    device copies in one kernel (these copies are most of a replayed round's host work): one
+    ``torch._foreach_copy_`` on the CPU, one per :func:`copy_groups` group on CUDA."""
+    if not dst:
+        return
+    if not dst[0].is_cuda:  # the CPU copies tensor by tensor whatever the call: one call is cheapest
         torch._foreach_copy_(dst, src, non_blocking=True)
+        return
+    for d, s in copy_groups(dst, src):
+        torch._foreach_copy_(d, s, non_blocking=True)
+
+
+def copy_groups(dst: list, src: list) -> list:
+    """``(dst, src)`` lists, one per (destination dtype, source dtype), in first-seen order.
+
+    On CUDA, ``torch._foreach_copy_`` copies a whole list in one kernel only when every
+    destination has one dtype and every source one (and each pair is dense with the same sizes
+    and strides, as distca's static and kept tensors are); otherwise it falls back to one
+    ``copy_``, one kernel launch, per tensor. A bf16 round's lists mix rows with the float32
+    LSE: a forward's outputs and kept rows with 2 participants are 12 tensors, 12 launches in one
+    call where its two groups launch 2 (a backward's kept rows in, 11 and 2).
+    """
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        group = groups.get((d.dtype, s.dtype))
+        if group is None:
+            group = groups[(d.dtype, s.dtype)] = ([], [])
+        group[0].append(d)
+        group[1].append(s)
+    return list(groups.values())
 
 
 def _take(p, kept: int, like) -> tuple:
@@ -311,4 +338,4 @@ class RoundGraphs:
         return True
 
 
-__all__ = ["CAPTURE_KEY", "CapturedRound", "RoundGraphs", "WARMUP_ROUNDS"]
+__all__ = ["CAPTURE_KEY", "CapturedRound", "RoundGraphs", "WARMUP_ROUNDS", "copy_groups"]

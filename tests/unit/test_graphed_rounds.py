@@ -7,7 +7,8 @@ when the graph words run out, a capture that can no longer replay being made aga
 recording stand-in for the CUDA capture; kept-activation rounds replayed by a stand-in for the
 graph that runs the recorded round again on a thread (what a replay computes, through the
 participants' real rounds over the in-process heap), against the eager client and the float64
-reference. The ``gpu`` test runs forward and backward rounds of several layers and two steps from
+reference; a replay's copies grouped by dtype pair (``copy_groups``, as CUDA copies them) on a bf16
+plan. The ``gpu`` test runs forward and backward rounds of several layers and two steps from
 CUDA graphs, stateless and kept-activation plans, against the eager client and the float64
 reference.
 """
@@ -337,3 +338,50 @@ def test_a_failed_replay_still_waits_for_every_participants_replay_then_raises_t
     with pytest.raises(DistCAError) as err:
         captured.replay(["p0", "p1", "p2"], (), ())
     assert err.value is first and waited == [0, 1, 2]
+
+
+def test_copy_groups_keep_each_call_to_one_dtype_pair_and_copy_every_tensor_once():
+    """CUDA's ``_foreach_copy_`` copies a list in one kernel only if its destinations share one
+    dtype and its sources another: a replay's copies go in one call per (dtype, dtype) pair."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 2, 4), (5, 2), (0, 2, 4), (1, 1, 4), (7, 2), (3, 1, 4)]
+    kinds = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+             (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float64), (torch.float16, torch.float16)]
+    src = [torch.randn(s, generator=g).to(b) for s, (_, b) in zip(shapes, kinds)]
+    dst = [torch.zeros(s, dtype=a) for s, (a, _) in zip(shapes, kinds)]
+    groups = graphed.copy_groups(dst, src)
+    assert [len(d) for d, _ in groups] == [3, 1, 1, 1]  # first-seen order, every pair in one group
+    for d, s in groups:
+        assert len({x.dtype for x in d}) == 1 and len({x.dtype for x in s}) == 1
+        torch._foreach_copy_(d, s)
+    assert sorted(id(x) for d, _ in groups for x in d) == sorted(id(x) for x in dst)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+
+
+def test_replayed_bf16_rounds_copied_by_dtype_groups_equal_the_eager_ones(cpu_replays, monkeypatch):
+    """A bf16 kept-activation plan's replayed rounds, their copies made as on CUDA (one call per
+    :func:`copy_groups` group): the forward's outputs and kept rows, and the backward's kept rows
+    in, each mix bf16 rows with the float32 LSE (two groups); outputs and gradients equal the
+    eager client's bit for bit."""
+    calls = []
+
+    def copy_as_on_cuda(dst, src):
+        groups = graphed.copy_groups(dst, src) if dst else []
+        calls.append(len(groups))
+        for d, s in groups:
+            torch._foreach_copy_(d, s, non_blocking=True)
+    monkeypatch.setattr(graphed, "_copy_all", copy_as_on_cuda)
+    lens, got = [300, 1, 77, 512, 129, 31], []
+    for graphs in (False, True):
+        client = DistCAClient.local(config=kept_job(2, "inplace", graphs))
+        try:
+            got.append(kept_layers(client, lens, steps=2, n_layers=3, dtype=torch.bfloat16))
+            if graphs:
+                assert client._runtime.graphs.replays > 0
+        finally:
+            client.close()
+    assert 2 in calls  # rows and LSE copied in a round, in two calls
+    for eager, replayed in zip(*got):
+        for a, b in zip(eager[4:], replayed[4:]):
+            assert torch.equal(a, b)
