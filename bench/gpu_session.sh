@@ -58,8 +58,9 @@
 #   host       bench/host_path.py on this machine's CPU (a few seconds): distca's own host time per
 #              replayed layer, to set beside the same benchmark on the development machine
 #              (host_path.json); then with --device cuda, the recordings CUDA graphs replayed for
-#              real, 8 layers a step, the CUDA calls included (host_path_cuda.json), beside the
-#              kernels stage's host_us_per_layer_graphed (one layer of 8K tokens)
+#              real, 8 layers a step, the CUDA calls included, and where that time goes (cProfile,
+#              --profile 20: host_path_cuda.json), beside the kernels stage's
+#              host_us_per_layer_graphed (one layer of 8K tokens)
 #   pingpong   bench/pingpong.py: two nano-batches per layer over 2 in-process participants,
 #              against one after the other and against the signal-only control (the paper's Fig. 11)
 #   train      `make demo-gpu`'s run (issue 22 item 5: the Makefile's DEMO_GPU_ARGS): Ray Train, the
@@ -312,7 +313,7 @@ host_run() {
     fi
     left=$(( ${STAGE_LIMIT:-60} - (SECONDS - t0) ))
     [ "$left" -ge 5 ] || left=5
-    timeout -k 5 "$left" "$PY" bench/host_path.py --device cuda --json "$RES/host_path_cuda.json" || rc=$?
+    timeout -k 5 "$left" "$PY" bench/host_path.py --device cuda --profile 20 --json "$RES/host_path_cuda.json" || rc=$?
     return $rc
 }
 

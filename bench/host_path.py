@@ -41,6 +41,7 @@ Usage::
     python bench/host_path.py               # 2 participants, 8 layers
     python bench/host_path.py --quick
     python bench/host_path.py --device cuda --json bench/results/host_path_cuda.json
+    python bench/host_path.py --profile 20  # and where distca attend's time goes (cProfile)
 
 Writes JSON to ``--json`` (default ``bench/results/host_path.json``).
 """
@@ -50,6 +51,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
+import pstats
 import sys
 import threading
 import time
@@ -235,6 +238,28 @@ def per_layer_us(run_step, layers: int, steps: int, repeats: int, device: torch.
     return best
 
 
+def profile_rows(run_step, layers: int, steps: int, top: int = 30) -> list[dict]:
+    """Where a replayed layer's host time goes: ``steps`` calls of ``run_step`` under cProfile,
+    the ``top`` functions by their own time (``tottime``: a C function's, e.g. a CUDA call's, is
+    its whole cost), each as µs and calls per layer. cProfile slows Python calls more than C
+    ones, so the shares are a guide and the µs are not the timed rows'."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        run_step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    n = steps * layers
+    rows = [dict(function=f"{Path(f).name}:{line}({name})" if line else name, own_us_per_layer=tt / n * 1e6,
+                 cum_us_per_layer=ct / n * 1e6, calls_per_layer=nc / n)
+            for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    total = sum(r["own_us_per_layer"] for r in rows)
+    rows.sort(key=lambda r: -r["own_us_per_layer"])
+    for r in rows:
+        r["share"] = r["own_us_per_layer"] / total
+    return rows[:top]
+
+
 def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
     """(µs per layer, checks) of the eager attend path and the operator path, replayed rounds,
     and the exchanges each participant makes in a forward and a backward round (by kind)."""
@@ -299,6 +324,8 @@ def distca_runs(args, inputs, dout) -> tuple[dict, dict, dict]:
         expected = 2 * 2 * args.layers * args.steps * args.repeats  # 2 paths x (forward + backward)
         if replayed != expected:
             raise AssertionError(f"{replayed} rounds replayed while timing, expected {expected}")
+        if args.profile:
+            checks["profile"] = profile_rows(lambda: step(attend_eager), args.layers, args.profile)
         exchanges = {"forward": [forward_exchanges[r] for r in range(args.servers)],
                      "backward": [backward_exchanges[r] for r in range(args.servers)]}
         return times, checks, exchanges
@@ -314,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=torch.device, default=CPU,
                     help="cuda: the tensors on the GPU and the recordings CUDA graphs replayed for real (the "
                          "transport's part is then in the distca rows, not measured apart)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS steps of distca attend (cProfile): the top functions by their own "
+                         "time, printed and in the JSON's profile")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "host_path.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -336,6 +366,7 @@ def main(argv=None) -> int:
                                                for _ in range(args.layers)]).sum().backward(),
                           args.layers, args.steps, args.repeats, args.device)
     times, checks, exchanges = distca_runs(args, (q, k, v), dout)
+    profile = checks.pop("profile", [])
     rows = [dict(path="autograd.Function", us_per_layer=floor), dict(path="custom op", us_per_layer=custom)]
     rows += [dict(path=name, us_per_layer=us, max_abs_err=checks[name]) for name, us in times.items()]
     per_graph, transport = {}, 0.0
@@ -358,6 +389,13 @@ def main(argv=None) -> int:
         print("|---|---:|---:|---:|")
         for r in rows:
             print(f"| {r['path']} | {r['us_per_layer']:.1f} | {r['vs_floor']:.2f} | {r['vs_operator_path']:.2f} |")
+        if profile:
+            print(f"\ndistca attend under cProfile ({args.profile} steps), the top functions by their own time:\n")
+            print("| function | own µs / layer | share | calls / layer |")
+            print("|---|---:|---:|---:|")
+            for r in profile[:15]:
+                print(f"| `{r['function']}` | {r['own_us_per_layer']:.1f} | {r['share']:.1%} | "
+                      f"{r['calls_per_layer']:.2f} |")
     eager = times["distca attend"]
     headline = [f"{args.servers} participants, {args.layers} layers, {T} tokens, replayed rounds"
                 f"{' (CUDA graphs on ' + torch.cuda.get_device_name(args.device) + ')' if cuda else ''}: distca attend "
@@ -370,7 +408,7 @@ def main(argv=None) -> int:
                         + f"); with it {eager + transport:.0f} µs per layer, before the CUDA calls")
     finish(show, headline, time.perf_counter() - start, args.json,
            {"args": vars(args) | {"json": str(args.json), "device": str(args.device)}, "lens": LENS,
-            "dtype": str(dtype).removeprefix("torch."), "head_dim": dim, "rows": rows})
+            "dtype": str(dtype).removeprefix("torch."), "head_dim": dim, "rows": rows, "profile": profile})
     return 0
 
 

@@ -1,6 +1,6 @@
 """bench/host_path.py in --quick mode: its replayed rounds run for real first (every layer's output
-and the gradients equal an eager client's), every timed round is a replay, and each row's ratios
-are to the rows they name."""
+and the gradients equal an eager client's), every timed round is a replay, each row's ratios are
+to the rows they name, and --profile names where the time goes."""
 
 import json
 
@@ -17,11 +17,18 @@ def test_quick_run_times_replayed_rounds_that_equal_the_eager_ones(tmp_path, cap
     bench = load_script("bench/host_path.py", "bench_host_path")
     graph, kinds, exchange = RoutedTransport.graph, RoundGraphs.device_types, RoutedTransport.exchange
     out = tmp_path / "host.json"
-    assert bench.main(["--quick", "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--profile", "3", "--json", str(out)]) == 0
     # the stand-in and the exchange counter are undone
     assert (RoutedTransport.graph, RoundGraphs.device_types, RoutedTransport.exchange) == (graph, kinds, exchange)
-    assert "µs per layer on the host" in capsys.readouterr().out
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    printed, result = capsys.readouterr().out, json.loads(out.read_text())
+    assert "µs per layer on the host" in printed and "under cProfile (3 steps)" in printed
+    rows = {r["path"]: r for r in result["rows"]}
+    # the profile: the top functions by own time, the replays' among them, shares of the whole
+    profile = result["profile"]
+    assert 0 < len(profile) <= 30 and sum(r["share"] for r in profile) <= 1 + 1e-9
+    assert [r["own_us_per_layer"] for r in profile] == sorted((r["own_us_per_layer"] for r in profile), reverse=True)
+    replay = next(r for r in profile if r["function"].startswith("graphed.py:") and r["function"].endswith("(replay)"))
+    assert replay["calls_per_layer"] == 2  # a forward and a backward round per layer
     assert list(rows) == ["autograd.Function", "custom op", "distca attend", "distca via operator",
                           "transport's part of the replays", "distca attend + transport"]
     transport = rows["transport's part of the replays"]
