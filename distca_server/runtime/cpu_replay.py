@@ -22,8 +22,9 @@ class ThreadReplay:
     """One participant's recording on the CPU (module doc).
 
     Args:
-        transport: the participant's transport (unused: the stand-in's signature is
-            ``RoutedTransport.graph``'s).
+        transport: the participant's transport (the stand-in's signature is
+            ``RoutedTransport.graph``'s); closed when a replay's round raises, as a participant
+            whose eager round fails leaves its group (its peers stop waiting for it at once).
         fn: the recorded round.
         runs: how many replays run ``fn`` (None: all); later ones queue nothing and return, as a
             graph replay returns once its work is queued. With the same inputs every replay, the
@@ -32,7 +33,7 @@ class ThreadReplay:
     """
 
     def __init__(self, transport, fn, runs: int | None = None):
-        self.fn, self.runs, self.next_set, self.usable, self.calls = fn, runs, 0, True, 0
+        self.transport, self.fn, self.runs, self.next_set, self.usable, self.calls = transport, fn, runs, 0, True, 0
 
     def replay(self):
         self.next_set, self.calls = 1 - self.next_set, self.calls + 1
@@ -45,6 +46,7 @@ class ThreadReplay:
                 self.fn()
             except BaseException as exc:  # noqa: BLE001 - raised by wait()
                 failed.append(exc)
+                self.transport.close()
         thread = threading.Thread(target=body, daemon=True)
         thread.start()
         return _Joined(thread, failed)

@@ -38,9 +38,11 @@ backward sums with atomics, as FlashAttention-2's dQ, varies in rounding, eager 
 Neither single-rank batches (nothing is exchanged) nor rounds on the CPU are captured.
 
 A capture that fails (a kernel or call that CUDA cannot record) turns graphs off for the runtime,
-with a warning naming the error; the rounds then run as before. A replay that fails raises as the
-round would (:class:`~distca_server.errors.DistCAError`, or the eager round's ValueError about
-kept rows), and the group that the next round forms starts without graphs.
+with a warning naming the error; the rounds then run as before. A replay that fails aborts the
+group at once, as a failed eager round does (its peers stop waiting for it), and raises as the
+round would (the cause: the eager round's ValueError about kept rows, a participant's error, else
+:class:`~distca_server.errors.DistCAError`); the group that the next round forms starts without
+captures.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 
 from scheduler.cost import RoundKind
 
+from ..errors import DistCAError
 from ..participant import drive
 from ..transport.symmetric_words import GRAPH_BLOCKS
 
@@ -62,6 +65,10 @@ WARMUP_ROUNDS = 2
 CAPTURE_KEY = -1
 """The key a recorded round keeps (forward) or takes (backward) its rows under; real rounds' keys,
 their sequence numbers in the step, are >= 0."""
+
+
+def _no_abort(exc: BaseException) -> None:
+    """:meth:`CapturedRound.replay`'s default ``abort``: nothing to stop."""
 
 
 class CapturedRound:
@@ -150,7 +157,7 @@ class CapturedRound:
         for g in self.graphs:
             g.release()
 
-    def replay(self, participants, inputs, outputs, kept: int | None = None) -> None:
+    def replay(self, participants, inputs, outputs, kept: int | None = None, abort=_no_abort) -> None:
         """Copy the batch's ``inputs`` in, replay every participant's recording and copy the
         ``outputs`` out, all queued from the caller's current stream (returns at once on a GPU).
         A kept-activation round keeps (forward) or takes (backward) ``participants``' rows under
@@ -165,6 +172,13 @@ class CapturedRound:
         caller's own is needed between the two: per participant that would be two more
         stream-to-stream waits (an event made, recorded and waited for each) and two stream
         switches per round.
+
+        A participant's replay that fails (its queuing or its wait) calls ``abort(exc)`` at once,
+        as a failed eager round aborts its group: the peers' recordings stop waiting for rows it
+        will never send (on the device too: the transport forces their waits) instead of running
+        to their deadline, and the next round forms a new group. The error raised is the first
+        that is not a :class:`~distca_server.errors.DistCAError` (the cause, rather than a peer's
+        abort), else the first.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
@@ -185,15 +199,24 @@ class CapturedRound:
                         src.append(given[n])
         _copy_all(dst, src)
         sets = [g.next_set for g in self.graphs]
-        handles = [graph.replay() for graph in self.graphs]
-        failed = None
+        handles, failed = [], []
+        for graph in self.graphs:
+            try:
+                handles.append(graph.replay())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the queued ones are waited for
+                failed.append(exc)  # the later participants are not queued: the earlier ones' peers never send
+                abort(exc)
+                break
         for handle in handles:  # every one, a failure too: nothing queued later may overtake a replay
             try:
                 handle.wait()  # the current stream waits for the replay, on the device
-            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are waited for
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                if not failed:  # the first failure stops the peers, whose waits would run to their deadline
+                    abort(exc)
+                failed.append(exc)
+        if failed:
+            root = [e for e in failed if not isinstance(e, DistCAError)]  # the cause, not the peers' aborts
+            raise (root or failed)[0]
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
             own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]
@@ -302,11 +325,12 @@ class RoundGraphs:
         self._captured.clear()
 
     def run(self, key, participants, transports, kind: RoundKind, softmax_scale: float, inputs, outputs, rows,
-            kept: int | None = None) -> bool:
+            kept: int | None = None, abort=_no_abort) -> bool:
         """Replay round ``key`` if it was captured, capture it once it ran :data:`WARMUP_ROUNDS`
         times eagerly; returns whether it ran here (False: run it eagerly). ``inputs``,
         ``outputs``, ``rows``: the batch's tensors and each participant's rows of them
-        (:class:`CapturedRound`); ``kept``: a kept-activation plan's round key (:meth:`CapturedRound.replay`)."""
+        (:class:`CapturedRound`); ``kept``: a kept-activation plan's round key, ``abort``: stops
+        the group when a replay fails (:meth:`CapturedRound.replay`)."""
         if self.disabled is not None:
             return False
         key = (key, kind, float(softmax_scale), kept is not None)
@@ -333,7 +357,7 @@ class RoundGraphs:
                 return False
             self._captured[key] = found
         self._captured.move_to_end(key)
-        found.replay(participants, inputs, outputs, kept)
+        found.replay(participants, inputs, outputs, kept, abort)
         self.replays += 1
         return True
 

@@ -114,10 +114,17 @@ class LocalBatch(PlannedBatch):
         if self._replay_on is None or self._replay_on[0] is not group:  # the group's endpoints, once
             self._replay_on = (group, [group.endpoint(i, self.device) for i in range(len(self.participants))])
         transports = self._replay_on[1]
+
+        def abort(exc: BaseException) -> None:  # as run() aborts a failed eager round's group
+            group.abort(-1, f"{type(exc).__name__}: {exc}")
         try:
             return runtime.graphs.run(self.shape_key, self.participants, transports, kind, softmax_scale,
-                                      inputs, outputs, self._rows, kept)
+                                      inputs, outputs, self._rows, kept, abort)
         except BaseException as exc:
+            # A replay that failed before queuing anything (a kept-row check) leaves the group as
+            # the eager round's failure does: aborted, so the next round forms a new one (a
+            # participant that raised mid-round would be an exchange behind its peers).
+            abort(exc)
             self._failed(exc)
             raise
 

@@ -15,6 +15,7 @@ reference.
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ class FakeCapture:
     def release(self):
         self.released = True
 
-    def replay(self, participants, inputs, outputs, kept):
+    def replay(self, participants, inputs, outputs, kept, abort):
         self.replays.append((inputs, outputs, len(participants), kept))
 
 
@@ -331,13 +332,77 @@ def test_a_failed_replay_still_waits_for_every_participants_replay_then_raises_t
 
         def replay(self):
             return Handle(self.i, self.error)
+    def captured_with(graphs):
+        captured = object.__new__(graphed.CapturedRound)
+        captured.kind, captured.keeps, captured.inputs, captured.outputs = RoundKind.FORWARD, False, (), ()
+        captured.graphs = graphs
+        return captured
     first = DistCAError("participant 0's replay failed")
-    captured = object.__new__(graphed.CapturedRound)
-    captured.kind, captured.keeps, captured.inputs, captured.outputs = RoundKind.FORWARD, False, (), ()
-    captured.graphs = [Graph(0, first), Graph(1, DistCAError("later")), Graph(2)]
+    aborted = []
     with pytest.raises(DistCAError) as err:
-        captured.replay(["p0", "p1", "p2"], (), ())
-    assert err.value is first and waited == [0, 1, 2]
+        captured_with([Graph(0, first), Graph(1, DistCAError("later")), Graph(2)]).replay(
+            ["p0", "p1", "p2"], (), (), abort=aborted.append)
+    # every handle waited for; the group aborted once, at the first failure (the peers stop waiting)
+    assert err.value is first and waited == [0, 1, 2] and aborted == [first]
+    # the cause is raised, not the peers' DistCAErrors that the abort made
+    cause = RuntimeError("participant 1's kernel failed")
+    waited.clear(), aborted.clear()
+    with pytest.raises(RuntimeError) as err:
+        captured_with([Graph(0, DistCAError("aborted")), Graph(1, cause), Graph(2)]).replay(
+            ["p0", "p1", "p2"], (), (), abort=aborted.append)
+    assert err.value is cause and waited == [0, 1, 2] and len(aborted) == 1
+
+    class Unqueued(Graph):
+        def replay(self):
+            raise self.error
+    # a participant whose replay cannot be queued: the group is aborted before the earlier
+    # participants' replays are waited for (their peers never send), the later ones not queued
+    refused = ValueError("participant 1: this graph was released")
+    waited.clear(), aborted.clear()
+    with pytest.raises(ValueError) as err:
+        captured_with([Graph(0), Unqueued(1, refused), Graph(2)]).replay(["p0", "p1", "p2"], (), (),
+                                                                       abort=aborted.append)
+    assert err.value is refused and aborted == [refused] and waited == [0]
+
+
+def test_a_replayed_round_that_fails_mid_round_stops_its_peers_and_the_next_round_is_exact(cpu_replays,
+                                                                                          monkeypatch):
+    """A participant's round that raises while replayed aborts the group at once, as a failed eager
+    round does: the error is the participant's own, not a peer's timeout, and the next rounds,
+    another batch's first, run on a new group, exact (before, the group stayed, one participant
+    an exchange behind the others, and the next round that moved rows timed out)."""
+    from distca_server.executor import ServerExecutor
+    real, fail = ServerExecutor.forward, []
+
+    def forward(self, *args, **kwargs):
+        if fail:
+            fail.clear()
+            raise RuntimeError("injected kernel failure")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(ServerExecutor, "forward", forward)
+    moving, other = [300, 1, 77, 512, 129, 31], [100, 20, 8]
+    client = DistCAClient.local(config=JobConfig(servers=2, transport="shm", cuda_graphs=True, timeout_s=60,
+                                                 plan=PlanConfig(mode="inplace", keep_activations=False,
+                                                                 min_shard=16)))
+    try:
+        layers(client, moving, steps=2, n_layers=2, device="cpu", dtype=torch.float64)  # captured, replayed
+        replays = client._runtime.graphs.replays
+        assert replays > 0 and client.traffic()  # rows move between the participants
+        q, k, v = (torch.randn(sum(moving), h, 16, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+        fail.append(1)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected kernel failure"):
+            client.attend(q, k, v, moving)
+        assert time.monotonic() - t0 < 30  # the peer did not wait out its 60 s deadline
+        assert client._runtime.graphs.replays == replays  # it was a replayed round that failed
+        for lens in (other, moving):
+            for q, k, v, dout, out, dq, dk, dv in layers(client, lens, steps=2, n_layers=2, device="cpu",
+                                                         dtype=torch.float64):
+                ref = attend_with_grads_ref(q, k, v, lens, dout, 16 ** -0.5)
+                for a, b in zip((out, dq, dk, dv), ref):
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    finally:
+        client.close()
 
 
 def test_copy_groups_keep_each_call_to_one_dtype_pair_and_copy_every_tensor_once():
