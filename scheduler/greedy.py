@@ -174,7 +174,9 @@ class Greedy(GreedySettle):
         if plain > w:
             plain = w
         if plain < ms or finishable(w - fits, keep, plain, ms):
-            return fits
+            # fill the destination, but never leave a sliver: with a window, `plain` counts the
+            # most pairs a position holds, so it can be below ms while fits is above w - ms
+            return fits if fits == w or w - fits >= ms else w - ms
         shed = w - keep
         p = -(-shed // plain)
         if p * ms > shed:  # pieces would be narrower than min_shard: the source keeps less

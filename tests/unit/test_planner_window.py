@@ -128,3 +128,20 @@ def test_bad_window_is_refused():
         plan_batch([[5]], 1, cost=COST, window=0)
     with pytest.raises(ValueError, match="window must be a positive int"):
         plan_batch([[5]], 1, cost=COST, window=3.0)
+
+
+@pytest.mark.parametrize("lens,servers,mode,min_shard,window", [
+    # documents a little longer than W: a band's inner positions hold fewer pairs than the most a
+    # position holds (2 W), so filling the destination once left a remainder under min_shard
+    ([[1077, 1487]], 3, "dedicated", 128, 1024),
+    ([[133, 285], [], [], []], 4, "inplace", 16, 64)])
+def test_windowed_plans_never_leave_a_shard_shorter_than_min_shard(lens, servers, mode, min_shard, window):
+    cost = CostModel(num_heads_q=32, num_heads_kv=8, head_dim=128, dtype_bytes=2)
+    plan = plan_batch(lens, servers, cost=cost, mode=mode, epsilon=0.0, min_shard=min_shard, window=window)
+    split = {}
+    for tasks in plan.server_tasks:
+        for t in tasks:
+            split.setdefault((t.src_rank, t.doc_index), []).append(t.q_end - t.q_start)
+    shards = [n for (r, d), ns in split.items() if len(ns) > 1 for n in ns]
+    assert shards and min(shards) >= min_shard  # documents were split, and no shard is a sliver
+    assert Plan.from_msgpack(plan.to_msgpack()) == plan  # the receiving side's checks accept it
