@@ -39,12 +39,13 @@ class Pending:
     ``kept``: the key its activations are kept under on the servers (the future's), or None;
     ``ticket``: the round's ticket if it counts for the step (held here until the round's
     :class:`Round` takes it, so a handle dropped before ``wait()`` frees it too), or None;
-    ``softmax_scale``: the scale the round runs with (a float)."""
+    ``softmax_scale``: the scale the round runs with (a float); ``counts``: a backward round may
+    follow (grad was enabled and an input required grad when the round started)."""
 
     def __init__(self, step, future, timeout_s: float | None = None, ticket=None,
-                 softmax_scale: float | None = None):
+                 softmax_scale: float | None = None, counts: bool = True):
         self.step, self.future, self.timeout_s, self.ticket = step, future, timeout_s, ticket
-        self.softmax_scale = softmax_scale
+        self.softmax_scale, self.counts = softmax_scale, counts
         self.kept = getattr(future, "kept", None)
 
     def result(self):

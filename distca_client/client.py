@@ -210,7 +210,9 @@ class DistCAClient:
 
         Meanwhile the training loop can run the other nano-batch's layers (DistCA §4.2 ping-pong).
         Rounds run in call order, so every client must issue them in the same order. Eager only:
-        under torch.compile call :meth:`attend`.
+        under torch.compile call :meth:`attend`. Whether a backward may follow is decided here:
+        a round started under ``torch.no_grad`` (or with no input requiring grad) is forward
+        only, and ``wait()`` returns an output without a gradient whatever the grad mode then.
 
         Raises:
             ValueError: as :meth:`attend`, before anything is queued.
@@ -242,7 +244,7 @@ class DistCAClient:
         self._remember(step)
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts, synchronous=synchronous)
         ticket = self._runtime.open_ticket(step, future) if counts else None
-        return Pending(step, future, ticket=ticket, softmax_scale=scale)
+        return Pending(step, future, ticket=ticket, softmax_scale=scale, counts=counts)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                softmax_scale: float | None = None, window: int | None = None,

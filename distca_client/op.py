@@ -30,6 +30,7 @@ from the forward to the backward op inside the ``round`` tensor (:class:`~distca
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Optional
@@ -256,7 +257,12 @@ def finish(pending: Pending, q, k, v, lse_wanted: bool = True):
         out, lse, _ = torch.ops.distca.attend_fwd(q, k, v, _NO_DOCS, 0, None, None, False, key,
                                                   pending.kept is not None)
         return out, lse
-    out, lse, _ = EagerAttend.apply(q, k, v, _NO_DOCS, 0, None, None, False, pending, pending.kept is not None)
+    # A round started forward-only (under no_grad, or no input requiring grad) has no backward
+    # round in its step, whatever the grad mode is now: its outputs are not connected to autograd
+    # (a backward through them would run a round the step never counted, or one whose
+    # activations were not kept).
+    with torch.no_grad() if not pending.counts else contextlib.nullcontext():
+        out, lse, _ = EagerAttend.apply(q, k, v, _NO_DOCS, 0, None, None, False, pending, pending.kept is not None)
     return out, lse.contiguous() if lse_wanted else lse
 
 

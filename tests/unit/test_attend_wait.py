@@ -32,3 +32,30 @@ def test_wait_with_a_timeout_raises_then_the_round_still_finishes_exactly():
         want = want[0] if isinstance(want, tuple) else want
         assert (out - want).abs().max().item() <= 1e-10
         assert handle.wait() is out  # the result is kept
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_round_started_under_no_grad_stays_forward_only_when_waited_for_with_grad(keep):
+    """A handle started under ``torch.no_grad`` and waited for outside it: the round was forward
+    only (the servers kept nothing, the step counts no backward), so its output is not connected
+    to autograd; before, it required grad and its backward failed inside a participant (kept
+    activations) or ran a round the step never counted. The next step is exact."""
+    from scheduler.config import JobConfig, PlanConfig
+    lens = [40, 30, 3]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lens), 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lens), 1, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    config = JobConfig(servers=2, transport="shm", timeout_s=60,
+                       plan=PlanConfig(mode="inplace", min_shard=8, keep_activations=keep))
+    with DistCAClient.local(config=config) as client:
+        with torch.no_grad():
+            handle = client.attend_async(q, k, v, lens)
+        out = handle.wait()
+        want = varlen_attention_ref(q.detach(), k.detach(), v.detach(), lens, 8 ** -0.5)
+        want = want[0] if isinstance(want, tuple) else want
+        assert not out.requires_grad and out.grad_fn is None
+        assert (out - want).abs().max().item() <= 1e-10
+        client.new_step()
+        out = client.attend(q, k, v, lens)  # a training step after it
+        out.backward(torch.ones_like(out))
+        assert q.grad is not None and (out.detach() - want).abs().max().item() <= 1e-10
