@@ -62,6 +62,12 @@ class DistCAClient:
               num_ranks: int | None = None, max_batches: int = BATCHES_KEPT, **legacy) -> "DistCAClient":
         """In-process client: ``num_ranks`` virtual client ranks and ``num_servers`` servers.
 
+        Call :meth:`close` when done, or use the client as a context manager: over the
+        in-process heap (``transport`` ``"shm"`` or ``"nvshmem"``) its participants' threads and
+        heap (``heap_bytes`` each) live until then, also when the client is dropped (its forward
+        rounds' backward may still run after the last reference to it is gone, so it is not
+        closed when collected).
+
         Args:
             num_servers: attention servers (threads here). With a :class:`JobConfig` it defaults
                 to ``config.servers`` and must equal it.
