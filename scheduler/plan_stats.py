@@ -19,7 +19,10 @@ from .kv import kv_intervals
 
 def _pairs(arr: np.ndarray, window: int | None) -> np.ndarray:
     """float64 pairs of each task row (int64 [n, >= 4]: ..., q_start, q_end, kv_start, kv_end as
-    the last four columns); exact below 2**53, never wrapping around."""
+    the last four columns); never wrapping around. Exact while every offset is below 2**31 (int64
+    products); beyond, computed in float64 (the prefix sums it subtracts are rounded, so a
+    windowed task's pairs, a small difference of two large sums, carry their rounding: about
+    1e4 pairs of 1e14 at offsets near 2**36)."""
     qs, qe, ks, ke = arr[:, -4], arr[:, -3], arr[:, -2], arr[:, -1]
     if len(arr) == 0 or int(max(qe.max(), ke.max())) < 2**31:  # every int64 product fits
         return causal_pairs(qs, qe, ks, ke, window).astype(np.float64)
@@ -41,7 +44,8 @@ class PlanStatsMixin:
     # ---- loads and bytes --------------------------------------------------------------------------
     def server_loads(self) -> list[float]:
         """Forward (windowed) causal attention FLOPs per server (see :meth:`CostModel.task_flops`);
-        float64, exact while a server's pairs stay below 2**53, never wrapping around."""
+        float64, never wrapping around; the pairs exact while documents stay below 2**31 tokens
+        and a server's pairs below 2**53 (longer documents: see :func:`_pairs`)."""
         arr = self.task_array
         per_server = np.bincount(arr[:, 0], weights=_pairs(arr, self.window), minlength=self.num_servers)
         return (per_server * self.cost.flops_per_pair).tolist()
