@@ -16,6 +16,9 @@ import numpy as np
 from .cost import CostModel
 
 INT64_MAX = 2**63 - 1
+MAX_SERVERS = 1 << 20
+"""Most attention servers a plan may have: the bound its descriptor's receiver checks
+(:meth:`~scheduler.tasks.Plan.from_msgpack`), so that no plan the planner makes is refused there."""
 
 
 def is_int(x) -> bool:
@@ -133,7 +136,8 @@ def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np
 
     Raises:
         ValueError: a mode other than :data:`MODES`; ``cost`` not a :class:`CostModel`;
-            ``num_servers`` not a positive int; ``epsilon`` not a finite number >= 0;
+            ``num_servers`` not an int in [1, :data:`MAX_SERVERS`]; ``epsilon`` not a finite
+            number >= 0;
             ``doc_lens_per_rank`` not a non-empty list of lists of positive int64 lengths (the
             message names the rank and its first bad lengths), or a rank whose lengths sum past
             int64; in-place mode with ``num_servers != len(doc_lens_per_rank)``.
@@ -141,7 +145,7 @@ def check_batch(doc_lens_per_rank, num_servers, mode, cost, epsilon) -> tuple[np
     check_mode(mode)
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
-    positive_int("num_servers", num_servers)
+    int_in_range("num_servers", num_servers, 1, MAX_SERVERS)
     finite_nonnegative("epsilon", epsilon)
     if not isinstance(doc_lens_per_rank, (list, tuple)) or not doc_lens_per_rank:
         raise ValueError("doc_lens_per_rank must be a non-empty list of per-rank length lists")

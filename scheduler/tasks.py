@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import descriptor
-from .checks import INT64_MAX, MODES, boolean, check_batch, check_rank_totals, is_int, positive_int
+from .checks import INT64_MAX, MAX_SERVERS, MODES, boolean, check_batch, check_rank_totals, is_int, positive_int
 from .cost import CostModel, causal_pairs, window_arg
 from .cover import cover_problems
 from .plan_stats import PlanStatsMixin
@@ -309,7 +309,7 @@ class Plan(PlanStatsMixin):
         """
         obj = descriptor.unpack(data, PLAN_FORMAT, PLAN_VERSION, _PLAN_KEYS, "plan")
         mode = descriptor.choice_field(obj, "mode", MODES)
-        num_servers = descriptor.int_field(obj, "num_servers", 1, 1 << 20)
+        num_servers = descriptor.int_field(obj, "num_servers", 1, MAX_SERVERS)
         epsilon = descriptor.number_field(obj, "epsilon")
         min_shard = descriptor.int_field(obj, "min_shard", 1, INT64_MAX)
         window = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)

@@ -399,6 +399,7 @@ def test_large_epsilon_moves_nothing():
     ([[4]], 1, {"min_shard": 1.5}, r"1\.5"),
     ([[4]], 0, {"mode": "dedicated"}, r"num_servers.*0"),
     ([[4]], 2.0, {"mode": "dedicated"}, r"2\.0"),
+    ([[4]], 2**20 + 1, {"mode": "dedicated"}, r"num_servers must be an int in \[1, 1048576\], got 1048577"),
     ([[4]], 1, {"cost": "llama"}, r"str"),
     ([], 1, {}, r"non-empty"),
 ])
