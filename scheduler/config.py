@@ -21,9 +21,10 @@ entry point                                                takes                
 ``JobConfig()``'s plan is dedicated (a job's servers are separate actors unless it says otherwise).
 The ``distca up`` flags are these fields' names (``--min-shard`` sets ``min_shard``).
 
-The entry points still take their old keyword arguments for one release: each such call warns
-(``DeprecationWarning`` naming the ``config=`` form) and builds the config from them
-(:func:`legacy_fields`, :func:`legacy_job_config`).
+The other entry points still take their old keyword arguments for one release: each such call
+warns (``DeprecationWarning`` naming the ``config=`` form) and builds the config from them
+(:func:`legacy_fields`, :func:`legacy_job_config`). :func:`scheduler.plan_batch`'s keywords are
+:class:`PlanConfig`'s fields, supported (no warning) beside ``config=``.
 
 Pure Python: imports neither torch nor ray (the CLI loads it before either).
 """

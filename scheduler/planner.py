@@ -354,7 +354,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
 
     The planner's settings come as one :class:`~scheduler.config.PlanConfig` (``config=``) or as
     its fields by keyword (``epsilon=0.1, mode="dedicated"``), defaults
-    :class:`~scheduler.config.PlanConfig`'s; not both.
+    :class:`~scheduler.config.PlanConfig`'s; not both (a keyword equal to its default cannot be
+    told from one not given, so beside ``config=`` it is not refused, and ``config``'s value is used).
 
     Args:
         doc_lens_per_rank: ``doc_lens_per_rank[r]`` lists the document lengths (tokens, ints > 0)
