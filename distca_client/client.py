@@ -8,7 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from distca_server.kernels import check_backend_name
-from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, Traffic, sum_traffic
+from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, StepTraffic, Traffic
 from distca_server.runtime.graphed import RoundGraphs
 from distca_server.runtime.local import LocalRuntime
 from distca_server.transport.local_heap import HeapGroup
@@ -54,7 +54,7 @@ class DistCAClient:
     def __init__(self, runtime: Runtime):
         self._runtime = runtime
         self._last_step: PlannedBatch | None = None
-        self._step_batches: list[PlannedBatch] = []  # the batches of the last step, in first use order
+        self._step_traffic = StepTraffic()  # what the last step's batches sent (traffic())
         op.register(self)  # the operators' name for this client
 
     @classmethod
@@ -303,10 +303,7 @@ class DistCAClient:
         self._runtime.new_step()
 
     def _remember(self, batch: PlannedBatch) -> None:
-        if self._step_batches and self._step_batches[0].step != batch.step:
-            self._step_batches = []
-        if all(b is not batch for b in self._step_batches):
-            self._step_batches.append(batch)
+        self._step_traffic.add(batch)
         self._last_step = batch
 
     @property
@@ -337,7 +334,7 @@ class DistCAClient:
         :meth:`connect` client it is this client's participant's share (its rows' dispatch, and
         in in-place mode what its server sent back).
         """
-        return sum_traffic(b.traffic() for b in self._step_batches)
+        return self._step_traffic.total()
 
     def close(self) -> None:
         """Stop the client's threads (and leave the job's group); further ``attend`` calls raise

@@ -58,6 +58,49 @@ def sum_traffic(traffics) -> Traffic:
     return total
 
 
+class StepTraffic:
+    """The bytes a client's batches of its current step sent (``DistCAClient.traffic``), without
+    holding the batches: a forward-only loop over many batch shapes never ends its step, and
+    every batch it kept would hold its participants (index tensors, on the GPU on a GPU) after
+    the runtime evicted it (:data:`BATCHES_KEPT`). Live batches are referenced weakly; a batch
+    of the current step that is freed first adds its counters, final by then, to a running sum.
+    Thread-safe (a batch may be freed on any thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._live: weakref.WeakSet = weakref.WeakSet()
+        self._gone: list[Traffic] = []  # freed batches' traffic, summed on read
+
+    def add(self, batch: "PlannedBatch") -> None:
+        """Count ``batch`` in its step (a new step forgets the previous one's batches)."""
+        with self._lock:
+            if batch.step != self._step:
+                self._step, self._live, self._gone = batch.step, weakref.WeakSet(), []
+            if batch in self._live:
+                return
+            self._live.add(batch)
+        counters = [p.traffic for p in batch.participants]  # the counters, not the batch
+        weakref.finalize(batch, self._freed, batch.step, counters)
+
+    def _freed(self, step: int, counters: list) -> None:
+        traffic = sum_traffic(as_traffic(c) for c in counters)
+        with self._lock:
+            if step == self._step:
+                self._gone = [sum_traffic(self._gone + [traffic])]
+
+    def batches(self) -> list:
+        """The current step's batches still alive, by batch index."""
+        with self._lock:
+            return sorted(self._live, key=lambda b: b.batch)
+
+    def total(self) -> Traffic:
+        """The current step's bytes, summed over its batches, live and freed."""
+        with self._lock:
+            live, gone = list(self._live), list(self._gone)
+        return sum_traffic(gone + [b.traffic() for b in live])
+
+
 class PlannedBatch(ABC):
     """One batch of one training step bound to its plan and to this process's participants.
 

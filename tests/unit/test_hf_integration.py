@@ -181,9 +181,9 @@ def test_windowed_and_full_layers_get_one_plan_each():
     assert _config("qwen2_mixed").layer_types == ["full_attention", "sliding_attention"]
     client = DistCAClient.local(3, config=PlanConfig(min_shard=2))
     _check_against_reference("qwen2_mixed", client, _packed_batch())
-    windows = sorted((b.plan.window or 0) for b in client._step_batches)
+    windows = sorted((b.plan.window or 0) for b in client._step_traffic.batches())
     assert windows == [0, 3]
-    full, windowed = sorted(client._step_batches, key=lambda b: b.plan.window or 0)
+    full, windowed = sorted(client._step_traffic.batches(), key=lambda b: b.plan.window or 0)
     assert windowed.plan.comm_bytes()["forward"]["k"] <= full.plan.comm_bytes()["forward"]["k"]
 
 

@@ -174,6 +174,28 @@ def _finished():
     return done
 
 
+def test_a_forward_only_loop_over_many_shapes_holds_no_evicted_batch_and_counts_every_ones_traffic():
+    """An evaluation loop never ends its step: the client must not keep every batch it planned
+    (each holds its participants) after the runtime evicted it, yet ``traffic()`` still sums
+    every batch of the step, the freed ones too."""
+    import gc
+    import weakref
+    shapes = [[60 + n, 3, 70] for n in range(3 * BATCHES_KEPT)]
+    with DistCAClient.local(2, config=PlanConfig(min_shard=8), max_batches=2) as client, torch.no_grad():
+        made, want = [], []
+        for lens in shapes:
+            client.attend(*_inputs(lens)[:3], lens)
+            made.append(weakref.ref(client.last_step))
+            want.append({kind: per for kind, per in _comm(client.last_plan).items() if kind == "forward"})
+        gc.collect()
+        alive = [r for r in made if r() is not None]
+        assert len(alive) <= 2 + 1  # the runtime's idle batches, and the last one
+        assert want[0] and _nonzero(client.traffic()) == sum_traffic(want)
+        client.new_step()
+        client.attend(*_inputs(shapes[0])[:3], shapes[0])
+        assert _nonzero(client.traffic()) == want[0]  # the new step's alone
+
+
 def test_step_state_counts_and_evicts():
     state = StepState(step=5)
     assert state.lookup("a") is None and state.next_batch_index() == 0

@@ -76,7 +76,7 @@ def test_checkpointing_makes_one_plan_per_step_and_keeps_nothing(reentrant, keep
             for g, w in zip(got, want):
                 _close(g, w)
             assert client._runtime.step == step  # one step per training step, not one per layer
-            assert len(client._step_batches) == 1 and client.last_step.step == step
+            assert len(client._step_traffic.batches()) == 1 and client.last_step.step == step
             assert _held(client) == 0  # recomputed forwards left nothing on the servers
 
 
@@ -108,7 +108,7 @@ def test_hf_gradient_checkpointing_makes_one_plan_per_step(reentrant):
             logits = ours(input_ids=ids, position_ids=positions).logits
             logits.pow(2).sum().backward()
             assert client._runtime.step == step
-            assert len(client._step_batches) == 1 and _held(client) == 0
+            assert len(client._step_traffic.batches()) == 1 and _held(client) == 0
             _close(logits.detach(), want.detach())
             for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
                 assert (p.grad - q.grad).abs().max().item() <= 1e-10, name
@@ -154,7 +154,7 @@ def test_twenty_micro_batches_in_flight_are_one_step():
             for g, w in zip([out.detach()] + [t.grad for t in layers[0]], want):
                 _close(g, w)
         assert client._runtime.step == 0 and _held(client) == 0
-        assert {b.step for b in client._step_batches} == {0} and len(client._step_batches) == 20
+        assert {b.step for b in client._step_traffic.batches()} == {0} and len(client._step_traffic.batches()) == 20
         # 1F1B: a forward after a backward, with a micro-batch still awaiting its own, is the same step
         a, b = (_tensors(lens, 30 + i) for i, lens in enumerate(shapes[:2]))
         out_a = client.attend(*a[0][0], shapes[0])
