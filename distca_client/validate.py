@@ -36,7 +36,9 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[
         if t.dim() != 3:
             raise ValueError(f"{name} must be [total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        value_head = (f" (a value head_dim other than the key's, as in DeepSeek-V3's attention, is not "
+                      f"supported)" if k.shape[:2] == v.shape[:2] else "")
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}{value_head}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree in total_tokens or head_dim")
     hq, hkv = q.shape[1], k.shape[1]

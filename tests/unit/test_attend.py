@@ -155,6 +155,7 @@ def _bad_inputs():
     yield "positive", (q, k, v, [-1, 8]), {}
     yield "ints", (q, k, v, [3.0, 4]), {}
     yield "k and v shapes differ", (q, k, torch.randn(7, 1, 8), lens), {}
+    yield r"value head_dim other than the key's.*not supported", (q, k, torch.randn(7, 2, 4), lens), {}
     yield "disagree", (q, torch.randn(6, 2, 8), torch.randn(6, 2, 8), lens), {}
     yield "multiple of num_heads_kv", (q, torch.randn(7, 3, 8), torch.randn(7, 3, 8), lens), {}
     yield "mixed dtypes", (q, k.double(), v, lens), {}
