@@ -228,19 +228,20 @@ class DistCAClient:
     def _handle(self, q, k, v, doc_lens, softmax_scale, window, return_lse, *, synchronous: bool) -> "AttendHandle":
         """:meth:`attend_async`'s handle; ``synchronous``: the round runs on this thread and is
         done when this returns (:meth:`attend`)."""
-        if type(return_lse) is not bool:
-            raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
         counts = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in (q, k, v))
-        pending = self._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=synchronous)
+        pending = self._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=synchronous,
+                                    return_lse=return_lse)
         return AttendHandle(pending, q, k, v, return_lse)
 
     def _start_round(self, q, k, v, doc_lens, softmax_scale, window, counts: bool, *,
-                     synchronous: bool = False) -> Pending:
-        """Check the inputs, find (or plan) the step's batch and start the forward round, queued
-        or (``synchronous``) run on this thread; ``counts``: a backward round may follow. Raises
-        as :meth:`attend`."""
+                     synchronous: bool = False, return_lse: bool = False) -> Pending:
+        """Check the inputs (``return_lse`` too), find (or plan) the step's batch and start the
+        forward round, queued or (``synchronous``) run on this thread; ``counts``: a backward
+        round may follow. Raises as :meth:`attend`."""
         try:
+            if type(return_lse) is not bool:
+                raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
             lens, scale, window = check_attend_inputs(q, k, v, doc_lens, softmax_scale, window)
         except ValueError as exc:  # peers must not wait for this rank's round until they time out
             self._runtime.fail_step(exc)

@@ -232,10 +232,11 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
     Argument errors found while tracing (a non-tensor q, a bad ``softmax_scale``) are ValueErrors
     that dynamo reports; with ``fullgraph=True`` as ``torch._dynamo.exc.Unsupported`` naming it.
     """
+    if not torch.compiler.is_compiling():  # the round runs on this thread: no hand-off
+        # (its checks, return_lse's included, tell the peers before raising: Runtime.fail_step)
+        return client._handle(q, k, v, doc_lens, softmax_scale, window, return_lse, synchronous=True).wait()
     if type(return_lse) is not bool:
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    if not torch.compiler.is_compiling():  # the round runs on this thread: no hand-off
-        return client._handle(q, k, v, doc_lens, softmax_scale, window, return_lse, synchronous=True).wait()
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

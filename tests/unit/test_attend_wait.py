@@ -59,3 +59,20 @@ def test_a_round_started_under_no_grad_stays_forward_only_when_waited_for_with_g
         out = client.attend(q, k, v, lens)  # a training step after it
         out.backward(torch.ones_like(out))
         assert q.grad is not None and (out.detach() - want).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("call", ["attend", "attend_async"])
+def test_a_bad_return_lse_fails_the_step_for_the_peers_before_raising(call, monkeypatch):
+    """``return_lse`` is checked with the other inputs: the runtime is told (``fail_step``, which
+    makes a Ray job's peers fail the step at once) before the ValueError, as for a bad window;
+    before, the peers waited out their timeout, and the step after it too."""
+    lens = [5, 3]
+    q, k, v = torch.randn(8, 2, 8), torch.randn(8, 1, 8), torch.randn(8, 1, 8)
+    with DistCAClient.local(2) as client:
+        told = []
+        monkeypatch.setattr(client._runtime, "fail_step", told.append)
+        with pytest.raises(ValueError, match="return_lse must be a bool, got 1") as err:
+            getattr(client, call)(q, k, v, lens, return_lse=1)
+        assert told == [err.value]
+        out = client.attend(q, k, v, lens)  # the next call runs
+        assert out.shape == q.shape
