@@ -91,10 +91,13 @@ class RoundHeader:
         round (:meth:`~distca_server.transport.routed.RoutedTransport.exchange`)."""
         return route_id(("round", *self.values()))  # the one int63 digest every process computes alike
 
-    def describe(self) -> str:
+    def describe(self, every_field: bool = False) -> str:
+        """``step S batch B round N (kind, kept K, dtype)``; ``every_field``: with the softmax
+        scale and the plan id too (rounds that differ only there)."""
         kept = f", kept {self.kept}" if self.kept >= 0 else ""
+        more = f", softmax_scale {self.softmax_scale!r}, plan {self.plan_id}" if every_field else ""
         return (f"step {self.step} batch {self.batch} round {self.seq} ({self.kind.value}{kept}, "
-                f"{dtype_name(self.dtype)})")
+                f"{dtype_name(self.dtype)}{more})")
 
 
 # ---- claims: what a participant's part says moves between it and each peer ------------------------
@@ -184,13 +187,18 @@ def common_header(rows: np.ndarray, num_clients: int) -> RoundHeader:
     """
     heads = rows[:num_clients, :_ROUND]
     if not (heads == heads[0]).all():
-        seen = []
-        for r, values in enumerate(heads):
-            try:
-                seen.append(f"rank {r}: {RoundHeader.decode(values).describe()}")
-            except ValueError:
-                seen.append(f"rank {r}: malformed")
-        raise ValueError("clients disagree on the next round: " + "; ".join(seen))
+        def seen(every_field: bool) -> list[str]:
+            out = []
+            for r, values in enumerate(heads):
+                try:
+                    out.append(f"rank {r}: {RoundHeader.decode(values).describe(every_field)}")
+                except ValueError:
+                    out.append(f"rank {r}: malformed")
+            return out
+        short = seen(False)
+        if len(set(d.split(": ", 1)[1] for d in short)) == 1:  # they differ in a field not shown
+            short = seen(True)
+        raise ValueError("clients disagree on the next round: " + "; ".join(short))
     return RoundHeader.decode(heads[0])
 
 

@@ -196,3 +196,17 @@ def test_parts_of_a_kept_partial_kv_plan_pass(mode, servers, kind):
     sent = sum(int(np.delete(claims(p, kind)[:, 2], i).sum()) for i, p in enumerate(participants))
     comm = plan.comm_bytes()[kind.value]
     assert sent == sum(comm[n] for n in kind.dispatch_with(True) + kind.split_dispatch_with(True))
+
+
+def test_clients_disagreeing_only_in_the_scale_are_told_it():
+    """Two clients whose next rounds differ only in a field the short description leaves out (the
+    softmax scale) see it named, not two identical descriptions."""
+    a = RoundHeader(3, 0, 1, RoundKind.FORWARD, torch.float64, 0.25, 7)
+    b = RoundHeader(3, 0, 1, RoundKind.FORWARD, torch.float64, 0.125, 7)
+    rows = np.array([a.values(), b.values()], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"rank 0: .*softmax_scale 0\.25.*; rank 1: .*softmax_scale 0\.125"):
+        common_header(rows, 2)
+    other = RoundHeader(3, 0, 2, RoundKind.FORWARD, torch.float64, 0.25, 7)  # differs in what is shown
+    with pytest.raises(ValueError) as err:
+        common_header(np.array([a.values(), other.values()], dtype=np.int64), 2)
+    assert "softmax_scale" not in str(err.value) and "round 2" in str(err.value)
