@@ -187,18 +187,16 @@ def common_header(rows: np.ndarray, num_clients: int) -> RoundHeader:
     """
     heads = rows[:num_clients, :_ROUND]
     if not (heads == heads[0]).all():
-        def seen(every_field: bool) -> list[str]:
-            out = []
-            for r, values in enumerate(heads):
-                try:
-                    out.append(f"rank {r}: {RoundHeader.decode(values).describe(every_field)}")
-                except ValueError:
-                    out.append(f"rank {r}: malformed")
-            return out
-        short = seen(False)
-        if len(set(d.split(": ", 1)[1] for d in short)) == 1:  # they differ in a field not shown
-            short = seen(True)
-        raise ValueError("clients disagree on the next round: " + "; ".join(short))
+        def described(values, every_field: bool) -> str:
+            try:
+                return RoundHeader.decode(values).describe(every_field)
+            except ValueError:
+                return "malformed"
+        seen = [described(values, False) for values in heads]
+        if len(set(seen)) == 1:  # they differ in a field the short description leaves out
+            seen = [described(values, True) for values in heads]
+        raise ValueError("clients disagree on the next round: "
+                         + "; ".join(f"rank {r}: {d}" for r, d in enumerate(seen)))
     return RoundHeader.decode(heads[0])
 
 

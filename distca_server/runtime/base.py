@@ -70,13 +70,13 @@ class StepTraffic:
         self._lock = threading.Lock()
         self._step: int | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
-        self._gone: list[Traffic] = []  # freed batches' traffic, summed on read
+        self._gone: Traffic = {}  # the freed batches' traffic, summed
 
     def add(self, batch: "PlannedBatch") -> None:
         """Count ``batch`` in its step (a new step forgets the previous one's batches)."""
         with self._lock:
             if batch.step != self._step:
-                self._step, self._live, self._gone = batch.step, weakref.WeakSet(), []
+                self._step, self._live, self._gone = batch.step, weakref.WeakSet(), {}
             if batch in self._live:
                 return
             self._live.add(batch)
@@ -87,7 +87,7 @@ class StepTraffic:
         traffic = sum_traffic(as_traffic(c) for c in counters)
         with self._lock:
             if step == self._step:
-                self._gone = [sum_traffic(self._gone + [traffic])]
+                self._gone = sum_traffic([self._gone, traffic])
 
     def batches(self) -> list:
         """The current step's batches still alive, by batch index."""
@@ -97,8 +97,8 @@ class StepTraffic:
     def total(self) -> Traffic:
         """The current step's bytes, summed over its batches, live and freed."""
         with self._lock:
-            live, gone = list(self._live), list(self._gone)
-        return sum_traffic(gone + [b.traffic() for b in live])
+            live, gone = list(self._live), self._gone
+        return sum_traffic([gone] + [b.traffic() for b in live])
 
 
 class PlannedBatch(ABC):

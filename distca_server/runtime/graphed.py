@@ -55,7 +55,7 @@ import torch
 
 from scheduler.cost import RoundKind
 
-from ..errors import DistCAError
+from ..errors import first_cause
 from ..participant import drive
 from ..transport.symmetric_words import GRAPH_BLOCKS
 
@@ -176,9 +176,8 @@ class CapturedRound:
         A participant's replay that fails (its queuing or its wait) calls ``abort(exc)`` at once,
         as a failed eager round aborts its group: the peers' recordings stop waiting for rows it
         will never send (on the device too: the transport forces their waits) instead of running
-        to their deadline, and the next round forms a new group. The error raised is the first
-        that is not a :class:`~distca_server.errors.DistCAError` (the cause, rather than a peer's
-        abort), else the first.
+        to their deadline, and the next round forms a new group. The error raised is the cause
+        (:func:`~distca_server.errors.first_cause`), not a peer's abort.
 
         Raises:
             DistCAError: the group is aborted, or a participant's previous replay failed.
@@ -215,8 +214,7 @@ class CapturedRound:
                     abort(exc)
                 failed.append(exc)
         if failed:
-            root = [e for e in failed if not isinstance(e, DistCAError)]  # the cause, not the peers' aborts
-            raise (root or failed)[0]
+            raise first_cause(failed)  # the cause, not the peers' aborts
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
             own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]

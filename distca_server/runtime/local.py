@@ -27,7 +27,7 @@ from scheduler.config import PlanConfig
 from scheduler.cost import RoundKind
 from scheduler.parts import plan_parts
 
-from ..errors import DistCAError
+from ..errors import DistCAError, first_cause
 from ..kernels import get_backend
 from ..participant import Participant, drive, drive_all
 from ..transport.local import LockstepGroup
@@ -123,8 +123,10 @@ class LocalBatch(PlannedBatch):
         except BaseException as exc:
             # A replay that failed before queuing anything (a kept-row check) leaves the group as
             # the eager round's failure does: aborted, so the next round forms a new one (a
-            # participant that raised mid-round would be an exchange behind its peers).
-            abort(exc)
+            # participant that raised mid-round would be an exchange behind its peers); a replay
+            # that failed later aborted it already.
+            if not group.broken:
+                abort(exc)
             self._failed(exc)
             raise
 
@@ -360,8 +362,7 @@ class LocalRuntime(Runtime):
         fence.join(done)
         errors += [f.exception() for f in futures if f.exception() is not None]
         if errors:
-            root = [e for e in errors if not isinstance(e, DistCAError)]
-            raise (root or errors)[0]
+            raise first_cause(errors)
         return first + [f.result() for f in futures]
 
     def _participant_streams(self, device: torch.device, n: int) -> dict:
