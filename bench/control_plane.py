@@ -22,7 +22,7 @@ last part returned; every measured step is a new batch, after one warm-up step.
 2. ``ray`` (N = 8 ... 64): a job started with :func:`distca_server.launch` (in-place, not
    detached) on a local Ray instance (2 CPUs unless one is running); the driver registers N
    clients, then per step makes the call ``RayClientRuntime.step_for`` makes,
-   ``scheduler.report.remote(encode_report(step, 0, rank, doc_lens, shape))``, from N asyncio
+   ``scheduler.report.remote(encode_report(step, 0, rank, doc_lens, shape, token))``, from N asyncio
    tasks and awaits every answer. Beside each step, in the same run and alternating which goes
    first, N plain ``scheduler.ping.remote()`` calls from N asyncio tasks. Columns: ``step ms`` and
    ``pings ms`` (medians, and bests), ``step/pings`` (the median over steps of each step's time over
@@ -172,11 +172,11 @@ async def _gather_ms(calls, actor_pid: int) -> tuple[float, float, list]:
     return wall, (time.process_time() + process_cpu_s(actor_pid) - cpu0) * 1e3, answers
 
 
-async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int) -> dict:
+async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int, tokens: list[str]) -> dict:
     runs = {"step": [], "pings": [], "ratio": [], "step_cpu": [], "pings_cpu": []}
     part_bytes = 0
     for step, batch in enumerate(batches):
-        reports = [lambda r=r: scheduler.report.remote(encode_report(step, 0, r, batch[r], SHAPE))
+        reports = [lambda r=r: scheduler.report.remote(encode_report(step, 0, r, batch[r], SHAPE, tokens[r]))
                    for r in range(num_clients)]
         pings = [scheduler.ping.remote for _ in range(num_clients)]
         if step % 2:  # alternate which goes first: both see the same machine load
@@ -203,11 +203,12 @@ def bench_ray(trace: str, num_clients: int, steps: int) -> dict:
     job = launch(JOB, config=JobConfig(plan=PLAN), detached=False)
     scheduler = job["scheduler"]
     try:
-        ray.get([scheduler.register_client.remote(r, num_clients, {"incarnation": f"bench-{r}"})
-                 for r in range(num_clients)])
+        tokens = [cfg["token"] for cfg in ray.get([
+            scheduler.register_client.remote(r, num_clients, {"incarnation": f"bench-{r}"})
+            for r in range(num_clients)])]
         pid = ray.get(scheduler.status.remote())["pid"]
         batches = [sample_batch(trace, num_clients, TOKENS, seed=0, step=s) for s in range(steps + 1)]
-        out = asyncio.run(_ray_rounds(scheduler, pid, batches, num_clients))
+        out = asyncio.run(_ray_rounds(scheduler, pid, batches, num_clients, tokens))
         last = ray.get(scheduler.status.remote())["last"]
     finally:
         shutdown(JOB)

@@ -32,6 +32,7 @@ import time
 import ray
 from ray.util import metrics
 
+from .checks import is_int
 from .config import JobConfig, legacy_fields, legacy_job_config
 from .coordinator import KEEP_EPOCHS, Coordinator
 from .messages import error_answer
@@ -253,12 +254,22 @@ class SchedulerActor:
         "world_rank", "world_size", "device_type", "transport"}}`` or ``{"error": kind, "message": str}`` where
         kind is ``"ValueError"`` (bad input, sent to every client of the batch; a malformed
         request, to its sender alone) or ``"DistCAError"`` (a client never reported, no live
-        server). One bytes argument and a bytes answer: see :mod:`scheduler.messages` for why.
+        server; to its sender alone, a report without the token of the rank's current
+        registration: a client that another client of its rank replaced). One bytes argument and a
+        bytes answer: see :mod:`scheduler.messages` for why.
         """
         try:
-            step, batch, rank, doc_lens, shape = decode_report(request)
+            step, batch, rank, doc_lens, shape, token = decode_report(request)
         except ValueError as exc:
             return encode_answer(error_answer("ValueError", str(exc)))
+        if is_int(rank) and rank in self.coord.clients:  # an unregistered rank is told to register
+            try:
+                self.coord.check_member(rank, token, "report")
+            except ValueError:
+                return encode_answer(error_answer(
+                    "DistCAError", f"job {self.name!r} refused a report of rank {rank}: another client registered "
+                                   f"as rank {rank} since this one did (it replaced this one, which takes no "
+                                   f"further part in the job: close it)"))
         return encode_answer(await self._report(step, batch, rank, doc_lens, shape))
 
     async def _report(self, step, batch, rank, doc_lens, shape) -> dict:
@@ -312,11 +323,17 @@ class SchedulerActor:
         try:
             servers = None
             if self.mode == "dedicated":
-                deadline = time.monotonic() + self.timeout_s
+                # Stop waiting for a live server before the batch's own deadline: then the
+                # clients hear that no server lives, not only that the batch was not planned.
+                loop = asyncio.get_running_loop()
+                timer = self._deadlines.get(key)
+                deadline = ((timer.when() if timer is not None else loop.time() + self.timeout_s)
+                            - SUSPECT_PING_S - 2 * _RETRY_S)
                 servers = await self._live_servers()
-                while not servers and time.monotonic() < deadline:
+                while not servers and loop.time() < deadline:
                     await asyncio.sleep(_RETRY_S)
                     servers = await self._live_servers()
+                servers = self.coord.servers_for(step, servers)  # one group per step: see servers_for
             # Planning and cutting run on a worker thread: the loop keeps answering meanwhile.
             work = self.coord.plan_work(step, batch, servers)
             cut = await asyncio.to_thread(work) if work is not None else None

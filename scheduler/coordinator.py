@@ -17,7 +17,8 @@ call is one state transition that returns plain data telling the wrapper what to
   :meth:`~Coordinator.fail_step` (a client's own bad input: every client gets its ``ValueError``);
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
-  plan order); :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
+  plan order), only between steps: every batch of a step runs in the group of its first
+  (:meth:`~Coordinator.servers_for`; a change within a step fails it); :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
   epoch's *bootstrap value* from world rank 0 to the others: whatever the job's transport needs
   to form the group (:data:`~scheduler.checks.TRANSPORTS`): the ``TCPStore`` ``[host, port]`` of ``torch_dist``,
   the shared-memory heap's handle of ``shm``, the NVSHMEM unique id's bytes of ``nvshmem``.
@@ -138,6 +139,7 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         self.failures: dict[int, Arbitration] = {}
         self.failed_steps: dict[int, dict] = {}  # step -> the error answer of a failed step (see _over)
         self.took_part: dict[int, set[int]] = {}  # step -> client ranks that reported any of its batches
+        self.step_epochs: dict[int, int] = {}  # step -> the group epoch its first planned batch runs in
         self.next_step = 0
         self.floor = 0
         self.steps_planned = 0
@@ -270,7 +272,9 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         cost, device_type, _ = state.shape
         servers = list(live_servers or ()) if self.mode == "dedicated" else []
         if self.mode == "dedicated" and not servers:
-            self._resolve(key, state, error_answer("DistCAError", f"job {self.name!r} has no live attention server"))
+            known = ", ".join(f"server {sid} {info['state']}" for sid, info in sorted(self.servers.items()))
+            self._resolve(key, state, error_answer("DistCAError", f"job {self.name!r} has no live attention server "
+                                                                  f"({known or 'none registered'})"))
             return PlanOutcome(resolved=True)
         W = self.world_size
         if cut is None:
@@ -286,7 +290,15 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         if refused is not None:
             self._resolve(key, state, refused)
             return PlanOutcome(resolved=True)
+        changed = self.step_group_change(step, servers, device_type)
+        if changed is not None:  # the step's earlier batches run in a group this batch cannot
+            self._fail_step(step, error_answer(
+                "DistCAError", f"step {step} batch {batch} cannot run in the group of the step's earlier "
+                               f"batches: {changed}; every client fails step {step} and the job goes on at "
+                               f"step {step + 1}"))
+            return PlanOutcome(resolved=True)
         decision = self.epoch_for(servers, device_type)
+        self.step_epochs.setdefault(step, decision.epoch)
         group = {"epoch": decision.epoch, "world_size": plan.num_participants, "device_type": device_type,
                  "transport": self.transport}
         self._resolve(key, state, None, {r: {"part": parts[r], "group": dict(group, world_rank=r)}
@@ -375,7 +387,7 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         self.next_step = max(self.next_step, step + 1)
         for old in [k for k in self.batches if k[0] < step - _KEEP_STEPS]:
             del self.batches[old]
-        for table in (self.failed_steps, self.took_part):
+        for table in (self.failed_steps, self.took_part, self.step_epochs):
             for old in [s for s in table if s < step - _KEEP_STEPS]:
                 del table[old]
 

@@ -46,9 +46,7 @@ class GroupEpochsMixin:
         """
         servers = tuple(live_servers) if self.mode == "dedicated" else ()
         W = self.world_size or 0
-        clients = tuple(self.clients.get(r, {}).get("incarnation") for r in range(W))
-        members = (clients, tuple((sid, self.servers.get(sid, {}).get("incarnation")) for sid in servers),
-                   device_type)
+        members = self._members(servers, device_type)
         if members == self.members:
             return EpochDecision(self.epoch, self.epoch_servers)
         self.epoch += 1
@@ -60,6 +58,53 @@ class GroupEpochsMixin:
         world = W + len(servers)
         return EpochDecision(self.epoch, servers, tuple(
             Assignment(sid, self.epoch, W + i, world, i, device_type) for i, sid in enumerate(servers)))
+
+    def _members(self, servers: tuple, device_type: str) -> tuple:
+        """Who a group of ``servers`` (dedicated ids in plan order, ``()`` in-place) would be made
+        of: every client's and server's incarnation, and the device type."""
+        clients = tuple(self.clients.get(r, {}).get("incarnation") for r in range(self.world_size or 0))
+        return (clients, tuple((sid, self.servers.get(sid, {}).get("incarnation")) for sid in servers),
+                device_type)
+
+    def servers_for(self, step: int, live_servers) -> list[int]:
+        """The dedicated servers to plan the next batch of ``step`` over: the live ones
+        (``live_servers``, ascending), except while ``step`` has batches planned in the current
+        epoch and every server of that epoch still answers: then that epoch's servers. A server
+        that registered in between (a new or restarted one) joins at the next step, because
+        every round of a step must run in the group its first batch was planned in (its
+        backward rounds too). A server of the epoch that no longer answers leaves the live list
+        as it is, and :meth:`step_group_change` fails the step."""
+        live = list(live_servers or ())
+        if self.mode != "dedicated" or self.step_epochs.get(step) != self.epoch:
+            return live
+        kept = set(live)
+        return list(self.epoch_servers) if all(sid in kept for sid in self.epoch_servers) else live
+
+    def step_group_change(self, step: int, servers, device_type: str) -> str | None:
+        """Why a batch of ``step`` over ``servers`` (see :meth:`servers_for`) cannot run in the
+        group the step's earlier batches were planned in, or None when it can (or it is the
+        step's first batch): whose membership changed since (a client that registered again, a
+        server lost, restarted or new) or the device type."""
+        bound = self.step_epochs.get(step)
+        servers = tuple(servers) if self.mode == "dedicated" else ()
+        if bound is None or (bound == self.epoch and self._members(servers, device_type) == self.members):
+            return None
+        if bound != self.epoch or self.members is None:
+            return f"the job's group changed since (group epoch {bound}, now {self.epoch})"
+        (old_clients, old_servers, old_device), (new_clients, new_servers, _) = (
+            self.members, self._members(servers, device_type))
+        why = [f"client rank {r} {'left' if b is None else 'registered again'}"
+               for r, (a, b) in enumerate(zip(old_clients, new_clients)) if a != b]
+        now = dict(new_servers)
+        for sid, incarnation in old_servers:
+            if sid not in now:
+                why.append(f"attention server {sid} no longer answers")
+            elif now[sid] != incarnation:
+                why.append(f"attention server {sid} restarted")
+        why += [f"attention server {sid} joined" for sid in sorted(set(now) - dict(old_servers).keys())]
+        if device_type != old_device:
+            why.append(f"the batch is on {device_type}, the step's earlier batches on {old_device}")
+        return "; ".join(why) or "its group changed"
 
     def publish_bootstrap(self, epoch: int, value) -> None:
         """World rank 0 of group ``epoch`` publishes what the others need to join it (opaque here:

@@ -8,10 +8,11 @@ twice the CPU of a plain ping, one ``bytes`` argument returning ``bytes`` about 
 both directions are one msgpack message each:
 
 - the request, a :mod:`scheduler.descriptor` of format ``distca.report``: ``step``, ``batch``,
-  ``rank``, ``doc_lens`` (an int64 ``bin``: the documents' token counts in packing order) and
-  ``shape`` (``{"cost": CostModel.to_wire(), "device_type": "cpu" | "cuda", "window": int | None,
-  "dtype": "float16" | "bfloat16" | "float32" | "float64"}``; ``window`` and ``dtype`` may be
-  absent: see :func:`checked_shape`);
+  ``rank``, ``token`` (the secret of ``rank``'s registration, or None), ``doc_lens`` (an int64
+  ``bin``: the documents' token counts in packing order) and ``shape`` (``{"cost":
+  CostModel.to_wire(), "device_type": "cpu" | "cuda", "window": int | None, "dtype": "float16" |
+  "bfloat16" | "float32" | "float64"}``; ``window`` and ``dtype`` may be absent: see
+  :func:`checked_shape`);
 - the answer, the coordinator's answer map as it is: ``{"part": bytes, "group": {...}}`` or an
   error answer (:func:`error_answer`). The part inside stays the msgpack
   :class:`~scheduler.parts.PlanPart` the coordinator encoded once; nothing is re-encoded.
@@ -37,13 +38,16 @@ DEVICE_TYPES = ("cpu", "cuda")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _SHAPE_KEYS = frozenset({"cost", "device_type", "window", "dtype"})
 
-FORMAT, VERSION = "distca.report", 1
-_KEYS = frozenset({"step", "batch", "rank", "doc_lens", "shape"})
+FORMAT, VERSION = "distca.report", 2
+_KEYS = frozenset({"step", "batch", "rank", "doc_lens", "shape", "token"})
 
 
-def encode_report(step: int, batch: int, rank: int, doc_lens, shape: dict) -> bytes:
+def encode_report(step: int, batch: int, rank: int, doc_lens, shape: dict, token: str | None = None) -> bytes:
     """Client ``rank``'s report of ``(step, batch)``: ``doc_lens`` (ints >= 0, any int
-    array-like) and the attention ``shape`` map, as one ``distca.report`` message.
+    array-like) and the attention ``shape`` map, as one ``distca.report`` message. ``token``:
+    the secret ``rank``'s registration returned; the scheduler actor plans only reports that
+    carry the current one, so a client replaced by another of its rank (a zombie) is refused
+    rather than mixing its batches into the job's.
 
     Raises:
         ValueError: a document length that is not an int in ``[0, 2**63)``.
@@ -59,20 +63,22 @@ def encode_report(step: int, batch: int, rank: int, doc_lens, shape: dict) -> by
         shown = doc_lens.ravel()[:5].tolist() if isinstance(doc_lens, np.ndarray) else doc_lens[:5]
         raise ValueError(f"doc_lens must be a 1-D sequence of ints in [0, 2**63), got {shown}")
     return descriptor.pack(FORMAT, VERSION, {"step": step, "batch": batch, "rank": rank,
-                                             "doc_lens": descriptor.int_bin(arr), "shape": shape})
+                                             "doc_lens": descriptor.int_bin(arr), "shape": shape,
+                                             "token": token})
 
 
 def decode_report(data) -> tuple:
-    """``(step, batch, rank, doc_lens, shape)`` of a report message; ``doc_lens`` a list of
-    Python ints. Values other than the documents are returned as sent (the coordinator checks
-    them).
+    """``(step, batch, rank, doc_lens, shape, token)`` of a report message; ``doc_lens`` a list
+    of Python ints. Values other than the documents are returned as sent (the coordinator checks
+    them, the actor the token: ``Coordinator.check_member``).
 
     Raises:
-        ValueError: not a ``distca.report`` v1 message (malformed msgpack, other keys, another
+        ValueError: not a ``distca.report`` v2 message (malformed msgpack, other keys, another
             format or version), or ``doc_lens`` not int64 bytes of values >= 0.
     """
     obj = descriptor.unpack(data, FORMAT, VERSION, _KEYS, "report")
-    return obj["step"], obj["batch"], obj["rank"], descriptor.int_array(obj, "doc_lens").tolist(), obj["shape"]
+    return (obj["step"], obj["batch"], obj["rank"], descriptor.int_array(obj, "doc_lens").tolist(), obj["shape"],
+            obj["token"])
 
 
 def encode_answer(answer: dict) -> bytes:

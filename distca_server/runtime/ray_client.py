@@ -72,6 +72,7 @@ class RayBatch(PlannedBatch):
                  backend_name: str):
         self.runtime, self.step, self.batch = runtime, step, batch
         self.participants, self.backend_name = [participant], backend_name
+        self.epoch: int | None = None  # the group epoch the batch was planned in (step_for sets it)
         self._plan: Plan | None = None
         self._plan_lock = threading.Lock()
 
@@ -269,6 +270,7 @@ class RayClientRuntime(Runtime):
                 raise self._resume_after(failure) from None
             backend = get_backend(self.backend, device)
             found = RayBatch(self, Participant(part, fmt, backend, device), step, batch, backend.name)
+            found.epoch = group["epoch"]
             self._state.add(key, found)
             return found
 
@@ -284,14 +286,15 @@ class RayClientRuntime(Runtime):
 
         Raises:
             DistCAError: mid-step, the scheduler died or the job went on; or the scheduler did not
-                come back within ``max(timeout_s, REGISTER_TIMEOUT_S)``, or kept answering ``resync``.
+                come back within ``max(timeout_s, REGISTER_TIMEOUT_S)``, cannot come back (at once:
+                :meth:`_scheduler_gone_for_good`), or kept answering ``resync``.
         """
         lost_since, tries = None, 0
         while tries < _REPORT_TRIES:
             try:
                 self._reregister()
                 step, batch = self._state.step, self._state.next_batch_index()
-                request = encode_report(step, batch, self.rank, doc_lens, shape)
+                request = encode_report(step, batch, self.rank, doc_lens, shape, self._token)
                 answer = decode_answer(ask(self.scheduler.report.remote(request), self.timeout_s + 10))
             except SchedulerLost as exc:
                 self._needs_register = True
@@ -299,6 +302,10 @@ class RayClientRuntime(Runtime):
                 if self._state.batches:  # this step's rounds were planned by the scheduler that died
                     self._state.advance()
                     raise DistCAError(f"rank {self.rank}: step {step} failed: {exc}") from None
+                gone = self._scheduler_gone_for_good()
+                if gone is not None:
+                    raise DistCAError(f"rank {self.rank}: step {step}: {exc}, and it will not come back: "
+                                      f"{gone}") from None
                 lost_since = lost_since or time.monotonic()
                 waited = time.monotonic() - lost_since
                 if waited > max(self.timeout_s, REGISTER_TIMEOUT_S):
@@ -320,6 +327,22 @@ class RayClientRuntime(Runtime):
             return step, batch, answer
         raise DistCAError(f"rank {self.rank}: the scheduler of job {self.name!r} did not plan "
                           f"step {step} batch {batch} after {_REPORT_TRIES} tries")
+
+    def _scheduler_gone_for_good(self) -> str | None:
+        """Why the job's scheduler, found dead, cannot come back; None while Ray may restart it.
+        A restarting actor keeps its name; one that is dead for good (``distca down``, or out of
+        restarts) no longer has it, and a job launched since under the same name has another
+        actor."""
+        try:
+            handle = ray.get_actor(scheduler_actor_name(self.name), namespace=NAMESPACE)
+        except ValueError:
+            return (f"Ray no longer knows job {self.name!r} (it was shut down, or its scheduler "
+                    f"used up its restarts)")
+        except Exception:  # the cluster itself is slow or restarting: keep waiting
+            return None
+        if handle._actor_id != self.scheduler._actor_id:  # ActorHandle has no public id
+            return f"job {self.name!r} was launched again since; connect to it anew"
+        return None
 
     def fetch_plan(self, step: int, batch: int) -> Plan:
         """The whole plan of ``(step, batch)`` from the scheduler (``plan_descriptor``).
@@ -365,6 +388,12 @@ class RayClientRuntime(Runtime):
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
         participant = batch.participants[0]
+        if self.member.joined and self.member.epoch != batch.epoch:
+            # Its parts fit only the group they were planned for (the scheduler keeps a step's
+            # batches in one group: this is a backstop, never a round over another group).
+            raise DistCAError(f"rank {self.rank}: {header.describe()}: the batch was planned in group epoch "
+                              f"{batch.epoch}, which this client has left for epoch {self.member.epoch}; "
+                              f"start a new step")
         try:
             return self.member.run_round(header, self.world_size, lambda _: participant, tensors)
         except GroupFailure as failure:

@@ -42,6 +42,10 @@ class TrainWorker:
         self.client.close()
         self.client = DistCAClient.connect(name, rank=self.rank, world_size=2, timeout_s=timeout_s)
 
+    def registration_token(self) -> str:
+        """The secret this client's registration returned (its reports carry it)."""
+        return self.client._runtime._token
+
     def transport_kind(self) -> str | None:
         """The class name of the transport of this client's group epoch (None while in none)."""
         transport = self.client._runtime.member.transport
@@ -161,12 +165,13 @@ class TrainWorker:
         batch = self.client.last_step
         return 0 if batch is None else batch.held_bytes()
 
-    def finish(self, lens, seed):
-        """Another layer's forward and the backward of the held step."""
+    def finish(self, lens, seed, window=None):
+        """Another layer's forward and the backward of the held step. ``window``: that layer
+        attends with this sliding window (another batch of the step than the held one's)."""
         start = time.monotonic()
         try:
             q, k, v, _ = _inputs(lens, seed + 7 + self.rank)
-            out2 = self.client.attend(q.requires_grad_(), k, v, lens)
+            out2 = self.client.attend(q.requires_grad_(), k, v, lens, window=window)
             out, dout = self.pending
             ((out * dout).sum() + out2.sum()).backward()
             return {"ok": True, "seconds": time.monotonic() - start}

@@ -48,7 +48,7 @@ COST = CostModel(4, 2, 16, 4)  # TrainWorker's shape: 4 query heads, 2 KV heads,
 def job(local_ray):
     from ray_workers import TrainWorker
     config = JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=2, timeout_s=T,
-                       failure_grace_s=GRACE, server_restarts=1, max_report_docs=64)
+                       failure_grace_s=GRACE, server_restarts=2, max_report_docs=64)
     handles = launch(name=NAME, config=config, detached=False, server_options={"num_cpus": 0})
     workers = [TrainWorker.remote(NAME, r, 2, T) for r in range(2)]
     handles["workers"] = workers
@@ -85,7 +85,7 @@ def _kill(server):
     """Kill attention server actor ``server`` and wait until its process is gone: ``ray.kill``
     only asks, and on a loaded machine a round could still run on it meanwhile."""
     pid = ray.get(server.stats.remote(), timeout=30)["pid"]
-    ray.kill(server, no_restart=False)  # Ray restarts it (max_restarts=1)
+    ray.kill(server, no_restart=False)  # Ray restarts it (server_restarts=2: twice)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -271,11 +271,10 @@ def test_report_bounds_and_device_type_are_checked_at_the_scheduler(job):
                      detached=False)
     try:
         sched = scratch["scheduler"]
-        for r in range(2):
-            ray.get(sched.register_client.remote(r, 2, {"incarnation": f"x{r}"}))
+        tokens = [ray.get(sched.register_client.remote(r, 2, {"incarnation": f"x{r}"}))["token"] for r in range(2)]
         shape = {"cost": COST.to_wire(), "device_type": "tpu"}
         answers = [decode_answer(a) for a in ray.get(
-            [sched.report.remote(encode_report(0, 0, r, [5], shape)) for r in range(2)], timeout=30)]
+            [sched.report.remote(encode_report(0, 0, r, [5], shape, tokens[r])) for r in range(2)], timeout=30)]
         assert answers[0] == answers[1] and answers[0]["error"] == "ValueError"
         assert "device_type must be one of ('cpu', 'cuda'), got 'tpu'" in answers[0]["message"]
     finally:
@@ -344,6 +343,49 @@ def test_a_server_killed_between_forward_and_kept_backward_is_named(job):
     assert max(st["peak_held_bytes"] for st in stats) > 0
 
 
+def test_a_server_lost_between_two_batches_of_a_step_fails_that_step(job):
+    """Batch 0 of a step (full causal) is planned and its forward runs; server 0 dies; the step's
+    next layer attends with a window (batch 1). Its plan over the surviving server would run in
+    a new group while batch 0's backward needs the old one (before: that backward ran over the
+    new group with batch 0's parts and failed, "could not broadcast input array", naming
+    nobody; with the server restarting, the next step too). Now batch 1's report fails the step
+    for both clients naming the server, and the next steps are exact."""
+    job["step"][0] += 1
+    s = job["step"][0]
+    assert all(r["ok"] for r in _run(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
+    _kill(job["servers"][0])
+    results = _run(job, [("finish", (LENS[r], s), {"window": 16}) for r in range(2)])
+    for r in results:
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(), r
+        assert "cannot run in the group of the step's earlier batches: attention server 0" in r["message"], r
+    assert results[0]["message"] == results[1]["message"]  # the scheduler's one answer
+    _exact_next_step(job, servers=(1,))  # while server 0 restarts
+    _wait_answers(job["servers"][0])
+    _exact_next_step(job)
+
+
+def test_a_job_whose_every_server_died_says_so(job):
+    """A job of one attention server that Ray does not restart: once it died, a step fails on
+    every client naming that (before, the batch's deadline passed first, and the clients read
+    only that it "was not planned"), and a client of the job that comes back works again."""
+    scratch = launch(name="no-server", config=JobConfig(plan=PlanConfig(mode="dedicated", min_shard=8), servers=1,
+                                                         timeout_s=T, server_restarts=0),
+                     detached=False, server_options={"num_cpus": 0})
+    try:
+        ray.get([w.reconnect.remote("no-server", T) for w in job["workers"]], timeout=300)
+        job["step"][0] += 1
+        assert all(r["ok"] for r in _run(job, [("step", (LENS[r], job["step"][0]), {}) for r in range(2)]))
+        _kill(scratch["servers"][0])
+        job["step"][0] += 1
+        for r in _run(job, [("step", (LENS[r], job["step"][0]), {}) for r in range(2)]):
+            assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(), r
+            assert r["message"] == "job 'no-server' has no live attention server (server 0 dead)", r
+    finally:
+        ray.get([w.reconnect.remote(NAME, T) for w in job["workers"]], timeout=300)
+        shutdown("no-server")
+    _exact_next_step(job, tries=3)
+
+
 def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
     """Defect 2: the scheduler dies mid-step; Ray restarts it. Every client fails the step in
     flight within the timeout + 1 s; the participants re-register and the next step is exact."""
@@ -386,6 +428,13 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     st = status(NAME)
     assert st["scheduler"] == "missing" and [s["server"] for s in st["servers"]] == [0, 1]
     assert "scheduler missing" in format_status(st).splitlines()[0]
+    # the clients' next step raises at once: a scheduler Ray no longer knows is not waited for
+    # (before, each attend waited REGISTER_TIMEOUT_S, 180 s, for a restart that could not come)
+    job["step"][0] += 1
+    for r in _run(job, [("step", (LENS[r], job["step"][0]), {}) for r in range(2)]):
+        assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(), r
+        assert "the distca scheduler is gone" in r["message"] and "it will not come back: Ray no longer knows " \
+            f"job {NAME!r}" in r["message"], r
     assert shutdown(NAME) == 2 and job_actor_names(NAME) == []
     assert cli_main(["status", "--name", NAME]) == 1
     err = capsys.readouterr().err.strip().splitlines()

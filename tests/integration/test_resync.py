@@ -96,6 +96,32 @@ def test_a_killed_client_replaced_after_the_failed_step_meets_its_peer_at_once(j
     _every_later_step_runs(job)
 
 
+def test_a_replaced_client_that_lives_on_is_refused_and_the_job_runs_exact(job):
+    """A second client registers as rank 1 while the first still lives (a zombie: e.g. a worker
+    the training framework gave up on but never stopped). The zombie's reports carry the token
+    of a registration that was replaced: each is refused at once with a ``DistCAError`` saying
+    so, and none is planned into the job's batches, so rank 0 and the replacement run exact
+    steps beside it. Before, the zombie's reports counted as rank 1's, and the pair's steps
+    mixed its documents with the replacement's."""
+    zombie = job["workers"][1]
+    job["workers"][1] = job["make_worker"](1)
+    ray.get(job["workers"][1].pid.remote(), timeout=300)  # registered: the zombie is replaced
+    for _ in range(2):
+        job["seed"][0] += 1
+        seed = job["seed"][0]
+        refs = [zombie.step.remote(LENS[1], seed + 1000, layers=1)] + [
+            w.step.remote(LENS[r], seed, layers=1) for r, w in enumerate(job["workers"])]
+        refused, *results = ray.get(refs, timeout=600)
+        assert not refused["ok"] and refused["type"] == "DistCAError", refused
+        assert "another client registered as rank 1 since this one did" in refused["message"], refused
+        assert refused["seconds"] < T, refused  # at once, not after a batch deadline
+        if not all(r["ok"] for r in results) and os.getloadavg()[0] > (os.cpu_count() or 1):
+            continue  # a step missed its deadline on a loaded machine: see _every_later_step_runs
+        assert all(r["ok"] and r["error"] <= 1e-5 for r in results), results
+    ray.kill(zombie, no_restart=True)
+    _every_later_step_runs(job)
+
+
 def test_a_client_delayed_past_the_timeout_costs_one_iteration(job):
     """Client 1 reports its step T + 1 s late (a slow data loader under load): that iteration
     fails on both clients, and the next one runs."""
@@ -143,8 +169,9 @@ def test_a_report_far_ahead_is_refused_and_moves_no_client(job):
     that caller alone; the job's step does not move and the loop goes on."""
     before = status(NAME)["next_step"]
     shape = {"cost": [4, 2, 16, 4], "device_type": "cpu", "window": None, "dtype": "float32"}
+    token = ray.get(job["workers"][0].registration_token.remote(), timeout=30)
     for step in (2**63 - 2, 2**40, before + 2):
-        answer = decode_answer(ray.get(job["scheduler"].report.remote(encode_report(step, 0, 0, [5], shape)),
+        answer = decode_answer(ray.get(job["scheduler"].report.remote(encode_report(step, 0, 0, [5], shape, token)),
                                        timeout=30))
         assert answer["error"] == "ValueError" and f"step {step} is ahead" in answer["message"], answer
     time.sleep(T + 0.5)  # nothing was kept: no batch times out and raises the floor meanwhile

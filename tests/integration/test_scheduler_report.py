@@ -26,13 +26,18 @@ def scheduler(local_ray):
     config = JobConfig(plan=PlanConfig(mode="inplace", min_shard=8), timeout_s=TIMEOUT)
     job = launch(name="report-wire", config=config, detached=False)
     sched = job["scheduler"]
-    ray.get([sched.register_client.remote(r, 2, {"incarnation": f"i{r}"}) for r in range(2)])
+    TOKENS[:] = [cfg["token"] for cfg in ray.get([sched.register_client.remote(r, 2, {"incarnation": f"i{r}"})
+                                                   for r in range(2)])]
     yield sched
     shutdown("report-wire")
 
 
-def _report(sched, step, rank, lens=None):
-    return sched.report.remote(encode_report(step, 0, rank, LENS[rank] if lens is None else lens, SHAPE))
+TOKENS: list[str] = []  # each rank's registration secret, which its reports carry
+
+
+def _report(sched, step, rank, lens=None, token=True):
+    return sched.report.remote(encode_report(step, 0, rank, LENS[rank] if lens is None else lens, SHAPE,
+                                             TOKENS[rank] if token is True else token))
 
 
 def _planned(sched, step):
@@ -77,7 +82,19 @@ def test_steps_go_on_past_a_resolved_batch_deadline(scheduler):
 def test_a_malformed_request_is_refused_to_its_sender_alone(scheduler):
     bad = decode_answer(ray.get(scheduler.report.remote(b"\x93\x01\x02\x03"), timeout=30))  # [1, 2, 3]
     assert bad == {"error": "ValueError", "message": "report descriptor must be a map with keys "
-                   "['batch', 'doc_lens', 'format', 'rank', 'shape', 'step', 'version'], got list"}
+                   "['batch', 'doc_lens', 'format', 'rank', 'shape', 'step', 'token', 'version'], got list"}
     cut = decode_answer(ray.get(scheduler.report.remote(encode_report(5, 0, 0, [7], SHAPE)[:-3]), timeout=30))
     assert cut["error"] == "ValueError" and "report descriptor is not valid msgpack" in cut["message"]
     _planned(scheduler, 5)  # nobody else noticed
+
+
+def test_a_report_without_the_ranks_current_token_is_refused_to_its_sender_alone(scheduler):
+    """A client that another client of its rank replaced (a zombie: its old token) or a caller
+    that never registered (no token) is refused before anything of the batch is kept; the job's
+    own clients plan the step as if nothing was sent."""
+    for token in (None, "0" * 32, TOKENS[1]):
+        refused = decode_answer(ray.get(_report(scheduler, 6, 0, token=token), timeout=30))
+        assert refused == {"error": "DistCAError", "message": "job 'report-wire' refused a report of rank 0: "
+                           "another client registered as rank 0 since this one did (it replaced this one, "
+                           "which takes no further part in the job: close it)"}
+    _planned(scheduler, 6)

@@ -51,7 +51,7 @@ class SquattingScheduler:
                 "next_step": 0, "scheduler": "squatter"}
 
     def report(self, request: bytes) -> bytes:  # the real wire: scheduler.messages
-        _, _, rank, _, _ = decode_report(request)
+        _, _, rank, _, _, _ = decode_report(request)
         return encode_answer({"part": self.payload, "group": {"epoch": 0, "world_rank": rank,
                                                               "world_size": 1, "device_type": "cpu"}})
 

@@ -20,6 +20,75 @@ def test_two_batches_of_one_step_share_the_epoch():
     assert decode(c.answer(0, 1, 1)).batch == 1 and decode(c.answer(0, 0, 1)).batch == 0
 
 
+def step_error(c, step, batch, ranks=(0, 1)):
+    answers = [c.answer(step, batch, r) for r in ranks]
+    assert len({a["message"] for a in answers}) == 1 and {a["error"] for a in answers} == {"DistCAError"}
+    return answers[0]["message"]
+
+
+@pytest.mark.parametrize("change", ["lost", "restarted"])
+def test_a_server_lost_between_the_batches_of_a_step_fails_the_step(change):
+    """Batch 0 of step 0 runs in epoch 0 with servers 0 and 1; server 0 is lost (no longer answers)
+    or restarts (a new incarnation) before batch 1. Planning batch 1 in a new epoch would leave
+    batch 0's backward rounds in a group the members have left (they ran over the new one and
+    failed on their parts' shapes): the step fails for every client at batch 1, naming why, and
+    the next step forms the new epoch."""
+    c = make()
+    run_step(c, 0, batch=0)
+    if change == "restarted":
+        c.register_server(0, {"incarnation": "s0-again", "node": "srv0"})
+    live = [1] if change == "lost" else None
+    servers = c.servers_for(0, c.servers_pinged({i: "alive" if live is None or i in live else "suspect"
+                                                 for i in c.servers_to_ping()}))
+    assert servers == ([1] if change == "lost" else [0, 1])
+    for r in range(2):
+        c.report(0, 1, r, LENS[r], SHAPE)
+    out = c.plan(0, 1, servers)
+    assert out.resolved and out.assignments == () and out.server_parts == [] and c.epoch == 0
+    why = "no longer answers" if change == "lost" else "restarted"
+    assert f"attention server 0 {why}; every client fails step 0" in step_error(c, 0, 1)
+    assert c.report(0, 2, 0, LENS[0], SHAPE).answer["error"] == "DistCAError"  # later batches of the step too
+    assert c.floor == 1
+    out = run_step(c, 1, live=live)  # the next step: a new epoch, planned at once
+    assert c.epoch == 1 and [a.server for a in out.assignments] == ([1] if change == "lost" else [0, 1])
+    assert decode(c.answer(1, 0, 0)).num_servers == len(out.assignments)
+
+
+def test_a_server_that_joins_mid_step_serves_from_the_next_step():
+    """A server registering between two batches of a step (a new one) does not fail the step:
+    the step's later batches keep its group, and the next step's first batch forms the new one."""
+    c = make(servers=1)
+    run_step(c, 0, batch=0)
+    c.register_server(1, {"incarnation": "s1", "node": "srv1"})
+    live = c.servers_pinged({i: "alive" for i in c.servers_to_ping()})
+    assert live == [0, 1] and c.servers_for(0, live) == [0]
+    for r in range(2):
+        c.report(0, 1, r, LENS[r], SHAPE)
+    out = c.plan(0, 1, c.servers_for(0, live))
+    assert out.assignments == () and [sid for sid, _ in out.server_parts] == [0]
+    assert c.answer(0, 1, 0)["group"]["epoch"] == 0 and decode(c.answer(0, 1, 0)).num_servers == 1
+    assert c.servers_for(1, live) == [0, 1]  # a step not yet planned takes every live server
+    out = run_step(c, 1)
+    assert c.epoch == 1 and [a.server for a in out.assignments] == [0, 1]
+    # step 1's later batches over fewer servers, or on another device, are refused, not run
+    assert c.step_group_change(1, [0, 1], "cpu") is None
+    assert c.step_group_change(1, [0], "cpu") == "attention server 1 no longer answers"
+    assert c.step_group_change(1, [0, 1], "cuda") == "the batch is on cuda, the step's earlier batches on cpu"
+
+
+def test_a_client_registered_again_mid_step_fails_the_step_in_place():
+    c = make("inplace", servers=0)
+    run_step(c, 0, batch=0)
+    c.register_client(1, 2, {"incarnation": "c1-again", "node": "node1", "step": 0})
+    for r in range(2):
+        c.report(0, 1, r, LENS[r], SHAPE)
+    c.plan(0, 1)
+    assert "client rank 1 registered again" in step_error(c, 0, 1)
+    assert c.step_group_change(0, (), "cuda") is not None  # in-place: the device type is checked too
+    run_step(c, 1)
+    assert c.epoch == 1
+
+
 # ---- failure arbitration ------------------------------------------------------------------------
 def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=()):
     return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "next_step": next_step,

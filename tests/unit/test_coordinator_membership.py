@@ -86,8 +86,12 @@ def test_no_live_server_is_a_distca_error_for_everyone():
     out = run_step(c, 0, live=set())
     assert out.resolved and out.record is None and c.epoch == -1
     for r in range(2):
-        assert c.answer(0, 0, r) == {"error": "DistCAError", "message": "job 'job' has no live attention server"}
+        assert c.answer(0, 0, r) == {"error": "DistCAError",
+                                     "message": "job 'job' has no live attention server (server 0 suspect)"}
     assert c.next_step == 1
+    c.servers_pinged({0: "dead"})
+    run_step(c, 1, live=set())
+    assert c.answer(1, 0, 0)["message"].endswith("(server 0 dead)")
 
 
 # ---- step bounds ---------------------------------------------------------------------------------

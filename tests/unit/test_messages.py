@@ -22,10 +22,11 @@ SHAPE = {"cost": COST.to_wire(), "device_type": "cpu"}
 @pytest.mark.parametrize("lens", [[5, 7, 1], [], np.array([3, 9], dtype=np.int32), [np.int64(4), 2],
                                   (2**63 - 1,), np.array([8], dtype=np.uint16)])
 def test_report_round_trip(lens):
-    data = encode_report(3, 1, 2, lens, SHAPE)
+    data = encode_report(3, 1, 2, lens, SHAPE, token="ab12")
     assert type(data) is bytes
-    step, batch, rank, doc_lens, shape = decode_report(data)
-    assert (step, batch, rank, shape) == (3, 1, 2, SHAPE)
+    step, batch, rank, doc_lens, shape, token = decode_report(data)
+    assert (step, batch, rank, shape, token) == (3, 1, 2, SHAPE, "ab12")
+    assert decode_report(encode_report(3, 1, 2, lens, SHAPE))[5] is None  # no token: the actor refuses it
     assert doc_lens == [int(x) for x in lens] and all(type(x) is int for x in doc_lens)
 
 
@@ -45,8 +46,9 @@ def test_decode_refuses_malformed_reports():
         b"\xc1": "not valid msgpack",
         msgpack.packb([1, 2]): "must be a map",
         msgpack.packb({**good, "extra": 1}): "unexpected ['extra']",
-        msgpack.packb({**good, "format": "distca.part"}): "not a distca.report v1",
-        msgpack.packb({**good, "version": 2}): "not a distca.report v1",
+        msgpack.packb({k: v for k, v in good.items() if k != "token"}): "missing ['token']",
+        msgpack.packb({**good, "format": "distca.part"}): "not a distca.report v2",
+        msgpack.packb({**good, "version": 1}): "not a distca.report v2",
         msgpack.packb({**good, "doc_lens": [5, 6]}): "field 'doc_lens' must be int64 bytes",
         msgpack.packb({**good, "doc_lens": b"\x01" * 7}): "not a multiple of 8",
         msgpack.packb({**good, "doc_lens": np.array([-3], dtype="<i8").tobytes()}): "negative values: [-3]",
@@ -67,7 +69,7 @@ def test_fuzzed_reports_are_refused_or_decoded_never_crash():
         for _ in range(rng.randint(1, 4)):
             flipped[rng.randrange(len(flipped))] = rng.randrange(256)
         try:
-            step, batch, rank, doc_lens, shape = decode_report(bytes(flipped))
+            step, batch, rank, doc_lens, shape, token = decode_report(bytes(flipped))
         except ValueError:
             continue
         decoded += 1
@@ -86,7 +88,7 @@ def test_reports_through_the_wire_plan_like_in_process_ones():
             coord.register_client(r, 2, {"incarnation": f"i{r}"})
         for r in range(2):
             args = (0, 0, r, lens[r], SHAPE)
-            coord.report(*(decode_report(encode_report(*args)) if wire else args))
+            coord.report(*(decode_report(encode_report(*args))[:5] if wire else args))
         coord.plan(0, 0)
         answers[wire] = [coord.answer(0, 0, r) for r in range(2)]
     assert answers[True] == answers[False]
@@ -117,8 +119,8 @@ def _report_both(shapes, lens=([5, 7], [9])):
     coord = Coordinator("dtypes", config=JobConfig(plan=PlanConfig(mode="inplace", min_shard=8)))
     for r in range(2):
         coord.register_client(r, 2, {"incarnation": f"i{r}"})
-    coord.report(*decode_report(encode_report(0, 0, 0, lens[0], shapes[0])))
-    return coord, coord.report(*decode_report(encode_report(0, 0, 1, lens[1], shapes[1])))
+    coord.report(*decode_report(encode_report(0, 0, 0, lens[0], shapes[0]))[:5])
+    return coord, coord.report(*decode_report(encode_report(0, 0, 1, lens[1], shapes[1]))[:5])
 
 
 def test_clients_of_one_element_size_but_other_dtypes_disagree_with_a_value_error_for_both():
