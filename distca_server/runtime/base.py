@@ -356,6 +356,13 @@ class StepState:
         """Whether the step is over for a call made here and now (see the class doc)."""
         return self.backward_rounds > 0 and not self._tickets and not in_backward()
 
+    @property
+    def awaits_backward(self) -> bool:
+        """Whether a ticket of the step is open: a counted forward round whose backward round
+        has not run (the peers will wait for this client in it)."""
+        with self._guard:
+            return bool(self._tickets)
+
     def advance(self, step: int | None = None) -> None:
         """Start step ``step`` (default: the next one) with no batches; the old batches' kept
         activations are released and their open tickets forgotten."""

@@ -9,8 +9,10 @@ identical or not) gets its own plan. All rounds of a client run in order on one 
 
 After a failure every client goes on at the step the scheduler names. When the scheduler dies
 and Ray restarts it, the client registers again with its step and epoch and goes on: a step in
-flight (batches bound) fails on every participant, and a client with nothing of its step bound
-waits for the restart and loses no step. A report of a step the job has left behind, by a client
+flight (batches bound) fails on every participant once a member notices the death (its
+long-poll, about 2 s; rounds already on the data plane finish, exact, until then), and a client
+with nothing of its step bound waits for the restart and loses no step. A scheduler that cannot
+come back (Ray no longer knows its name) fails the next report at once. A report of a step the job has left behind, by a client
 that took no part in it, is answered ``resync`` and made again at the job's step (the step
 protocol: ``docs/design.md``).
 """
@@ -400,11 +402,22 @@ class RayClientRuntime(Runtime):
             raise self._resume_after(failure) from None
 
     def close(self) -> None:
+        """Leave the job. Closed in the middle of a step (a forward round of it awaits its
+        backward round, which the peers would wait in), the client first fails the step's group
+        epoch with that cause, so its peers read why they fail (before, only a closed
+        connection, naming nobody). Closed after a forward-only loop, it just leaves."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-        self._rounds.close()
+            step, mid_step = self._state.step, self._state.awaits_backward
+        self._rounds.close()  # the rounds already queued run (or fail) first
+        if mid_step and self.member.joined:
+            try:
+                self.member.fail(step, f"step {step}", f"rank {self.rank} closed its DistCAClient in the middle "
+                                                       f"of step {step}", detected=True, in_round=False)
+            except Exception:  # closing must not fail because the job is already down
+                pass
         self.member.close()
         try:
             ray.get(self.scheduler.unregister_client.remote(self.rank, self.incarnation), timeout=10)

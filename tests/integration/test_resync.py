@@ -122,6 +122,21 @@ def test_a_replaced_client_that_lives_on_is_refused_and_the_job_runs_exact(job):
     _every_later_step_runs(job)
 
 
+def test_a_client_closed_mid_step_tells_its_peer_why(job):
+    """Client 1 closes its client (and connects again) after the step's forward round: client 0's
+    next round of the step fails, its message naming that cause (before, only a closed
+    connection, "lost: none"), and the next steps run."""
+    job["seed"][0] += 1
+    s = job["seed"][0]
+    assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])],
+                                        timeout=300))
+    ray.get(job["workers"][1].reconnect.remote(NAME, T), timeout=300)
+    result = ray.get(job["workers"][0].finish.remote(LENS[0], s), timeout=300)
+    assert not result["ok"] and result["type"] == "DistCAError", result
+    assert "rank 1 closed its DistCAClient in the middle of step" in result["message"], result
+    _every_later_step_runs(job)
+
+
 def test_a_client_delayed_past_the_timeout_costs_one_iteration(job):
     """Client 1 reports its step T + 1 s late (a slow data loader under load): that iteration
     fails on both clients, and the next one runs."""
