@@ -295,7 +295,8 @@ Why our numbers differ from the paper's (read with the tables above):
   packing on these traces, while its memory divergence grows.
 - Fig. 12 (no paper numbers quoted here): bytes fall as eps grows, the trade-off eps exists for;
   our step time still rises with eps because the traffic it saves is already hidden by
-  ping-pong. Without ping-pong 0.3-0.7 s of every ~4.7 s step is exposed communication.
+  ping-pong. Without ping-pong 0.23-0.49 s of a ~4.5 s step is exposed communication with
+  kept activations (stateless servers: 0.34-0.72 s of ~4.7 s).
 """
 
 

@@ -43,13 +43,17 @@ def int_in_range(name: str, value, lo: int, hi: int = INT64_MAX) -> int:
 
 
 def positive_int(name: str, value) -> int:
-    """``value`` as a Python int if it is an integer >= 1.
+    """``value`` as a Python int if it is an integer in ``[1, INT64_MAX]`` (every count ends up
+    in an int64 array or a descriptor's int64 field).
 
     Raises:
-        ValueError: ``"<name> must be a positive int, got <value>"``.
+        ValueError: ``"<name> must be a positive int, got <value>"`` (``"... at most 2**63 - 1"``
+            above it).
     """
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be a positive int at most 2**63 - 1, got {value!r}")
     return int(value)
 
 

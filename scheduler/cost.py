@@ -95,9 +95,10 @@ def window_arg(window) -> int | None:
     """
     if window is None:
         return None
-    if not isinstance(window, (int, np.integer)) or isinstance(window, (bool, np.bool_)) or window < 1:
-        raise ValueError(f"window must be a positive int (query i sees keys i-window+1 .. i) or None "
-                         f"(full causal), got {window!r}")
+    if (not isinstance(window, (int, np.integer)) or isinstance(window, (bool, np.bool_)) or window < 1
+            or window > np.iinfo(np.int64).max):  # it meets int64 arrays
+        raise ValueError(f"window must be a positive int up to 2**63 - 1 (query i sees keys i-window+1 .. i) "
+                         f"or None (full causal), got {window!r}")
     return int(window)
 
 

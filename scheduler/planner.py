@@ -324,7 +324,7 @@ def _refine(tasks: np.ndarray, batch: PlacedBatch, model: TimeModel, window, mak
     return out.tasks, out.level_s, out.max_s
 
 
-def _time_plan(batch: PlacedBatch, model: TimeModel, epsilon: float, window, make, flop) -> np.ndarray:
+def _time_plan(batch: PlacedBatch, model: TimeModel, epsilon: float, window, make, flop) -> tuple[np.ndarray, dict]:
     """The time planner's task array (DistCA §4.2; ``flop(ε)``: the FLOP plan at ε). It *aims at
     the level*: the FLOP plan at ε = 0 (the greedy aimed at ``max(mean, B)`` in pairs), refined
     towards ``level_s`` seconds (:func:`~scheduler.time_refine.refine_time`). ε (seconds) bounds
@@ -332,13 +332,51 @@ def _time_plan(batch: PlacedBatch, model: TimeModel, epsilon: float, window, mak
     ε is refined as well and kept if its predicted maximum is lower (by the refinement's relative
     margin, so that it holds however the seconds are summed). So the predicted maximum is at most
     the FLOP plan's at ε = 0, exactly, and at most ``max(T_s, the FLOP plan's at ε)`` up to that
-    margin (1e-9 relative, on ties)."""
-    tasks, level, top = _refine(flop(0.0), batch, model, window, make)
+    margin (1e-9 relative, on ties). Returns ``(tasks, flops)``: ``flops`` the FLOP plans it
+    computed, by ε (the partial-KV step compares against them: :func:`_split_keys`)."""
+    flops = {0.0: flop(0.0)}
+    tasks, level, top = _refine(flops[0.0], batch, model, window, make)
     if epsilon > 0 and top > (1.0 + epsilon) * level:
-        other, _, other_top = _refine(flop(epsilon), batch, model, window, make)
+        flops[epsilon] = flop(epsilon)
+        other, _, other_top = _refine(flops[epsilon], batch, model, window, make)
         if other_top < top * (1.0 - _TIME_MARGIN):
             tasks = other
-    return tasks
+    return tasks, flops
+
+
+def _split_keys(batch: PlacedBatch, tasks: np.ndarray, target: float, max_kv_rows, make):
+    """``tasks`` with key blocks split off (:func:`~scheduler.partial.split_past_blocks`, towards
+    ``target`` pairs per server), as a Plan; the unsplit plan when nothing splits or when the
+    split breaks a held-bytes cap the unsplit plan kept (key blocks move for balance and KV
+    budget, not held memory)."""
+    unsplit = make(tasks)
+    split = split_past_blocks(tasks, batch.S, target, batch.min_shard, max_kv_rows)
+    if split is tasks:
+        return unsplit
+    plan, cap = make(split), batch.held_cap
+    if cap is not None and max(plan.held_bytes()) > cap >= max(unsplit.held_bytes()):
+        return unsplit
+    return plan
+
+
+def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict, epsilon: float,
+                      max_kv_rows, model: TimeModel, window, make):
+    """The time planner's partial-KV step: of the time plan, its key splits towards
+    ``(1 + ε) · mean`` and towards the mean, and the FLOP plans :func:`_time_plan` computed
+    with their own splits (each exactly the plan ``plan_batch`` returns without a time model),
+    the one with the fewest predicted seconds on its most loaded server (the first on ties: the
+    unsplit time plan). So both guarantees of :func:`_time_plan` still hold with ``partial_kv``:
+    the plans they compare against are among the candidates. Under a held-bytes cap, a
+    candidate above it is kept only if every candidate is."""
+    candidates = [make(tasks), _split_keys(batch, tasks, (1.0 + epsilon) * bound.mean, max_kv_rows, make)]
+    if epsilon > 0:
+        candidates.append(_split_keys(batch, tasks, bound.mean, max_kv_rows, make))
+    candidates += [_split_keys(batch, f, (1.0 + eps) * bound.mean, max_kv_rows, make) for eps, f in flops.items()]
+    cap = batch.held_cap
+    if cap is not None and any(max(p.held_bytes()) <= cap for p in candidates):
+        candidates = [p for p in candidates if max(p.held_bytes()) <= cap]
+    seconds = [model.server_seconds(p.task_array, batch.S, window).max() for p in candidates]
+    return candidates[int(np.argmin(seconds))]
 
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
@@ -460,20 +498,16 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
 
     def flop(eps: float) -> np.ndarray:
         return _flop_tasks(batch, bound, eps, cost, mode, keep_activations, cap)
-    tasks = flop(epsilon) if model is None else _time_plan(batch, model, epsilon, window, make, flop)
-    plan = make(tasks)
-    if partial_kv and (window is None or window >= int(lens.max(initial=0))):
-        split = split_past_blocks(tasks, batch.S, (1.0 + epsilon) * bound.mean, batch.min_shard,
-                                  max_kv_rows_per_server)
-        if split is not tasks:
-            unsplit, plan = plan, make(split)
-            # Key blocks move for balance and KV budget, not held memory: keep the cap if the
-            # greedy's plan did.
-            if cap is not None and max(plan.held_bytes()) > cap >= max(unsplit.held_bytes()):
-                plan = unsplit
-            elif model is not None and (model.server_seconds(split, batch.S, window).max()
-                                        > model.server_seconds(tasks, batch.S, window).max()):
-                plan = unsplit  # key splits balance pairs; keep them only if seconds do not rise
+    if model is None:
+        tasks, flops = flop(epsilon), {}
+    else:
+        tasks, flops = _time_plan(batch, model, epsilon, window, make, flop)
+    if not (partial_kv and (window is None or window >= int(lens.max(initial=0)))):
+        plan = make(tasks)
+    elif model is None:
+        plan = _split_keys(batch, tasks, (1.0 + epsilon) * bound.mean, max_kv_rows_per_server, make)
+    else:  # key splits balance pairs: the time planner keeps them only where seconds do not rise
+        plan = _split_keys_timed(batch, bound, tasks, flops, epsilon, max_kv_rows_per_server, model, window, make)
     if cap is not None:
         held = plan.held_bytes()
         worst = int(np.argmax(held))

@@ -64,8 +64,12 @@ def _check_axis(name: str, values: Any) -> list[int]:
     return vals
 
 
+_EXACT_LEN = 2**31  # lengths up to this keep q·kv in int64: pairs exact (as floats, below 2**53)
+
+
 def _work_np(q: np.ndarray, kv: np.ndarray) -> np.ndarray:
-    """Vectorised ``causal_pairs(kv - q, kv, 0, kv)`` as float64 (exact below 2**53 pairs).
+    """Vectorised ``causal_pairs(kv - q, kv, 0, kv)`` as float64: exact below 2**53 pairs with
+    both lengths at most 2**31, else rounded to float64 (never wrapped).
 
     Rows ``i`` of ``[0, q)`` see ``min(kv, max(0, i + kv - q + 1))`` keys: for ``q <= kv`` that is
     ``q·kv − q(q−1)/2``; for ``q > kv`` the first ``q − kv`` rows see nothing and the rest form a
@@ -73,9 +77,15 @@ def _work_np(q: np.ndarray, kv: np.ndarray) -> np.ndarray:
     """
     q = q.astype(np.int64)
     kv = kv.astype(np.int64)
-    le = q * kv - (q * (q - 1)) // 2
-    gt = (kv * (kv + 1)) // 2
-    return np.where(q <= kv, le, gt).astype(np.float64)
+    big = (q > _EXACT_LEN) | (kv > _EXACT_LEN)  # their products would wrap in int64
+    small_q, small_kv = np.where(big, 0, q), np.where(big, 0, kv)
+    le = small_q * small_kv - (small_q * (small_q - 1)) // 2
+    gt = (small_kv * (small_kv + 1)) // 2
+    out = np.where(small_q <= small_kv, le, gt).astype(np.float64)
+    if big.any():  # past 2**31 tokens, float64 (16 digits) instead of a wrapped int64
+        qf, kf = q[big].astype(np.float64), kv[big].astype(np.float64)
+        out[big] = np.where(qf <= kf, qf * kf - qf * (qf - 1) / 2, kf * (kf + 1) / 2)
+    return out
 
 
 def _work(q: int, kv: int) -> int:
@@ -261,9 +271,10 @@ class ProfileTable:
         arr = np.asarray(x)
         if arr.dtype.kind in "iu":
             return arr.astype(np.int64)
-        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.floor(arr)):
+        if (arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.floor(arr))
+                and np.all(np.abs(arr) < 2.0**63)):  # larger floats would wrap in the cast
             return arr.astype(np.int64)
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype} values {arr.ravel()[:5]}")
+        raise ValueError(f"{name} must hold integers (int64), got dtype {arr.dtype} values {arr.ravel()[:5]}")
 
     def _cells(self) -> tuple:
         """Per grid cell ``(i, j)`` the coefficients of its bilinear form, flattened: with

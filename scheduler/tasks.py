@@ -148,8 +148,7 @@ class Plan(PlanStatsMixin):
             if not isinstance(tasks, (list, tuple)):
                 raise ValueError(f"server_tasks[{s}] is {type(tasks).__name__}, not a list")
             for t in tasks:
-                if type(t) is not CATask and (not isinstance(t, (tuple, list)) or len(t) != 6
-                                              or not all(is_int(x) for x in t)):
+                if not (isinstance(t, (tuple, list)) and len(t) == 6 and all(is_int(x) for x in t)):
                     raise ValueError(f"server {s}: a task must be six ints, got {t!r}")
         self._set(counts, flat, int(num_servers), mode, cost, _canonical(_tasks_array(server_tasks)),
                   float(epsilon), int(min_shard), keep_activations, window)

@@ -95,9 +95,23 @@ class TimeModel:
         if fc is not None and bc is not None and fc != bc:
             raise ValueError(f"TimeModel: the forward table was measured for the attention shape {fc}, "
                              f"the backward table for {bc}")
+        shape = fc if fc is not None else bc
+        try:  # checked here, not at the first plan: a table's meta is the user's file
+            cost = None if shape is None else CostModel(**shape)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"TimeModel: meta['cost'] must be a CostModel's fields (num_heads_q, num_heads_kv, "
+                             f"head_dim, dtype_bytes), got {shape!r} ({exc})") from None
+        object.__setattr__(self, "_cost", cost)
         # Same grid (the measured tables): one table of forward + backward seconds, one lookup.
         if self.forward.q_lens == self.backward.q_lens and self.forward.kv_lens == self.backward.kv_lens:
-            both = (self.forward._lat + self.backward._lat).tolist()
+            with np.errstate(over="ignore"):
+                total = self.forward._lat + self.backward._lat
+            if not np.isfinite(total).all():
+                i, j = map(int, np.argwhere(~np.isfinite(total))[0])
+                raise ValueError(f"TimeModel: forward + backward seconds at (q={self.forward.q_lens[i]}, "
+                                 f"kv={self.forward.kv_lens[j]}) exceed float64: {self.forward._lat[i, j]!r} + "
+                                 f"{self.backward._lat[i, j]!r}")
+            both = total.tolist()
             combined = ProfileTable(q_lens=self.forward.q_lens, kv_lens=self.forward.kv_lens, latency_s=both)
             tables = (combined,)
         else:
@@ -108,8 +122,7 @@ class TimeModel:
     @property
     def cost(self) -> CostModel | None:
         """The attention shape the tables were measured for (``meta["cost"]``), or None."""
-        shape = self.forward.meta.get("cost") or self.backward.meta.get("cost")
-        return None if shape is None else CostModel(**shape)
+        return self._cost
 
     def check_cost(self, cost: CostModel) -> None:
         """Raise ValueError when the tables were measured for another attention shape than ``cost``
@@ -241,12 +254,23 @@ class TimeModel:
         K = max(self.forward.kv_lens[-1], self.backward.kv_lens[-1])
         top = max(self.forward.q_lens[-1], self.backward.q_lens[-1], tile)
         grid = np.asarray(sorted(set(self.forward.q_lens) | set(self.backward.q_lens)), dtype=np.int64)
-        grid = grid[grid <= K]
-        best = float((_work_np(grid, np.full_like(grid, K)) / self._shape_seconds(grid, np.full_like(grid, K))).max())
         m = np.arange(tile, min(top, K) + 1, tile, dtype=np.int64)
-        rate = _work_np(m, np.full_like(m, K)) / self._shape_seconds(m, np.full_like(m, K))
-        ok = np.flatnonzero(rate >= fraction * best)
+        # The best throughput over the grid's query lengths at K, and the candidates' own (a
+        # table may have no query length <= K). A cell of zero seconds has no throughput to
+        # compare: it is left out, not taken as infinitely fast.
+        grid = np.concatenate([grid[grid <= K], m])
+        best, rate = (self._rates(x, K) for x in (grid, m))
+        if not np.isfinite(best).any():
+            return int(tile)
+        ok = np.flatnonzero(rate >= fraction * np.nanmax(best))
         return int(m[ok[0]]) if ok.size else int(tile)
+
+    def _rates(self, q: np.ndarray, K: int) -> np.ndarray:
+        """Causal pairs per second of ``q``-row shards against ``K`` keys; NaN where the table
+        predicts zero seconds."""
+        kv = np.full_like(q, K)
+        seconds = self._shape_seconds(q, kv)
+        return np.where(seconds > 0, _work_np(q, kv) / np.where(seconds > 0, seconds, 1.0), np.nan)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

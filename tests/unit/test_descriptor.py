@@ -183,8 +183,13 @@ GOOD = dict(doc_lens_per_rank=[[4], [3]], num_servers=2, mode="inplace", cost=CO
      "tile its keys"),
     (dict(server_tasks=[[T(0, 0, 0, 1, 0, 1)], [T(0, 0, 1, 4, 0, 4), T(1, 0, 0, 3, 0, 3)]], min_shard=2),
      r"shorter than min_shard=2: \(rank 0, doc 0\)"),
+    # a CATask holding a float or a str was truncated by the int64 cast (found by a review)
+    (dict(server_tasks=[[T(0, 0, 0, 4.7, 0, 4)], [T(1, 0, 0, 3, 0, 3)]]), "six ints"),
+    (dict(server_tasks=[[T(0, 0, 0, 4, 0, "4")], [T(1, 0, 0, 3, 0, 3)]]), "six ints"),
     (dict(min_shard=0), "min_shard"),
     (dict(min_shard=True), "min_shard"),
+    (dict(min_shard=2**63), r"min_shard must be a positive int at most 2\*\*63 - 1"),  # was kept, then refused by from_msgpack
+    (dict(window=2**63), "window must be a positive int up to 2"),
     (dict(window=0), "window must be a positive int"),
     (dict(window=2.5), "window must be a positive int"),
     (dict(window=True), "window must be a positive int"),

@@ -397,6 +397,8 @@ def test_large_epsilon_moves_nothing():
     ([[4]], 1, {"min_shard": 0}, r"min_shard.*0"),
     ([[4]], 1, {"min_shard": -3}, r"-3"),
     ([[4]], 1, {"min_shard": 1.5}, r"1\.5"),
+    ([[4]], 1, {"min_shard": 2**63}, r"min_shard must be a positive int at most 2\*\*63 - 1"),  # was OverflowError
+    ([[4]], 1, {"window": 2**63}, r"window must be a positive int up to 2\*\*63 - 1"),
     ([[4]], 0, {"mode": "dedicated"}, r"num_servers.*0"),
     ([[4]], 2.0, {"mode": "dedicated"}, r"2\.0"),
     ([[4]], 2**20 + 1, {"mode": "dedicated"}, r"num_servers must be an int in \[1, 1048576\], got 1048577"),

@@ -71,6 +71,20 @@ def test_work_closed_form_matches_causal_pairs():
     np.testing.assert_array_equal(_work_np(qs, kvs), want)
 
 
+def test_work_past_int64_products_is_rounded_not_wrapped(table):
+    """Above 2**31 tokens q·kv leaves int64: the pairs were wrapped (negative seconds for a
+    2**33-token document's plan, found by a review); now float64, within its rounding."""
+    from distca_sim.profile import _work_np
+
+    for q, kv in ((2**32, 2**32), (2**31 + 1, 2**40), (3, 2**62), (2**62, 2**62)):
+        want = float(causal_pairs(kv - q, kv, 0, kv))
+        assert _work_np(np.array([q]), np.array([kv]))[0] == pytest.approx(want, rel=1e-15)
+    for L in (2**32, 2**40):
+        assert table.latencies([L], [L])[0] == pytest.approx(table.latency(L, L), rel=1e-12)
+    with pytest.raises(ValueError, match=r"q_lens must hold integers \(int64\), got dtype float64 values \[1.e\+30\]"):
+        table.latencies([1e30], [1e30])  # was cast, wrapped, and named as a negative length
+
+
 def test_floor_below_grid_no_scaling_down(table):
     assert table.latency(1, 1) == 1.0
     assert table.latency(64, 512) == 1.0          # q below the grid: clamped to 128
