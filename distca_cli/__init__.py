@@ -4,8 +4,8 @@
 ``status``, ``shutdown``); ``simulate`` is :mod:`distca_sim.cli`. ``up``'s flags are the fields of
 :class:`~scheduler.config.JobConfig` and :class:`~scheduler.config.PlanConfig` (:mod:`.flags`). Importing this module imports
 neither torch nor ray: the job API loads them when a runtime command runs. Every failure a user
-can cause (no cluster, a refused token, no such job, bad flags) is one line on stderr and exit
-status 1, not a traceback.
+can cause (no cluster, a refused token, no such job, bad flags, argparse's own complaints included)
+is one line on stderr and exit status 1, not a traceback.
 
 Examples::
 
@@ -30,8 +30,17 @@ from scheduler.config import ConfigError
 
 from .connect import CLIError, connect
 from .flags import add_config_flags, config_from_args
+from .watch import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 
 __all__ = ["build_parser", "format_status", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a bad flag is one line and exit status 1, as every other user error
+    of the command (argparse prints the whole usage block and exits 2)."""
+
+    def error(self, message):
+        self.exit(1, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _up(args) -> int:
@@ -39,8 +48,10 @@ def _up(args) -> int:
         raise CLIError(f"--servers {args.servers} is for dedicated mode: in in-place mode every client "
                        f"rank serves its share of attention (the job has as many servers as clients); "
                        f"drop --servers, or use --mode dedicated")
-    try:  # every setting checked here, before any Ray call
+    try:  # every setting checked here, before any Ray call: the fields, then what launch checks here
         config = config_from_args(args)
+        from distca_server.runtime.job import check_here  # imports torch and ray (a runtime command)
+        check_here(config)
     except ConfigError as exc:
         raise CLIError("; ".join(exc.problems)) from None
     connect(args.address)
@@ -122,10 +133,14 @@ def job_status(name: str) -> dict:
 
 
 def _status(args) -> int:
+    if args.interval is not None and not args.watch:  # it would do nothing: say so, not ignore it
+        raise CLIError(f"--interval {args.interval:g} is the seconds between --watch redraws; "
+                       f"add --watch, or drop --interval")
+    interval = DEFAULT_INTERVAL_S if args.interval is None else check_interval(args.interval)
     connect(args.address)
     if args.watch:
         from .watch import watch
-        return watch(lambda: job_status(args.name), interval_s=args.interval, count=args.count)
+        return watch(lambda: job_status(args.name), interval_s=interval, count=args.count)
     st = job_status(args.name)
     print(json.dumps(st, indent=1, sort_keys=True, default=str) if args.json else format_status(st))
     return 0
@@ -153,7 +168,9 @@ def _register_runtime(subparsers) -> None:
     view = st.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="the status as JSON, for scripts")
     view.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval s")
-    st.add_argument("--interval", type=float, default=2.0, help="seconds between --watch refreshes")
+    st.add_argument("--interval", type=float, default=None,
+                    help=f"with --watch: seconds between refreshes (default {DEFAULT_INTERVAL_S:g}, "
+                         f"at most {MAX_INTERVAL_S:g})")
     st.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # --watch: stop after N
     st.add_argument("--address", **address)
     st.set_defaults(func=_status)
@@ -165,8 +182,8 @@ def _register_runtime(subparsers) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``distca`` argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="distca", description="Core attention disaggregation runtime.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = _Parser(prog="distca", description="Core attention disaggregation runtime.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # each a _Parser too
     _register_runtime(sub)
     simulate_cli.register(sub)
     return parser

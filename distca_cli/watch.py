@@ -12,7 +12,21 @@ from typing import Callable
 
 from .connect import CLIError
 
-__all__ = ["render", "watch"]
+__all__ = ["DEFAULT_INTERVAL_S", "MAX_INTERVAL_S", "check_interval", "render", "watch"]
+
+DEFAULT_INTERVAL_S = 2.0
+MAX_INTERVAL_S = 3600.0  # a live view redrawn less than hourly is none (and time.sleep overflows past ~9e9 s)
+
+
+def check_interval(interval_s) -> float:
+    """``interval_s`` if it is a number of seconds in (0, :data:`MAX_INTERVAL_S`].
+
+    Raises:
+        CLIError: naming the value.
+    """
+    if not 0 < interval_s <= MAX_INTERVAL_S:  # NaN fails too
+        raise CLIError(f"--interval must be a number of seconds in (0, {MAX_INTERVAL_S:g}], got {interval_s!r}")
+    return interval_s
 
 
 def render(st: dict, note: str = ""):
@@ -30,7 +44,8 @@ def render(st: dict, note: str = ""):
     return table
 
 
-def watch(fetch: Callable[[], dict], interval_s: float = 2.0, count: int | None = None, console=None) -> int:
+def watch(fetch: Callable[[], dict], interval_s: float = DEFAULT_INTERVAL_S, count: int | None = None,
+          console=None) -> int:
     """Redraw ``fetch()``'s status every ``interval_s`` seconds until Ctrl-C (or ``count``
     redraws). A fetch that fails with a one-line error (e.g. the job went down) keeps the last
     table and shows that line under it, and the watch goes on; a first fetch that fails ends it.
@@ -38,8 +53,7 @@ def watch(fetch: Callable[[], dict], interval_s: float = 2.0, count: int | None 
     Raises:
         CLIError: rich is not installed, a bad interval, or the first fetch failed.
     """
-    if not interval_s > 0:
-        raise CLIError(f"--interval must be > 0 seconds, got {interval_s!r}")
+    check_interval(interval_s)
     try:
         from rich.live import Live
     except ImportError:

@@ -119,6 +119,7 @@ class DistCAClient:
                 plan, backend, timeout_s = job.plan, job.backend, job.timeout_s
             except ConfigError as exc:
                 problems += exc.problems
+                backend = given.get("backend", backend)  # still checked below: every problem at once
         elif config is None or isinstance(config, PlanConfig):
             plan = PlanConfig() if config is None else config
         elif isinstance(config, JobConfig):
@@ -139,7 +140,7 @@ class DistCAClient:
                 problems.append(str(exc))
         if plan is not None and plan.mode == "inplace" and num_ranks != servers:
             problems.append(f"num_ranks={num_ranks} != num_servers={servers} (inplace mode)")
-        if plan is not None:
+        if isinstance(backend, str) and backend:  # any other backend is named by JobConfig above
             try:
                 check_backend_name(backend)
             except ValueError as exc:

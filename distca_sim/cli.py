@@ -19,8 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
+
+from scheduler.time_cost import TimeModel
 
 from .hardware import load_attention_profile, measured_attention_profile
 from .simulate import (GPUS, MODELS, SYSTEMS, ParallelConfig, Workload, format_table, get_gpu,
@@ -67,8 +70,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(distca_sim/data/profiles) when there are some for this shape, else the "
                         "GPU preset's assumed rates")
     g.add_argument("--assumed-rates", action="store_true",
-                   help="price attention by the GPU preset's assumed FLOP rates even where "
-                        "measured tables exist")
+                   help="price attention by the GPU preset's assumed FLOP rates even where distca "
+                        "ships measured tables for this shape; an explicit --attn-profile takes "
+                        "precedence over it")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="pretrain", choices=("pretrain", "prolong"))
     g.add_argument("--context", type=tokens, default=131072, help="tokens per rank (e.g. 128K)")
@@ -91,7 +95,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("sweep and output")
     g.add_argument("--sweep", action="store_true", help="run every --contexts x --epsilon value")
     g.add_argument("--contexts", type=tokens, nargs="+", default=[65536, 131072, 262144, 524288])
-    g.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    g.add_argument("--json", type=Path, default=None,
+                   help="write the results as JSON here (checked to be writable before the run)")
     p.set_defaults(func=main)
     return p
 
@@ -111,13 +116,37 @@ def _run(args, model, gpu, par, context, eps):
                     keep_activations=args.keep_activations, planner=args.planner)
 
 
+def _check_json_path(path: Path) -> None:
+    """Refuse a ``--json`` path that cannot be written, before a run that may take minutes: a
+    folder, a missing folder under a file, or a place this process may not write.
+
+    Raises:
+        ValueError: naming the path.
+    """
+    if path.is_dir():
+        raise ValueError(f"--json {path}: is a folder (give a file path)")
+    folder = path.parent
+    while not folder.exists():  # the folders that do not exist yet are made when writing
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"--json {path}: {folder} is not a folder")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"--json {path}: {target} is not writable")
+
+
 def main(args) -> int:
-    """Entry point of ``distca simulate``; returns the exit status (2 on bad input)."""
+    """Entry point of ``distca simulate``; returns the exit status (1 after a one-line error on
+    stderr, as the other ``distca`` commands)."""
     try:
+        if args.json is not None:
+            _check_json_path(args.json)
         model, gpu = _model(args), get_gpu(args.gpu)
         par = ParallelConfig.from_gpus(args.gpus, tp=args.tp, pp=args.pp,
                                        microbatches=args.microbatches)
         profile = args.attn_profile
+        if profile is not None:  # the folder check of `distca up --attn-profile` (PlanConfig), one message
+            TimeModel.from_dir(str(profile))
         if profile is None and not args.assumed_rates:
             profile = measured_attention_profile(args.gpu, model.cost_model(par.tp))
         if profile is not None:
@@ -139,10 +168,14 @@ def main(args) -> int:
             rows = _sweep(args, model, gpu, par)
     except ValueError as exc:
         print(f"distca simulate: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        except OSError as exc:  # refused after all (a full disk, a race with the check): one line
+            print(f"distca simulate: error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     return 0
 

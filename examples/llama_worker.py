@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scheduler.config import JobConfig, PlanConfig
+from scheduler.config import ConfigError, JobConfig, PlanConfig
 
 import llama_device
 from llama_data import VOCAB_SIZE, PackedStream, collate, load_corpus
@@ -77,9 +77,13 @@ class TrainConfig:
         return self.hidden // self.heads
 
     def job_config(self) -> JobConfig:
-        """The distca job's settings (``distca_server.launch(config=...)``)."""
-        return JobConfig(servers=self.servers, transport=self.transport,
-                         plan=PlanConfig(mode=self.mode, epsilon=self.epsilon, min_shard=self.min_shard))
+        """The distca job's settings (``distca_server.launch(config=...)``).
+
+        Raises:
+            ConfigError: every bad one at once (plan and job fields together).
+        """
+        return JobConfig.from_fields(servers=self.servers, transport=self.transport, mode=self.mode,
+                                     epsilon=self.epsilon, min_shard=self.min_shard)
 
     @property
     def num_servers(self) -> int:
@@ -95,12 +99,16 @@ class TrainConfig:
                            max_position_embeddings=self.context, tie_word_embeddings=False)
 
     def validate(self) -> None:
+        """Refuse a bad setting, every one at once, before anything starts (Ray, the run folder).
+
+        Raises:
+            ValueError: ``"train config: ..."`` naming each bad value, the distca job's settings
+                (:meth:`job_config`: mode, servers, epsilon, min_shard) in JobConfig's words.
+        """
         problems = []
         if self.attention not in ("distca", "local"):
             problems.append(f"attention={self.attention!r} (distca or local)")
-        if self.mode not in ("dedicated", "inplace"):
-            problems.append(f"mode={self.mode!r} (dedicated or inplace)")
-        for name in ("steps", "workers", "context", "servers", "threads", "log_every", "layers",
+        for name in ("steps", "workers", "context", "threads", "log_every", "layers",
                      "hidden", "heads", "kv_heads"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} (must be >= 1)")
@@ -113,6 +121,10 @@ class TrainConfig:
         if self.save_every < 0:
             problems.append(f"save_every={self.save_every} (must be >= 0)")
         problems += llama_device.config_problems(self)
+        try:
+            self.job_config()  # as launch will check it, but before Ray starts
+        except ConfigError as exc:  # the transport is named above, with the device it must carry
+            problems += [p for p in exc.problems if not p.startswith("transport ")]
         if problems:
             raise ValueError("train config: " + "; ".join(problems))
 

@@ -18,6 +18,18 @@ from distca_sim.workloads import sample_batch
 from scheduler.config import PlanConfig
 
 
+def count(text: str) -> int:
+    """argparse type of a count (>= 1): a bad one is argparse's error naming the flag, not a
+    traceback from deep inside the client."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
 def local_attention(q, k, v, dout, doc_lens, scale):
     """Single-device causal varlen attention and its gradients (the torch_cpu kernel)."""
     backend = get_backend("auto", q.device)
@@ -29,8 +41,8 @@ def local_attention(q, k, v, dout, doc_lens, scale):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--servers", type=int, default=4)
-    ap.add_argument("--context", type=int, default=4096, help="tokens per client rank")
+    ap.add_argument("--servers", type=count, default=4, help="attention servers (and client ranks)")
+    ap.add_argument("--context", type=count, default=4096, help="tokens per client rank")
     ap.add_argument("--trace", choices=["pretrain", "prolong"], default="pretrain")
     ap.add_argument("--mode", choices=["inplace", "dedicated"], default="inplace")
     ap.add_argument("--epsilon", type=float, default=PlanConfig.epsilon)

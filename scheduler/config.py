@@ -3,8 +3,9 @@
 
 Both are frozen, keyword-only dataclasses checked once, in ``__post_init__``: every bad field is
 named in one :class:`ConfigError` (a ``ValueError``), each message naming the field and its value.
-Numpy integers and floats are taken and stored as Python ``int`` and ``float``. Each default is
-written here once, as the field's default; the entry points take ``config=`` and refer to them:
+Numpy integers, floats and strings are taken and stored as Python ``int``, ``float`` and ``str``.
+Each default is written here once, as the field's default; the entry points take ``config=`` and
+refer to them:
 
 =========================================================  =====================  ==============
 entry point                                                takes                  default mode
@@ -35,10 +36,11 @@ import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .time_cost import TILE_ROWS, TimeModel
-from .checks import (MODES, TRANSPORTS, at_least, boolean, check_mode, check_transport, finite_nonnegative,
-                     finite_positive, positive_int)
+from .checks import (INT64_MAX, MAX_SERVERS, MODES, TRANSPORTS, at_least, boolean, check_mode, check_transport,
+                     finite_nonnegative, finite_positive, int_in_range, positive_int)
 
 # A report is bounded before anything else looks at it: one client's documents and tokens per
 # batch. Far above real batches (~10^2-10^4 documents, <= 1M tokens per rank), far below what
@@ -52,6 +54,10 @@ DEFAULT_MIN_SHARD = TILE_ROWS
 # size, and GPU vector loads; distca_server.transport.base.ALIGN).
 DEFAULT_HEAP_BYTES = 1 << 30
 HEAP_ALIGN = 256
+# The longest a job's timeout, grace or start timeout may be: one week. Longer is no setting anyone
+# means, and the runtime waits on multiples of them: 1e10 s is past threading's limit (TIMEOUT_MAX,
+# about 9.2e9 s) and ends in an OverflowError, not a timeout.
+MAX_SECONDS = 7 * 24 * 3600.0
 
 
 def resolve_min_shard(min_shard: int | None, time_model: TimeModel | None) -> int:
@@ -60,6 +66,14 @@ def resolve_min_shard(min_shard: int | None, time_model: TimeModel | None) -> in
     if min_shard is not None:
         return min_shard
     return DEFAULT_MIN_SHARD if time_model is None else time_model.choose_min_shard()
+
+
+def _seconds(name: str, value) -> float:
+    """A duration of a job: a finite number > 0 and at most :data:`MAX_SECONDS`."""
+    value = finite_positive(name, value)
+    if value > MAX_SECONDS:
+        raise ValueError(f"{name} must be at most {MAX_SECONDS:g} seconds (one week), got {value!r}")
+    return value
 
 
 def _heap_bytes(name: str, value) -> int:
@@ -90,29 +104,37 @@ def _optional(check):
     return lambda name, value: None if value is None else check(name, value)
 
 
-def _named(check):  # a check that names its own field (check_mode, check_transport)
-    return lambda name, value: check(value)
+def _named(check):  # a str check that names its own field (check_mode, check_transport)
+    # stored as a plain str (a numpy str compares equal but is another type: see differences)
+    return lambda name, value: str(check(value))
 
 
 def _nonempty_str(name: str, value) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty str, got {value!r}")
-    return value
+    return str(value)
 
 
 def _attn_profile(name: str, value) -> str:
-    """A folder whose tables load (:meth:`~scheduler.time_cost.TimeModel.from_dir`); kept as given."""
+    """A folder whose tables load (:meth:`~scheduler.time_cost.TimeModel.from_dir`), stored as its
+    absolute path: the scheduler that plans with it runs in another folder (and process)."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a folder path (a non-empty str), got {value!r}")
     try:
         TimeModel.from_dir(value)
     except ValueError as exc:
         raise ValueError(f"{name}={value!r}: {exc}") from None
-    return value
+    return str(Path(value).expanduser().resolve())
 
 
 def _restarts(name: str, value) -> int:
-    return at_least(name, value, -1)
+    # at_least words a non-int or one below -1; int_in_range, one past int64 (positive_int has both)
+    return int_in_range(name, at_least(name, value, -1), -1, INT64_MAX)
+
+
+def _servers(name: str, value) -> int:
+    # positive_int words a non-int or one below 1; int_in_range, more than a plan may have
+    return int_in_range(name, positive_int(name, value), 1, MAX_SERVERS)
 
 
 def _run_checks(obj, checks) -> tuple[list[str], set[str]]:
@@ -134,11 +156,14 @@ class PlanConfig:
 
     ``min_shard`` None (the default) is resolved where the plan is made
     (:meth:`resolved_min_shard`): 128 tokens, or with ``attn_profile`` the table's choice.
+    ``attn_profile`` is stored as the folder's absolute path (``~`` expanded, resolved where the
+    config is made).
 
     Raises:
         ConfigError: every bad field at once: ``epsilon`` not a finite number >= 0; ``min_shard``,
-            ``max_held_bytes_per_server`` or ``max_kv_rows_per_server`` not a positive int (each
-            may be None); ``attn_profile`` not a folder holding valid forward and backward tables;
+            ``max_held_bytes_per_server`` or ``max_kv_rows_per_server`` not a positive int, or one
+            past :data:`~scheduler.checks.INT64_MAX` (each may be None); ``attn_profile`` not a
+            folder holding valid forward and backward tables;
             ``mode`` not in :data:`~scheduler.checks.MODES`; ``keep_activations`` or ``partial_kv``
             not a bool; a ``max_held_bytes_per_server`` without ``keep_activations``, or a
             ``max_kv_rows_per_server`` without ``partial_kv``.
@@ -172,7 +197,8 @@ class PlanConfig:
         "(query rows, key rows) (ProfileTable JSON, bench/gpu_kernels.py): the planner balances "
         "predicted seconds instead of FLOPs (DistCA §4.2): it aims at the level (the whole documents' "
         "seconds per server) and epsilon, in seconds, bounds what it accepts. The folder must be "
-        "readable where plans are made (the scheduler). None: balance FLOPs", "path"))
+        "readable where plans are made (the scheduler); a relative path is made absolute where the "
+        "config is made. None: balance FLOPs", "path"))
 
     def __post_init__(self):
         problems, bad = _run_checks(self, (
@@ -232,19 +258,22 @@ class JobConfig:
     """A job's settings: its :class:`PlanConfig` and what ``distca_server.launch`` starts.
 
     Raises:
-        ConfigError: every bad field at once: ``plan`` not a :class:`PlanConfig`; ``servers``,
-            ``max_report_docs`` or ``max_report_tokens`` not a positive int; ``transport`` not in
+        ConfigError: every bad field at once: ``plan`` not a :class:`PlanConfig`; ``servers`` not
+            an int in [1, :data:`~scheduler.checks.MAX_SERVERS`]; ``max_report_docs`` or
+            ``max_report_tokens`` not a positive int; ``transport`` not in
             :data:`~scheduler.checks.TRANSPORTS`; ``backend`` not a non-empty str (whether this
             install can run it is checked where it runs); ``timeout_s``, ``failure_grace_s`` or
-            ``start_timeout_s`` not a finite number > 0; ``server_restarts`` or
-            ``scheduler_restarts`` not an int >= -1; ``heap_bytes`` not a positive int multiple of
-            :data:`HEAP_ALIGN` (256 bytes).
+            ``start_timeout_s`` not a finite number in (0, :data:`MAX_SECONDS`] (one week);
+            ``server_restarts`` or ``scheduler_restarts`` not an int >= -1; ``heap_bytes`` not a
+            positive int multiple of :data:`HEAP_ALIGN` (256 bytes). No int field may pass
+            :data:`~scheduler.checks.INT64_MAX`.
     """
 
     plan: PlanConfig = field(default_factory=_job_plan, metadata=_meta(
         "the planner's settings (a PlanConfig; a job's default is dedicated mode)"))
     servers: int = field(default=1, metadata=_meta(
-        "dedicated attention servers (ignored in inplace mode, where every client rank serves its share)"))
+        "dedicated attention servers, dedicated mode only: in inplace mode every client rank serves its "
+        "share (launch ignores servers there; distca up refuses --servers)"))
     transport: str = field(default="torch_dist", metadata=_meta(
         "how group epochs move tensors: torch_dist (gloo on CPU, NCCL on GPU), shm (shared memory: "
         "CPU tensors, one node) or nvshmem (CUDA tensors)", choices=TRANSPORTS))
@@ -252,12 +281,12 @@ class JobConfig:
         "attention kernel backend on the servers: auto (the fastest that runs) or a name from "
         "distca_server.kernels.BACKENDS"))
     timeout_s: float = field(default=60.0, metadata=_meta(
-        "how long any wait of the job lasts before participants get DistCAError", "seconds"))
+        "how long any wait of the job lasts before participants get DistCAError (at most a week)", "seconds"))
     failure_grace_s: float = field(default=1.0, metadata=_meta(
         "after a failure, how long the scheduler waits for the other members to check in before "
-        "naming the silent ones lost", "seconds"))
+        "naming the silent ones lost (at most a week)", "seconds"))
     start_timeout_s: float = field(default=300.0, metadata=_meta(
-        "how long the job's actors may take to start (e.g. waiting for GPUs)", "seconds"))
+        "how long the job's actors may take to start (e.g. waiting for GPUs; at most a week)", "seconds"))
     server_restarts: int = field(default=0, metadata=_meta(
         "how often Ray restarts a dead attention server (-1: always); a restarted server rejoins"))
     scheduler_restarts: int = field(default=-1, metadata=_meta(
@@ -281,10 +310,9 @@ class JobConfig:
         problems = [] if isinstance(self.plan, PlanConfig) else [
             f"plan must be a PlanConfig, got {type(self.plan).__name__} {self.plan!r}"]
         problems += _run_checks(self, (
-            ("servers", positive_int), ("transport", _named(check_transport)), ("backend", _nonempty_str),
-            ("timeout_s", finite_positive), ("failure_grace_s", finite_positive),
-            ("start_timeout_s", finite_positive), ("server_restarts", _restarts),
-            ("scheduler_restarts", _restarts), ("max_report_docs", positive_int),
+            ("servers", _servers), ("transport", _named(check_transport)), ("backend", _nonempty_str),
+            ("timeout_s", _seconds), ("failure_grace_s", _seconds), ("start_timeout_s", _seconds),
+            ("server_restarts", _restarts), ("scheduler_restarts", _restarts), ("max_report_docs", positive_int),
             ("max_report_tokens", positive_int), ("heap_bytes", _heap_bytes), ("cuda_graphs", boolean)))[0]
         if problems:
             raise ConfigError("JobConfig", problems)
@@ -299,21 +327,25 @@ class JobConfig:
             values: fields by name.
 
         Raises:
-            ConfigError: every bad value, of both classes, at once.
+            ConfigError: every bad value, of both classes, at once (a ``plan`` that is not a
+                :class:`PlanConfig` among them).
             TypeError: a name that is no field.
         """
         unknown = [k for k in values if k not in PLAN_FIELDS and k not in JOB_FIELDS]
         if unknown:
             raise TypeError(f"JobConfig and PlanConfig have no field {', '.join(map(repr, unknown))}")
         base = _job_plan() if plan is None else plan
+        # A base that is no PlanConfig: the plan values are checked on a job's default plan, and
+        # JobConfig names the bad base itself below.
+        checked = base if isinstance(base, PlanConfig) else _job_plan()
         problems = []
         try:
-            plan = dataclasses.replace(base, **{k: v for k, v in values.items() if k in PLAN_FIELDS})
+            new_plan = dataclasses.replace(checked, **{k: v for k, v in values.items() if k in PLAN_FIELDS})
         except ConfigError as exc:
             problems += exc.problems
-            plan = base if isinstance(base, PlanConfig) else _job_plan()
+            new_plan = checked
         try:
-            job = cls(plan=plan, **{k: v for k, v in values.items() if k in JOB_FIELDS})
+            job = cls(plan=new_plan if base is checked else base, **{k: v for k, v in values.items() if k in JOB_FIELDS})
         except ConfigError as exc:
             problems += exc.problems
         if problems:
@@ -376,8 +408,10 @@ def legacy_fields(entry: str, args: tuple = (), kwargs: dict | None = None, *,
     """
     kwargs = kwargs or {}
     if len(args) > len(positional):
-        raise TypeError(f"{entry}() got {len(args)} extra positional arguments; it takes at most "
-                        f"{len(positional)} ({', '.join(positional)}, deprecated)")
+        extra = len(args) - len(positional)
+        raise TypeError(f"{entry}() got {extra} extra positional argument{'s' if extra > 1 else ''}: it "
+                        f"takes at most {len(positional)} deprecated ones ({', '.join(positional)}), "
+                        f"{len(args)} were given")
     given = dict(zip(positional, args))
     for name, value in kwargs.items():
         if name in given:
@@ -458,5 +492,5 @@ def legacy_job_config(entry: str, config, given: dict) -> JobConfig:
         raise ConfigError(entry, exc.problems) from None
 
 
-__all__ = ["ConfigError", "DEFAULT_HEAP_BYTES", "DEFAULT_MIN_SHARD", "resolve_min_shard", "HEAP_ALIGN", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "PLAN_FIELDS",
+__all__ = ["ConfigError", "DEFAULT_HEAP_BYTES", "DEFAULT_MIN_SHARD", "resolve_min_shard", "HEAP_ALIGN", "JOB_FIELDS", "JobConfig", "MAX_REPORT_DOCS", "MAX_REPORT_TOKENS", "MAX_SECONDS", "PLAN_FIELDS",
            "PlanConfig", "differences", "legacy_fields", "legacy_job_config", "render", "warn_deprecated"]

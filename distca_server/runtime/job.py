@@ -105,7 +105,7 @@ def launch(name: str = "default", *, config: JobConfig | None = None, detached: 
     """
     given = legacy_fields("launch", (), legacy, accepted=_LAUNCH_LEGACY)
     config = legacy_job_config("launch", config, given)
-    _check_here(config)
+    check_here(config)
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE)
     running = job_actor_names(name)
@@ -144,9 +144,10 @@ def launch(name: str = "default", *, config: JobConfig | None = None, detached: 
     return {"scheduler": scheduler, "servers": handles, "config": config}
 
 
-def _check_here(config: JobConfig) -> None:
-    """What ``config`` needs of this process, checked before any Ray call: a backend name some
-    install knows (whether the servers can run it is theirs to say), a transport that can run.
+def check_here(config: JobConfig) -> None:
+    """What ``config`` needs of this process, checked before any Ray call (by :func:`launch`, and
+    by ``distca up`` before it connects): a backend name some install knows (whether the servers
+    can run it is theirs to say), a transport that can run.
 
     Raises:
         ConfigError: naming every problem.

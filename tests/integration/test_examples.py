@@ -1,5 +1,6 @@
 """The quickstart runs end to end and checks itself against local attention."""
 
+import pytest
 from scripts import load_script
 
 
@@ -8,3 +9,12 @@ def test_quickstart_runs(capsys):
     module.main(["--servers", "3", "--context", "1024", "--mode", "dedicated"])
     text = capsys.readouterr().out
     assert "max relative error vs local attention" in text and "imbalance" in text
+
+
+def test_quickstart_names_a_bad_count_flag(capsys):
+    module = load_script("examples/quickstart.py", "quickstart")
+    for flag in ("--servers", "--context"):
+        with pytest.raises(SystemExit) as info:  # argparse's error, not a traceback about num_ranks
+            module.main([flag, "0"])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be a positive int, got '0'")

@@ -127,6 +127,24 @@ def test_model_config_errors_name_every_problem():
         llama_worker.TrainConfig(hidden=64, heads=4, kv_heads=3).validate()
 
 
+def test_job_settings_are_named_before_ray_starts():
+    """The distca job's settings are checked as launch checks them, by validate(), which runs
+    before Ray starts and before the run folder is emptied."""
+    with pytest.raises(ValueError) as info:
+        llama_worker.TrainConfig(epsilon=-1, min_shard=0).validate()
+    assert str(info.value) == ("train config: epsilon must be a finite number >= 0, got -1; "
+                               "min_shard must be a positive int, got 0")
+    with pytest.raises(ValueError) as info:  # every one at once, each once: plan and job fields together
+        llama_worker.TrainConfig(mode="x", servers=0, transport="tcp", epsilon=float("inf")).validate()
+    text = str(info.value)
+    for words in ("transport='tcp'", "epsilon must be a finite number >= 0, got inf", "mode must be one of",
+                  "servers must be a positive int, got 0"):
+        assert text.count(words) == 1, (words, text)
+    assert text.count("transport") == 1 and text.count("mode") == 1
+    with pytest.raises(ValueError, match="epsilon must be a finite number >= 0, got -1.0"):
+        train_llama.parse_args(["--epsilon", "-1"])
+
+
 def test_loss_agreement_is_relative_over_the_first_steps():
     a = [{"step": i, "loss": 5.0 - i * 0.1} for i in range(12)]
     b = [dict(r, loss=r["loss"] * (1 + 2e-6)) for r in a]

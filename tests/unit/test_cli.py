@@ -177,3 +177,96 @@ def test_worker_pythonpath_puts_the_dirs_first_and_keeps_this_process_path(monke
     assert worker_pythonpath(Path("/repo"), "/repo/examples") == sep.join(["/repo", "/repo/examples", "/tmp/site"])
     monkeypatch.delenv("PYTHONPATH")
     assert worker_pythonpath("/repo") == "/repo"
+
+
+# ---- one line, exit status 1, before Ray: the rest of the user errors -----------------------------------
+def test_a_bad_backend_is_refused_before_connecting():
+    """launch's checks of this machine (a backend name some install knows) run before connect."""
+    out = _run_cli("up", "--backend", "nope", "--address", "127.0.0.1:1")  # were it reached: "cannot reach"
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distca up: backend must be 'auto' or one of"), lines
+    assert "'nope'" in lines[0]
+
+
+def test_values_past_the_bounds_are_one_line_before_ray(capsys):
+    for argv, field, value in ((["--min-shard", "99999999999999999999999"], "min_shard", "99999999999999999999999"),
+                               (["--max-report-tokens", str(2**63)], "max_report_tokens", str(2**63)),
+                               (["--scheduler-restarts", str(2**63)], "scheduler_restarts", str(2**63)),
+                               (["--timeout-s", "1e10"], "timeout_s", "10000000000.0"),
+                               (["--servers", str(2**20 + 1)], "servers", str(2**20 + 1))):
+        assert main(["up", *argv, "--address", "127.0.0.1:1"]) == 1  # were Ray reached: "cannot reach"
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"distca up: {field} must be"), lines
+        assert lines[0].endswith(f"got {value}"), lines
+    out = _run_cli("up", "--min-shard", "99999999999999999999999", "--address", "127.0.0.1:1")
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distca up: min_shard must be")
+    assert "99999999999999999999999" in lines[0]
+
+
+@pytest.mark.parametrize("argv, start, prog", [
+    (["up", "--min-shard", "abc"], "argument --min-shard: invalid int value: 'abc'", "distca up"),
+    (["simulate", "--gpus", "abc"], "argument --gpus: invalid int value: 'abc'", "distca simulate"),
+    (["simulate", "--context", "0"], "argument --context: token count must be positive: '0'", "distca simulate"),
+    (["status", "--json", "--watch"], "argument --watch: not allowed with argument --json", "distca status"),
+    (["down", "--nme", "x"], "unrecognized arguments: --nme x", "distca"),
+    (["launch"], "argument COMMAND: invalid choice: 'launch'", "distca"),
+])
+def test_argparse_errors_are_one_line_and_exit_status_1(argv, start, prog, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: {start}") and lines[0].endswith(f"(see {prog} --help)"), lines
+
+
+def test_argparse_errors_exit_1_from_the_command_line():
+    out = _run_cli("up", "--min-shard", "abc")
+    assert out.returncode == 1 and out.stderr.splitlines() == [
+        "distca up: argument --min-shard: invalid int value: 'abc' (see distca up --help)"]
+
+
+def test_simulate_bad_input_exits_1(capsys):
+    assert main(["simulate", "--gpus", "0"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["distca simulate: error: gpus must be an int >= 1, got 0"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--interval", "5"], "--interval 5 is the seconds between --watch redraws; add --watch, or drop --interval"),
+    (["--json", "--interval", "5"], "--interval 5 is the seconds between --watch redraws"),
+    (["--watch", "--interval", "inf"], "--interval must be a number of seconds in (0, 3600], got inf"),
+    (["--watch", "--interval", "1e10"], "--interval must be a number of seconds in (0, 3600], got 10000000000.0"),
+    (["--watch", "--interval", "nan"], "--interval must be a number of seconds in (0, 3600], got nan"),
+    (["--watch", "--interval", "0"], "--interval must be a number of seconds in (0, 3600], got 0.0"),
+])
+def test_status_interval_is_checked_before_ray(argv, words, capsys):
+    assert main(["status", *argv, "--address", "127.0.0.1:1"]) == 1  # were Ray reached: "cannot reach"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"distca status: {words}"), lines
+
+
+def test_watch_refuses_an_interval_sleep_cannot_take():
+    from distca_cli.watch import MAX_INTERVAL_S, watch
+    for bad in (float("inf"), 1e10, MAX_INTERVAL_S + 1):
+        with pytest.raises(CLIError, match=r"--interval must be a number of seconds in \(0, 3600\]"):
+            watch(lambda: pytest.fail("fetched"), interval_s=bad)
+
+
+def test_up_synopsis_in_the_docs_lists_every_flag():
+    from distca_cli.flags import flag
+    from scheduler.config import JOB_FIELDS, PLAN_FIELDS
+    text = (ROOT / "docs" / "cli.md").read_text()
+    synopsis = text.split("## `distca up`", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    for name in PLAN_FIELDS + JOB_FIELDS + ("name", "address"):
+        assert flag(name) in synopsis, name
+
+
+def test_servers_help_says_what_inplace_mode_does_with_it():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    help_text = next(a.help for a in sub.choices["up"]._actions if a.dest == "servers")
+    assert "ignored" not in help_text and "distca up refuses --servers" in help_text
+    assert "ignored in in-place mode" not in (ROOT / "docs" / "config.md").read_text()

@@ -55,3 +55,13 @@ def test_a_backend_this_install_cannot_run_is_refused_when_the_client_is_built()
         pytest.skip("flash_attn / torch_varlen may run here")
     with pytest.raises(ValueError, match="backend='torch_varlen'.*cannot run on this install"):
         DistCAClient.local(config=JobConfig(plan=PlanConfig(), servers=2, backend="torch_varlen"))
+
+
+def test_old_keywords_name_a_bad_backend_beside_the_other_problems():
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError) as info:
+        DistCAClient.local(2, epsilon=-1, backend="nope")
+    assert info.value.problems[0] == "epsilon must be a finite number >= 0, got -1"
+    assert info.value.problems[1].startswith("backend='nope' (unknown attention backend 'nope'")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError) as info:  # a non-str backend: named once
+        DistCAClient.local(2, epsilon=-1, backend=["auto"])
+    assert [p.split(" ")[0] for p in info.value.problems] == ["epsilon", "backend"]

@@ -316,3 +316,81 @@ def test_cli_help_shows_the_job_defaults():
     help_text = {a.dest: a.help for a in _up_actions().values()}
     assert help_text["mode"].endswith("(default: dedicated)")  # a job's, not PlanConfig's in-place
     assert "[seconds]" in help_text["timeout_s"] and help_text["timeout_s"].endswith("(default: 60.0)")
+
+
+# ---- bounds, normal forms, paths -------------------------------------------------------------------
+def test_int_fields_stop_at_int64_and_servers_at_max_servers():
+    from scheduler.checks import INT64_MAX, MAX_SERVERS
+    too_big = 2**70  # a multiple of 256 too: heap_bytes is refused for its size, not its alignment
+    for cls, fields in ((PlanConfig, dict(min_shard=too_big, max_held_bytes_per_server=too_big,
+                                          max_kv_rows_per_server=too_big)),
+                        (JobConfig, dict(servers=MAX_SERVERS + 1, server_restarts=too_big,
+                                         scheduler_restarts=too_big, max_report_docs=too_big,
+                                         max_report_tokens=too_big, heap_bytes=too_big))):
+        with pytest.raises(ConfigError) as info:
+            cls(**fields, **({"partial_kv": True} if cls is PlanConfig else {}))
+        assert len(info.value.problems) == len(fields)  # in field order, each naming field and value
+        for (name, value), problem in zip(fields.items(), info.value.problems):
+            assert problem.startswith(f"{name} must be") and problem.endswith(f"got {value}"), problem
+    with pytest.raises(ConfigError, match=r"servers must be an int in \[1, 1048576\], got 1048577"):
+        JobConfig(servers=MAX_SERVERS + 1)
+    assert PlanConfig(min_shard=INT64_MAX).min_shard == INT64_MAX  # the bounds themselves are fine
+    job = JobConfig(servers=MAX_SERVERS, server_restarts=INT64_MAX, max_report_tokens=INT64_MAX)
+    assert (job.servers, job.server_restarts) == (MAX_SERVERS, INT64_MAX)
+
+
+def test_durations_stop_at_a_week():
+    from scheduler.config import MAX_SECONDS
+    assert MAX_SECONDS == 604800
+    fields = dict(timeout_s=1e10, failure_grace_s=MAX_SECONDS + 1, start_timeout_s=np.float64(1e300))
+    with pytest.raises(ConfigError) as info:
+        JobConfig(**fields)
+    assert [p.split(" ")[0] for p in info.value.problems] == list(fields)
+    assert all("must be at most 604800 seconds (one week)" in p for p in info.value.problems)
+    job = JobConfig(timeout_s=MAX_SECONDS, failure_grace_s=MAX_SECONDS, start_timeout_s=MAX_SECONDS)
+    assert job.timeout_s == MAX_SECONDS
+
+
+def test_relative_and_home_attn_profiles_are_stored_absolute(tmp_path, monkeypatch):
+    import shutil
+    shipped = ROOT / "distca_sim" / "data" / "profiles" / "h200" / "llama3-8b-tp8"
+    monkeypatch.chdir(shipped.parent)
+    plan = PlanConfig(attn_profile="llama3-8b-tp8")
+    assert plan.attn_profile == str(shipped.resolve())
+    job = config_from_args(build_parser().parse_args(["up", "--attn-profile", "./llama3-8b-tp8"]))
+    assert job.plan.attn_profile == str(shipped.resolve())
+    monkeypatch.chdir(tmp_path)  # the scheduler plans elsewhere: the path still names the folder
+    assert plan.time_model() is not None and plan.resolved_min_shard() == 256
+    assert PlanConfig.from_dict(plan.to_dict()) == plan
+    shutil.copytree(shipped, tmp_path / "prof")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    shutil.move(tmp_path / "prof", tmp_path / "home" / "prof")
+    assert PlanConfig(attn_profile="~/prof").attn_profile == str((tmp_path / "home" / "prof").resolve())
+
+
+def test_from_fields_names_a_plan_that_is_no_plan_config():
+    with pytest.raises(ConfigError) as info:
+        JobConfig.from_fields(plan="x", epsilon=-1, servers=0)
+    assert [p.split(" ")[0] for p in info.value.problems] == ["epsilon", "plan", "servers"]
+    assert "plan must be a PlanConfig, got str 'x'" in info.value.problems
+    with pytest.raises(ConfigError, match="plan must be a PlanConfig, got dict"):
+        JobConfig.from_fields(plan={"epsilon": 0.1})
+
+
+def test_numpy_strings_are_stored_as_str():
+    plan = PlanConfig(mode=np.str_("dedicated"))
+    job = JobConfig(plan=plan, transport=np.str_("shm"), backend=np.str_("reference"))
+    assert type(plan.mode) is str and type(job.transport) is str and type(job.backend) is str
+    assert differences(plan, PlanConfig(mode="dedicated")) == []
+    assert differences(job, JobConfig(transport="shm", backend="reference")) == []
+
+
+def test_too_many_deprecated_positional_arguments_counts_the_extra_ones():
+    with pytest.raises(TypeError) as info:
+        Coordinator("j", "inplace", 0.1, 256, 30.0, 1.0, "auto", 10, 10, 5)
+    assert str(info.value).startswith("Coordinator() got 1 extra positional argument: it takes at most 8 "
+                                      "deprecated ones (mode, epsilon,")
+    assert str(info.value).endswith(", 9 were given")
+    with pytest.raises(TypeError, match=r"got 3 extra positional arguments: .* at most 2 .*, 5 were given"):
+        legacy_fields("f", (1, 2, 3, 4, 5), positional=("a", "b"), accepted=("a", "b"))

@@ -1,5 +1,8 @@
 """Step-time simulator: hand-computed cases, schedules, ping-pong, memory, presets, bad input."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -381,5 +384,53 @@ def test_cli_single_configuration_and_sweep(tmp_path, capsys):
     rows = json.loads(path.read_text())
     assert {r["context"] for r in rows} == {32768, 65536}
     assert sum(r["system"] == "wlb_ideal" for r in rows) == 2  # baselines once per context
-    assert main(["simulate", "--gpus", "60"]) == 2
+    assert main(["simulate", "--gpus", "60"]) == 1  # one line, exit status 1, as every distca command
     assert "not a multiple" in capsys.readouterr().err
+
+
+def test_cli_json_path_is_checked_before_the_run(tmp_path, capsys):
+    from distca_cli import main
+    small = ["simulate", "--gpus", "8", "--context", "16K", "--systems", "packing"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for target, words in ((tmp_path, f"--json {tmp_path}: is a folder (give a file path)"),
+                          (a_file / "out.json", f"--json {a_file / 'out.json'}: {a_file} is not a folder")):
+        assert main([*small, "--json", str(target)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.splitlines() == [f"distca simulate: error: {words}"]
+    deep = tmp_path / "new" / "folder" / "out.json"  # folders that do not exist yet are made
+    assert main([*small, "--json", str(deep)]) == 0 and deep.is_file()
+
+
+def test_cli_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+    from distca_cli import main
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    path = tmp_path / "out.json"
+    assert main(["simulate", "--gpus", "8", "--context", "16K", "--systems", "packing", "--json", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"distca simulate: error: --json {path}: No space left on device"]
+
+
+def test_cli_attn_profile_folder_check_is_the_configs(tmp_path, capsys):
+    from distca_cli import main
+    from scheduler.config import ConfigError, PlanConfig
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    words = f"attention profile {str(a_file)!r}: not a folder"
+    assert main(["simulate", "--gpus", "8", "--context", "16K", "--attn-profile", str(a_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"distca simulate: error: {words}"]
+    with pytest.raises(ConfigError, match=re.escape(words)):  # what `distca up --attn-profile` says
+        PlanConfig(attn_profile=str(a_file))
+
+
+def test_cli_assumed_rates_help_says_an_attn_profile_wins():
+    import argparse
+
+    from distca_sim import cli
+    parser = argparse.ArgumentParser()
+    sim = cli.register(parser.add_subparsers())
+    text = next(a.help for a in sim._actions if a.dest == "assumed_rates")
+    assert "--attn-profile takes precedence" in text
