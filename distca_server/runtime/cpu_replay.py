@@ -49,25 +49,27 @@ class ThreadReplay:
                 self.transport.close()
         thread = threading.Thread(target=body, daemon=True)
         thread.start()
-        return _Joined(thread, failed)
+        # every wait inside the round ends by the transport's timeout: the eager rounds' budget
+        return _Joined(thread, failed, 2 * self.transport.timeout_s + 5)
 
     def release(self) -> None:
         pass
 
 
 class _Joined:
-    def __init__(self, thread, failed):
-        self.thread, self.failed = thread, failed
+    def __init__(self, thread, failed, budget_s: float):
+        self.thread, self.failed, self.budget_s = thread, failed, budget_s
 
     def wait(self) -> None:
         """Join the replay's thread; raise what the round raised.
 
         Raises:
-            RuntimeError: the round did not finish within 120 s.
+            RuntimeError: the round did not finish within ``budget_s`` (twice the transport's
+                timeout, plus 5 s).
         """
-        self.thread.join(120)
+        self.thread.join(self.budget_s)
         if self.thread.is_alive():
-            raise RuntimeError("a replayed round did not finish within 120 s")
+            raise RuntimeError(f"a replayed round did not finish within {self.budget_s:g} s")
         if self.failed:
             raise self.failed[0]
 

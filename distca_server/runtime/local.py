@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from ..kernels import get_backend
 from ..participant import Participant, drive, drive_all
 from ..transport.local import LockstepGroup
 from ..transport.local_heap import HeapGroup
+from ..transport.routed import GRACE_S
 from ..wire import RowFormat
 from .base import PlannedBatch, Runtime, StepState
 from .graphed import RoundGraphs
@@ -349,18 +350,31 @@ class LocalRuntime(Runtime):
                 finally:
                     done[i] = fence.leave()
         futures = [self._pool.submit(helper, i, job) for i, job in enumerate(jobs) if i]
-        errors, first = [], []
+        own, first = [], []
         try:
             first.append(call(0, jobs[0]))
         except BaseException as exc:
-            errors.append(exc)
-        _, pending = wait(futures, timeout=2 * self.timeout_s + 5)
+            own.append(exc)
+        budget = 2 * self.timeout_s + 5  # every wait inside a participant ends by its timeout
+        failed = bool(own)
+        if not failed:
+            finished, pending = wait(futures, timeout=budget, return_when=FIRST_EXCEPTION)
+            failed = any(f.exception() is not None for f in finished)
+        if failed:
+            # The group is aborted: the others' exchanges end at once. One stuck in its own
+            # work (a kernel) cannot be stopped: it gets a grace, not the whole budget.
+            _, pending = wait(futures, timeout=GRACE_S)
+        errors = own + [f.exception() for f in futures if f.done() and f.exception() is not None]
         if pending:
             group.abort(-1, "round did not finish")
-            raise DistCAError(f"{len(pending)} local participants did not finish within "
-                              f"{2 * self.timeout_s + 5:g} s")
-        fence.join(done)
-        errors += [f.exception() for f in futures if f.exception() is not None]
+            # Its pool thread stays busy until that work returns: the next round takes a fresh pool.
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            if not errors:
+                stuck = [i for i, f in enumerate(futures, 1) if not f.done()]
+                raise DistCAError(f"local participants {stuck} did not finish within {budget:g} s")
+        else:
+            fence.join(done)
         if errors:
             raise first_cause(errors)
         return first + [f.result() for f in futures]

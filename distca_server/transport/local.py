@@ -101,10 +101,19 @@ class LocalTransport:
     def buffer(self, key: str, nbytes: int) -> torch.Tensor:
         return self._buffers.buffer(key, nbytes)
 
+    def close(self) -> None:
+        """Leave the group: peers in an exchange with this participant, or in a later one, fail
+        with ``DistCAError`` (the group is aborted; in-process, nothing else is held)."""
+        self.group.abort(self.rank, "left the group (closed)")
+
     def _deposit(self, send, send_splits, recv, recv_splits) -> None:
         """Check the call and put this participant's segments where its peers read them."""
         g, me, P = self.group, self.rank, self.world_size
-        check_exchange(send, send_splits, recv, recv_splits, P, me)
+        try:
+            check_exchange(send, send_splits, recv, recv_splits, P, me)
+        except ValueError as exc:  # the peers fail at once, not at the barrier's timeout
+            g.abort(me, f"bad exchange arguments: {exc}")
+            raise
         offsets = []
         for splits in send_splits:
             o, acc = [], 0

@@ -223,7 +223,8 @@ class RoutedTransport(SymmetricTransport):
         """Refuse (ValueError, and abort the group) an exchange of route ``r`` whose sizes or
         receive buffers are not the ones it was installed with; DistCAError on a broken group."""
         P, me = self.world_size, self.rank
-        check_exchange(send, send_splits, recv, recv_splits, P, me)
+        with self._refusing():
+            check_exchange(send, send_splits, recv, recv_splits, P, me)
         self._settle()
         if self._closed or self._broken is not None:
             raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "

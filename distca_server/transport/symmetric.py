@@ -52,6 +52,7 @@ raises :class:`DistCAError` naming the peers it did not hear from. A PE that clo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -222,6 +223,17 @@ class SymmetricTransport:
             except Exception:  # noqa: BLE001
                 pass
 
+    @contextlib.contextmanager
+    def _refusing(self):
+        """A ``ValueError`` raised inside (this PE's own bad exchange arguments) aborts the group
+        before it propagates, so the peers fail at once rather than at their deadline."""
+        try:
+            yield
+        except ValueError as exc:
+            if not self._closed:
+                self._abort(MISMATCH, f"participant {self.rank} passed bad exchange arguments: {exc}")
+            raise
+
     def _aborted_by(self, sig: np.ndarray, pending) -> tuple[int, int] | None:
         """The first peer whose ABORT word ends this wait: any that timed out or found a mismatch,
         or one we still wait for that left, moved on to a later generation (any of its words
@@ -329,9 +341,10 @@ class SymmetricTransport:
         none): when every PE names the same one, receives straight into its arena and no array
         grows, :meth:`_install` is told the offsets it wrote to, for later exchanges of the route."""
         P, me, heap = self.world_size, self.rank, self.heap
-        check_exchange(send, send_splits, recv, recv_splits, P, me)
-        if len(send) > MAX_SEGMENTS:
-            raise ValueError(f"an exchange moves at most {MAX_SEGMENTS} segments, got {len(send)}")
+        with self._refusing():
+            check_exchange(send, send_splits, recv, recv_splits, P, me)
+            if len(send) > MAX_SEGMENTS:
+                raise ValueError(f"an exchange moves at most {MAX_SEGMENTS} segments, got {len(send)}")
         if self._closed or self._broken is not None:
             raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "
                               f"{'closed' if self._closed else 'aborted: ' + self._broken}")

@@ -242,3 +242,37 @@ def test_a_batch_shape_seen_before_reuses_its_participants_layouts_and_stays_exa
         assert all(a is not b and a.executor is b.executor for a, b in zip(first, last))
         assert any(p.traffic for p in first)  # rows moved
         assert [p.traffic for p in last] == [p.traffic for p in first]  # each step counts its own
+
+
+def test_a_participant_stuck_in_its_kernel_fails_the_round_soon_and_the_next_round_runs():
+    """Participant 1 of a blocking group (shm: a pool thread each) stalls in its kernel, never
+    failing. Participant 0 times out: the round raises within about its timeout plus a grace
+    (before: after 2 · timeout + 5 s, naming nobody), and the next round runs exact on a fresh
+    pool (before: it queued behind the stuck thread and failed too)."""
+    import threading
+    import time
+
+    from scheduler.config import JobConfig
+
+    lens = [100, 1, 37, 12, 129, 31]
+    cfg = JobConfig(servers=2, transport="shm", heap_bytes=16 << 20, timeout_s=1.0,
+                    plan=PlanConfig(mode="inplace", min_shard=8))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(sum(lens), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    release = threading.Event()
+    with DistCAClient.local(config=cfg) as c, torch.no_grad():
+        c.attend(q, k, v, lens)
+        executor = next(iter(c._runtime._bound.values()))[1].executor
+        forward = executor.forward
+        executor.forward = lambda *a, **kw: (release.wait(60), forward(*a, **kw))[1]
+        try:
+            start = time.monotonic()
+            with pytest.raises(DistCAError):
+                c.attend(q, k, v, lens)
+            assert time.monotonic() - start < 2 * cfg.timeout_s + 5 - 1  # not the old whole budget
+            executor.forward = forward
+            out = c.attend(q, k, v, lens)
+        finally:
+            release.set()
+    want = varlen_attention_ref(q, k, v, lens, 8 ** -0.5)
+    assert torch.allclose(out, want, atol=1e-10)

@@ -102,6 +102,27 @@ def test_size_mismatch_is_value_error_and_peers_do_not_hang():
     assert isinstance(errors[0], DistCAError)
 
 
+def test_bad_arguments_and_close_fail_the_peers_at_once():
+    """A participant's own bad splits (ValueError) and a closed endpoint abort the group: the
+    peers fail at once, naming it, not at the barrier's 30 s timeout (found by a review)."""
+    for how in ("bad splits", "close"):
+        group = LocalGroup(3, timeout_s=30)
+
+        def participant(i):
+            send = torch.zeros(3, dtype=torch.uint8)
+            if i == 1 and how == "close":
+                group.endpoint(1).close()
+                return None
+            return all_to_all(group.endpoint(i), send, [1, 1, 2] if i == 1 else [1, 1, 1], [1, 1, 1])
+        start = time.monotonic()
+        _, errors = _in_threads(3, participant)
+        assert time.monotonic() - start < 5, how
+        if how == "bad splits":
+            assert isinstance(errors[1], ValueError) and "sum to 4" in str(errors[1])
+        for i in (0, 2):
+            assert isinstance(errors[i], DistCAError) and "participant 1 failed" in str(errors[i]), (how, errors[i])
+
+
 @pytest.mark.parametrize("send,send_splits,recv_splits,fragment", [
     (torch.zeros(3), [3, 0], [0, 0], "uint8"),
     (torch.zeros(3, dtype=torch.uint8), [3], [0, 0], "send_splits"),

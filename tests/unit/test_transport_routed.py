@@ -213,6 +213,39 @@ def test_misused_route_is_refused_and_its_peers_fail_at_once(heap):
             assert elapsed < 30, "the peers fail on participant 0's abort, not at their 60 s deadline"
 
 
+@pytest.mark.parametrize("installed_first", [False, True])
+@pytest.mark.parametrize("bad", ["sum", "segments"])
+def test_bad_exchange_arguments_fail_the_peers_at_once(heap, installed_first, bad):
+    """A PE whose own arguments are bad (send splits that do not sum to its segment, or more than
+    MAX_SEGMENTS segments) raises ValueError and aborts the group, host-driven or on an installed
+    route: its peers fail at once, not at their 60 s deadline (found by a review: they waited
+    the deadline and read that the PE was silent)."""
+    P = 3
+    with routed_group(heap, P, 60) as ts:
+        splits = installed(ts) if installed_first else [[[64] * P] for _ in range(P)]
+
+        def step(r):
+            rs = recv_splits(splits, r)
+            recv = [ts[r].buffer(f"recv-r-{s}", sum(x)) for s, x in enumerate(rs)]
+            send, sp = payload(r, splits, 3), splits[r]
+            if r == 1 and bad == "sum":
+                sp = [[64, 64, 65]]
+            elif r == 1:
+                send, sp, recv, rs = send * 17, sp * 17, recv * 17, rs * 17
+            t0 = time.monotonic()
+            try:
+                ts[r].exchange(send, sp, recv, rs, route=("test", "r")).wait()
+            except (ValueError, DistCAError) as exc:
+                return time.monotonic() - t0, exc
+            return time.monotonic() - t0, None
+        got = in_threads(P, step)
+        assert isinstance(got[1][1], ValueError), got[1]
+        for r in (0, 2):
+            elapsed, exc = got[r]
+            assert isinstance(exc, DistCAError) and "participant 1 found a mismatch" in str(exc), exc
+            assert elapsed < 30, elapsed
+
+
 def test_a_peer_that_reads_an_echo_before_its_cause_names_the_cause(heap):
     """The race the test above meets under load: participant 2 reads participant 1's PEER_FAILED
     before participant 0's MISMATCH has landed. The echo carries its cause, so participant 2 still

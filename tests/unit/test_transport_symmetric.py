@@ -285,17 +285,25 @@ def test_heap_handle_is_small_and_msgpack_able():
         create_heap(4, heap_bytes=100)
 
 
-def test_bad_arguments_are_refused_before_anything_moves():
+@pytest.mark.parametrize("case", ["segments", "sum", "own split"])
+def test_bad_arguments_are_refused_before_anything_moves(case):
+    """Refused with ValueError, and the group aborted (its peers fail at once): the next
+    exchange is a DistCAError naming why."""
     handle = create_heap(1, heap_bytes=1 << 20)
     try:
         t = SymmetricTransport(ShmHeap(handle, 0), timeout_s=1)
         one = torch.zeros(4, dtype=torch.uint8)
-        with pytest.raises(ValueError, match="at most 16 segments"):
-            t.exchange([one] * 17, [[4]] * 17, [one] * 17, [[4]] * 17)
-        with pytest.raises(ValueError, match="sum to 3"):
-            t.exchange([one], [[3]], [one], [[4]])
-        with pytest.raises(ValueError, match="to itself has 4 bytes, expected 2"):
-            t.exchange([one], [[4]], [one[:2]], [[2]])
+        if case == "segments":
+            with pytest.raises(ValueError, match="at most 16 segments"):
+                t.exchange([one] * 17, [[4]] * 17, [one] * 17, [[4]] * 17)
+        elif case == "sum":
+            with pytest.raises(ValueError, match="sum to 3"):
+                t.exchange([one], [[3]], [one], [[4]])
+        else:
+            with pytest.raises(ValueError, match="to itself has 4 bytes, expected 2"):
+                t.exchange([one], [[4]], [one[:2]], [[2]])
+        with pytest.raises(DistCAError, match="aborted"):
+            t.exchange([one], [[4]], [one], [[4]])
         t.close()
         with pytest.raises(DistCAError, match="closed"):
             t.exchange([one], [[4]], [one], [[4]])
