@@ -215,6 +215,16 @@ class CommLayout:
         """Bytes of each returned tensor the client role receives in all."""
         return self.ret_recv_splits.sum(axis=1).tolist()
 
+    @cached_property
+    def sent(self) -> dict[tuple[str, str], int]:
+        """``{(kind value, tensor): bytes}`` the participant sends other participants in one
+        round, both exchanges (what ``Participant.traffic`` counts per round; no zero entries)."""
+        out: dict[tuple[str, str], int] = {}
+        for name, n in [*zip(self.names, self.send_sizes), *zip(self.back, self.ret_send_splits.sum(axis=1).tolist())]:
+            if n:
+                out[(self.kind.value, name)] = out.get((self.kind.value, name), 0) + int(n)
+        return out
+
     def peer_bytes(self) -> np.ndarray:
         """int64 [4, P]: per peer, the bytes this participant sends and expects in the dispatch,
         then sends and expects in the return: what the round header claims to each peer."""

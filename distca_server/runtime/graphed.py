@@ -126,7 +126,22 @@ class CapturedRound:
         return rows, merged
 
     def _round(self, i: int, p, t, scale: float, ins, outs):
-        """The function a recording of participant ``i`` runs (twice: once per recording)."""
+        """The function a recording of participant ``i`` runs (twice: once per recording),
+        counting no traffic: a recording's Python runs when it is captured (on CUDA) or replayed
+        (the CPU stand-in), on the participants of that step; :meth:`replay` counts each round
+        on the participants it is replayed for."""
+        fn = self._recorded(i, p, t, scale, ins, outs)
+
+        def uncounted():
+            counted = dict(p.traffic)
+            try:
+                fn()
+            finally:
+                p.traffic.clear()
+                p.traffic.update(counted)
+        return uncounted
+
+    def _recorded(self, i: int, p, t, scale: float, ins, outs):
         if self.kind == RoundKind.FORWARD and not self.keeps:
             return lambda: drive(p.forward_steps(t, *ins, scale, out=outs[0], lse=outs[1]))
         if self.kind == RoundKind.BACKWARD and not self.keeps:
@@ -215,6 +230,9 @@ class CapturedRound:
                 failed.append(exc)
         if failed:
             raise first_cause(failed)  # the cause, not the peers' aborts
+        for p in participants:  # the bytes each replayed recording sent, as its eager round counts them
+            for key, n in p.layout(self.kind).sent.items():
+                p.traffic[key] += n
         dst, src = list(outputs), list(self.outputs)
         if forward:  # on the caller's stream, after every replay
             own = [self._own(i, sets[i], p, inputs, dst, src) for i, p in enumerate(participants)]

@@ -286,6 +286,34 @@ def kept_layers(client, lens, steps: int, n_layers: int, check=lambda: None, dev
     return got
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_traffic_of_replayed_rounds_is_the_eager_rounds(cpu_replays, keep):
+    """``traffic()`` counts a replayed round as its eager round: one forward and one backward
+    per step sum to ``last_plan.comm_bytes()`` every step. Before, a recording counted into the
+    participants of the step it was captured in (or, on a GPU, nothing): later steps read
+    half, then nothing (found by a review)."""
+    lens = [300, 1, 77, 512, 129, 31]
+    seen = {}
+    for graphs in (False, True):
+        config = JobConfig(servers=3, transport="shm", cuda_graphs=graphs, timeout_s=60,
+                           plan=PlanConfig(mode="inplace", keep_activations=keep, min_shard=16))
+        with DistCAClient.local(config=config) as client:
+            q, k, v = (torch.randn(sum(lens), h, 8, requires_grad=True) for h in (4, 2, 2))
+            per_step = []
+            for _ in range(5):
+                client.attend(q, k, v, lens).sum().backward()
+                client.new_step()
+                per_step.append(client.traffic())
+            want = client.last_plan.comm_bytes()
+            if graphs:
+                assert client._runtime.graphs.replays >= 4
+        for traffic in per_step:
+            for kind in ("forward", "backward"):
+                assert sum(traffic[kind].values()) == want[kind]["total"], (graphs, traffic, want)
+        seen[graphs] = per_step
+    assert seen[True] == seen[False]
+
+
 def test_a_replayed_backward_round_checks_its_kept_rows_as_the_eager_one(cpu_replays):
     """A kept Q modified in place between a replayed forward round and its replayed backward
     round fails the backward as an eager one does (the autograd check on saved tensors)."""
