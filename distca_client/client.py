@@ -132,8 +132,11 @@ class DistCAClient:
                 problems.append(f"num_servers={num_servers!r} != config.servers={config.servers} (give one)")
         else:
             problems.append(f"config must be a PlanConfig or JobConfig, got {type(config).__name__}")
-        num_ranks = servers if num_ranks is None else num_ranks
+        given_ranks = num_ranks is not None
+        num_ranks = num_ranks if given_ranks else servers
         for name, value in (("num_servers", servers), ("num_ranks", num_ranks)):
+            if name == "num_ranks" and not given_ranks:
+                continue  # num_servers' value: named as num_servers if bad, not the caller's num_ranks
             try:
                 positive_int(name, value)
             except ValueError as exc:
@@ -300,8 +303,9 @@ class DistCAClient:
     def new_step(self) -> None:
         """End the current step now; the next ``attend`` starts a new one. A step with a backward
         ends by itself (see the class doc). Call this in loops that run forward only
-        (evaluation), whose steps never end by themselves. A forward round still awaiting its
-        backward loses its kept activations, and that backward raises ``DistCAError``."""
+        (evaluation), whose steps never end by themselves. A backward still pending from the
+        ended step raises ``DistCAError`` (its batch belongs to a step that is over), with or
+        without kept activations; a forward round that kept activations releases them."""
         self._runtime.new_step()
 
     def _remember(self, batch: PlannedBatch) -> None:

@@ -142,7 +142,11 @@ def _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, p
     else:
         found = _client(client)._start_round(q, k, v, doc_lens, softmax_scale, window, counts, synchronous=True)
     out, lse = found.result()
-    return out.contiguous(), lse.t() if lse_view else lse.t().contiguous(), Round(found)
+    # Never a view, whatever the plan: alone, a server's own rows come back as a slice of its
+    # kernel's output, and autograd refuses in-place changes to a view that local attention's
+    # output allows (detach shares the storage and its version counter: no copy, still checked).
+    out = out.contiguous()
+    return out.detach() if out._is_view() else out, lse.t() if lse_view else lse.t().contiguous(), Round(found)
 
 
 @attend_fwd.register_fake

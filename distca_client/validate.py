@@ -42,7 +42,9 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree in total_tokens or head_dim")
     hq, hkv = q.shape[1], k.shape[1]
-    if hq == 0 or hkv == 0 or q.shape[2] == 0 or hq % hkv:
+    if q.shape[2] == 0:
+        raise ValueError(f"head_dim must be positive, got head_dim=0 (q {tuple(q.shape)})")
+    if hq == 0 or hkv == 0 or hq % hkv:
         raise ValueError(f"num_heads_q={hq} must be a positive multiple of num_heads_kv={hkv} "
                          f"(head_dim={q.shape[2]})")
     dtypes = {q.dtype, k.dtype, v.dtype}
@@ -84,8 +86,12 @@ def check_lens_array(doc_lens):
     """``doc_lens`` (a numpy array or tensor) as it is, if it is 1-D of an integer dtype.
 
     Raises:
-        ValueError: another rank or dtype (float, complex, bool).
+        ValueError: another rank or dtype (float, complex, bool), or a tensor whose values cannot
+            be read (sparse, meta).
     """
+    if isinstance(doc_lens, torch.Tensor) and (doc_lens.layout != torch.strided or doc_lens.is_meta):
+        raise ValueError(f"doc_lens must be a dense tensor with values, got a "
+                         f"{'meta' if doc_lens.is_meta else doc_lens.layout} tensor")
     is_integer = (not doc_lens.dtype.is_floating_point and not doc_lens.dtype.is_complex
                   and doc_lens.dtype != torch.bool) if isinstance(doc_lens, torch.Tensor) \
         else doc_lens.dtype.kind in "iu"

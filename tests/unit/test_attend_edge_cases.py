@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distca_client import DistCAClient, varlen_attention
 from distca_server.kernels import BACKENDS
-from distca_server.refs import attend_with_grads_ref, cu_seqlens, plain_attention
+from distca_server.refs import attend_with_grads_ref, cu_seqlens, plain_attention, varlen_attention_ref
 from scheduler.config import JobConfig, PlanConfig
 
 LENS = [1, 37, 2, 130, 5, 64]  # single-token documents, odd and power-of-two lengths
@@ -196,6 +196,9 @@ UNORDERED_OR_BAD_DOC_LENS = [
     (np.array([5.0, 9.0, 3.0]), "1-D integer"), (np.array([[5, 9, 3]]), "1-D integer"),
     (np.array([True, True]), "1-D integer"), ([5, np.float64(9), 3], "positive ints"),
     ([5, True, 11], "positive ints"), ([np.int64(-1), 18], "positive ints"),
+    # tensors whose values cannot be read: torch's own error escaped (found by a review)
+    (torch.tensor([5, 9, 3], device="meta"), "dense tensor with values, got a meta tensor"),
+    (torch.tensor([5, 9, 3]).to_sparse(), "dense tensor with values, got a torch.sparse_coo tensor"),
 ]
 BAD_SCALES = ["0.5", True, False, np.bool_(True), b"0.5", [0.5], torch.tensor(0.5), 10**400,
               float("nan"), np.float32("inf")]
@@ -260,3 +263,36 @@ def test_varlen_attention_refuses_backends_that_cannot_run_on_the_inputs(backend
     fragment = "not available on cpu" if BACKENDS[backend].is_available() else "cannot run on this install"
     with pytest.raises(ValueError, match=f"{backend}.*{fragment}"):
         varlen_attention(q, k, v, [tokens] if tokens else [], backend=backend)
+
+
+def test_head_dim_zero_is_named_as_such():
+    q, k, v, _ = make_inputs([5, 9, 3], 4, 2, 8, torch.float64, seed=13)
+    with local_client() as client:
+        with pytest.raises(ValueError, match=r"head_dim must be positive, got head_dim=0"):
+            client.attend(q[..., :0], k[..., :0], v[..., :0], [5, 9, 3])  # was blamed on the head counts
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_the_output_is_never_a_view_and_takes_in_place_ops_like_local_attention(servers):
+    """With one server its own rows came back as a slice of the kernel's output: autograd refused
+    ``out.mul_(2)`` at once (a view), which local attention's output takes (found by a review).
+    A backward through an output changed in place is refused where the plan keeps that very
+    tensor for it (one server), as a kernel that saves its output refuses it."""
+    lens = [5, 9, 3]
+    q, k, v, dout = make_inputs(lens, 4, 2, 8, torch.float64, seed=14)
+    q.requires_grad_()
+    with DistCAClient.local(servers) as client:
+        out = client.attend(q, k, v, lens)
+        assert not out._is_view()
+        out.mul_(2)
+        want = varlen_attention_ref(q.detach(), k, v, lens, 8 ** -0.5)
+        assert torch.allclose(out.detach(), 2 * want, atol=1e-12)
+        if servers == 1:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                (out * dout).sum().backward()
+        else:
+            (out * dout).sum().backward()
+        scaled = client.attend(q.detach(), k, v, lens)
+        w = torch.ones(8, dtype=torch.float64, requires_grad=True)
+        scaled.mul_(w)  # a forward-only output combined in place with a tensor that needs grad
+        assert torch.allclose(scaled.detach(), want, atol=1e-12)

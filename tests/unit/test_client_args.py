@@ -28,6 +28,12 @@ def test_bad_settings_are_value_errors(kwargs, fragment):
         DistCAClient.local(**args)
 
 
+def test_no_server_count_is_named_once():
+    with pytest.raises(ValueError) as info:
+        DistCAClient.local()
+    assert str(info.value) == "DistCAClient.local: num_servers must be a positive int, got None"  # not num_ranks too
+
+
 def test_every_problem_is_named_at_once():
     with pytest.raises(ValueError) as info:
         DistCAClient.local(num_servers=0, epsilon=-1.0, mode="x")
