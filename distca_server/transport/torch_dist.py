@@ -167,6 +167,17 @@ def listen_on(host: str) -> tuple[int, int]:
     return sock.getsockname()[1], sock.detach()
 
 
+def _not_arrived(arrived, world_size: int) -> list[int]:
+    """The world ranks that never marked their arrival in ``arrived`` (a store), or [] when it
+    cannot be read (no store, or its host is gone): who the others waited for."""
+    if arrived is None:
+        return []
+    try:
+        return [r for r in range(world_size) if not arrived.check([str(r)])]
+    except Exception:  # noqa: BLE001 - the store's host left: nothing to name
+        return []
+
+
 def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: float,
                device: torch.device, publish: Callable[[str, int], None],
                lookup: Callable[[], tuple[str, int]]) -> TorchDistTransport:
@@ -180,6 +191,7 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
         DistCAError: the store or the group could not be formed within ``timeout_s``.
     """
     device = torch.device(device)
+    arrived = None  # where each member marks that it reached the rendezvous (named when it fails)
     try:
         if rank == 0:
             port, fd = listen_on(host)
@@ -189,6 +201,8 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
         else:
             addr, port = lookup()
             store = dist.TCPStore(addr, port, world_size, False, timeout=_td(timeout_s))
+        arrived = dist.PrefixStore(f"distca/epoch{epoch}/arrived", store)
+        arrived.set(str(rank), "1")
         prefixed = dist.PrefixStore(f"distca/epoch{epoch}", store)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -200,6 +214,9 @@ def join_group(*, epoch: int, rank: int, world_size: int, host: str, timeout_s: 
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     except (RuntimeError, OSError, DistCAError) as exc:
-        raise DistCAError(f"could not form group epoch {epoch} as rank {rank} of {world_size}: "
+        missing = _not_arrived(arrived, world_size)
+        who = (f" (world ranks {missing} never reached its rendezvous: clients are the first world ranks, "
+               f"then the dedicated servers)" if missing else "")
+        raise DistCAError(f"could not form group epoch {epoch} as rank {rank} of {world_size}{who}: "
                           f"{str(exc).splitlines()[0][:300]}") from None
     return TorchDistTransport(pg, rank, world_size, timeout_s, device, store=store, epoch=epoch)
