@@ -17,8 +17,9 @@ from distca_server.transport.shm import create_heap
 from test_transport_symmetric import in_threads
 
 
-def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
-    """Every rank joins in its own thread; rank 0 publishes into ``root_values[epoch]``."""
+def _relay(root_values: dict, epoch: int, wait_s: float = 5.0):
+    """``(publish, lookup)`` of a bootstrap relay through ``root_values[epoch]`` (the scheduler's
+    part, without Ray)."""
     published = threading.Event()
 
     def publish(value):
@@ -26,9 +27,14 @@ def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
         published.set()
 
     def lookup():
-        assert published.wait(5)
+        assert published.wait(wait_s)
         return root_values[epoch]
+    return publish, lookup
 
+
+def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
+    """Every rank joins in its own thread; rank 0 publishes into ``root_values[epoch]``."""
+    publish, lookup = _relay(root_values, epoch)
     return in_threads(P, lambda r: join_epoch(kind, job=job, epoch=epoch, rank=r, world_size=P,
                                               host="127.0.0.1", timeout_s=5.0, device=torch.device("cpu"),
                                               publish=publish, lookup=lookup))
@@ -108,15 +114,8 @@ def test_a_torch_dist_join_that_times_out_names_who_never_arrived():
     """World rank 1 never joins: ranks 0 and 2 fail their join at the timeout, and the store's
     host (rank 0, whose store outlives its own wait) names rank 1 (before: only gloo's key,
     and the verdict read "lost: none")."""
-    values, published, errors = {}, threading.Event(), [None] * 3
-
-    def publish(value):
-        values[0] = value
-        published.set()
-
-    def lookup():
-        assert published.wait(10)
-        return values[0]
+    errors = [None] * 3
+    publish, lookup = _relay({}, 5, wait_s=10.0)
 
     def member(r):
         try:
