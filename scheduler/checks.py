@@ -58,13 +58,16 @@ def positive_int(name: str, value) -> int:
 
 
 def at_least(name: str, value, lo: int = 1) -> int:
-    """``value`` as a Python int if it is an integer >= ``lo``.
+    """``value`` as a Python int if it is an integer in ``[lo, INT64_MAX]`` (as :func:`positive_int`).
 
     Raises:
-        ValueError: ``"<name> must be an int >= lo, got <value>"``.
+        ValueError: ``"<name> must be an int >= lo, got <value>"`` (``"... at most 2**63 - 1"``
+            above it).
     """
     if not is_int(value) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be an int >= {lo} at most 2**63 - 1, got {value!r}")
     return int(value)
 
 

@@ -18,7 +18,8 @@ call is one state transition that returns plain data telling the wrapper what to
 - group epochs: :meth:`~Coordinator.epoch_for` keeps the group or forms a new epoch when
   membership or the device type changes (world ranks: clients first, then dedicated servers in
   plan order), only between steps: every batch of a step runs in the group of its first
-  (:meth:`~Coordinator.servers_for`; a change within a step fails it); :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
+  (:meth:`~Coordinator.servers_for`; a change within a step fails it);
+  :meth:`~Coordinator.publish_bootstrap` / :meth:`~Coordinator.bootstrap` relay each
   epoch's *bootstrap value* from world rank 0 to the others: whatever the job's transport needs
   to form the group (:data:`~scheduler.checks.TRANSPORTS`): the ``TCPStore`` ``[host, port]`` of ``torch_dist``,
   the shared-memory heap's handle of ``shm``, the NVSHMEM unique id's bytes of ``nvshmem``.

@@ -368,10 +368,15 @@ def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict,
     unsplit time plan). So both guarantees of :func:`_time_plan` still hold with ``partial_kv``:
     the plans they compare against are among the candidates. Under a held-bytes cap, a
     candidate above it is kept only if every candidate is."""
-    candidates = [make(tasks), _split_keys(batch, tasks, (1.0 + epsilon) * bound.mean, max_kv_rows, make)]
-    if epsilon > 0:
-        candidates.append(_split_keys(batch, tasks, bound.mean, max_kv_rows, make))
-    candidates += [_split_keys(batch, f, (1.0 + eps) * bound.mean, max_kv_rows, make) for eps, f in flops.items()]
+    splits: dict = {}  # (task array, target) -> its split plan: the time plan is often the FLOP plan at 0
+
+    def split(t, target):
+        key = (id(t), target)
+        if key not in splits:
+            splits[key] = _split_keys(batch, t, target, max_kv_rows, make)
+        return splits[key]
+    candidates = [make(tasks), split(tasks, (1.0 + epsilon) * bound.mean), split(tasks, bound.mean)]
+    candidates += [split(f, (1.0 + eps) * bound.mean) for eps, f in flops.items()]
     cap = batch.held_cap
     if cap is not None and any(max(p.held_bytes()) <= cap for p in candidates):
         candidates = [p for p in candidates if max(p.held_bytes()) <= cap]

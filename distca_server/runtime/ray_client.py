@@ -12,9 +12,9 @@ and Ray restarts it, the client registers again with its step and epoch and goes
 flight (batches bound) fails on every participant once a member notices the death (its
 long-poll, about 2 s; rounds already on the data plane finish, exact, until then), and a client
 with nothing of its step bound waits for the restart and loses no step. A scheduler that cannot
-come back (Ray no longer knows its name) fails the next report at once. A report of a step the job has left behind, by a client
-that took no part in it, is answered ``resync`` and made again at the job's step (the step
-protocol: ``docs/design.md``).
+come back (Ray no longer knows its name) fails the next report at once. A report of a step the
+job has left behind, by a client that took no part in it, is answered ``resync`` and made again
+at the job's step (the step protocol: ``docs/design.md``).
 """
 
 from __future__ import annotations
