@@ -24,7 +24,9 @@ Pure Python + numpy. Units: seconds, bytes, FLOPs, tokens. Used through
   bubble serve CA-tasks, DistCA §4.1), priced per CA-task with the profile table, and run with
   ping-pong overlap (DistCA §4.2) by :func:`distca_sim.pipeline.run_rounds`. The planner balances
   FLOPs, or (``time_planner=True``) the seconds the same tables predict
-  (:class:`scheduler.time_cost.TimeModel` of :meth:`Context.time_model`, DistCA §4.2).
+  (:class:`scheduler.time_cost.TimeModel` of :meth:`Context.time_model`, DistCA §4.2). With kept
+  activations a backward tick is not planned: each microbatch's backward runs where its forward
+  tick put it (those servers hold its activations), pooled with other microbatches than then.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -163,9 +166,13 @@ def _op_times(ctx: Context, tokens: float, attn_f: float, attn_b: float, comm_f:
 
 
 def _p2p(ctx: Context, tokens: float, num_ranks: int) -> float:
+    """Seconds of one stage-to-stage hop of ``tokens`` per rank (``num_ranks`` ranks a stage, rank
+    ``s·R + d`` on the node of its first GPU): over NVLink only if no rank's next-stage peer is on
+    another node; else InfiniBand, since the slowest hop paces every tick."""
     if ctx.pp == 1:
         return 0.0
-    same = ctx.tp * num_ranks < ctx.gpu.gpus_per_node
+    nodes = rank_nodes(ctx.pp * num_ranks, ctx.tp, ctx.gpu.gpus_per_node).reshape(ctx.pp, num_ranks)
+    same = bool((nodes[1:] == nodes[:-1]).all())
     return p2p_seconds(int(tokens), ctx.model.hidden_size, ctx.tp, same, ctx.gpu)
 
 
@@ -331,9 +338,47 @@ FWD_DISPATCH, FWD_RETURN = (RoundKind.FORWARD, "dispatch"), (RoundKind.FORWARD, 
 BWD_DISPATCH, BWD_RETURN = (RoundKind.BACKWARD, "dispatch"), (RoundKind.BACKWARD, "return")
 
 
+class _Placement(NamedTuple):
+    """Where a tick's CA-tasks run: per task (``server``, source ``rank``, query length ``ql``,
+    KV length ``kl``), and the rows each rank ships each server (``q_rows``, ``kv_rows``: int64
+    ``[ranks, servers]``, :attr:`scheduler.tasks.Plan.row_matrix`), over one all-to-all group's
+    ranks, or (stored between ticks) over all ranks of the pipeline."""
+
+    server: np.ndarray
+    rank: np.ndarray
+    ql: np.ndarray
+    kl: np.ndarray
+    q_rows: np.ndarray
+    kv_rows: np.ndarray
+
+    def to_global(self, grp: np.ndarray, n: int, keep_ranks: np.ndarray) -> "_Placement":
+        """The tasks and rows of the group's ranks ``keep_ranks`` (a bool mask over ``grp``), in
+        pipeline-wide rank numbers (``grp[i]`` is the group's rank ``i``; ``n`` ranks in all)."""
+        mine = keep_ranks[self.rank]
+        q_rows, kv_rows = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
+        rows = grp[keep_ranks]
+        q_rows[np.ix_(rows, grp)] = self.q_rows[keep_ranks]
+        kv_rows[np.ix_(rows, grp)] = self.kv_rows[keep_ranks]
+        return _Placement(grp[self.server[mine]], grp[self.rank[mine]], self.ql[mine],
+                          self.kl[mine], q_rows, kv_rows)
+
+    @staticmethod
+    def in_group(parts: list["_Placement"], grp: np.ndarray) -> "_Placement":
+        """Pipeline-wide placements ``parts`` joined and numbered by the group ``grp``'s ranks
+        (every task's server and rank must be in the group)."""
+        local = np.full(len(parts[0].q_rows), -1, dtype=np.int64)
+        local[grp] = np.arange(len(grp))
+        cat = [np.concatenate(x) for x in zip(*(p[:4] for p in parts))]
+        server, rank = local[cat[0]], local[cat[1]]
+        assert (server >= 0).all() and (rank >= 0).all(), "a kept task outside its group"
+        q_rows = sum(p.q_rows for p in parts)[np.ix_(grp, grp)]
+        kv_rows = sum(p.kv_rows for p in parts)[np.ix_(grp, grp)]
+        return _Placement(server, rank, cat[2], cat[3], q_rows, kv_rows)
+
+
 def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activations: bool,
              time_model: TimeModel | None = None):
-    """``(server, q_len, kv_len, q_rows, kv_rows)`` of a plan, cached.
+    """The :class:`_Placement` of a plan of ``docs_per_rank``, cached.
 
     The FLOP planner sees the cost model only through the ratio of query-row to KV-row bytes of a
     step (it ranks moves by FLOPs per byte; :meth:`~scheduler.cost.CostModel.step_row_bytes` with
@@ -356,7 +401,8 @@ def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activatio
                       keep_activations=keep_activations, time_model=time_model)
     arr = plan.task_array
     q_rows, kv_rows = plan.row_matrix
-    hit = (arr[:, 0].copy(), arr[:, 4] - arr[:, 3], arr[:, 6].copy(), q_rows, kv_rows)
+    hit = _Placement(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 4] - arr[:, 3], arr[:, 6].copy(),
+                     q_rows, kv_rows)
     with _PLAN_LOCK:
         _PLAN_CACHE[key] = (time_model, hit)
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
@@ -364,12 +410,12 @@ def _planned(docs_per_rank, cost, epsilon: float, min_shard: int, keep_activatio
     return hit
 
 
-def _tick_group(ctx, docs, ranks, epsilon, kind, last_stage_mask, ping_pong, keep, time_planner=False):
-    """Seconds of one tick for one all-to-all group of ranks, with and without communication,
-    and ``held[r, s]``: bytes server ``s`` keeps of rank ``r``'s rows per layer (``keep``)."""
+def _tick_group(ctx, placement: _Placement, docs, ranks, kind, last_stage_mask, ping_pong, keep):
+    """Seconds of one tick for one all-to-all group of ranks, its CA-tasks run where
+    ``placement`` says, with and without communication, and ``held[r, s]``: bytes server ``s``
+    keeps of rank ``r``'s rows per layer (``keep``)."""
     S = len(docs)
-    server, ql, kl, q_rows, kv_rows = _planned(docs, ctx.cost, epsilon, ctx.plan_min_shard(time_planner), keep,
-                                               ctx.time_model() if time_planner else None)
+    server, _, ql, kl, q_rows, kv_rows = placement
     ca_f = np.bincount(server, ctx.fwd_table.latencies(ql, kl), minlength=S)
     ca_b = np.bincount(server, ctx.bwd_table.latencies(ql, kl), minlength=S)
     nodes = rank_nodes(int(max(ranks)) + 1, ctx.tp, ctx.gpu.gpus_per_node)[ranks]
@@ -431,12 +477,19 @@ def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
     clients save no Q, K, V, LSE for core attention (:meth:`Context.act_bytes_per_token`) and each
     server holds what :meth:`Plan.held_bytes` says, per layer, from a microbatch's forward tick to
     its backward tick (with full recompute: one recomputed layer at a time, in the backward tick).
-    ``held_bytes``: each rank's peak of those bytes, per GPU (``details["held_bytes_max"]``)."""
+    ``held_bytes``: each rank's peak of those bytes, per GPU (``details["held_bytes_max"]``).
+    Without recompute, a microbatch's backward tick then runs on the servers of its forward tick
+    (planned with other pairs in a pipeline), not on a fresh plan of the backward tick."""
     m, R, p = ctx.m, ctx.dp, ctx.pp
     N = p * R
     step = step0 = moved = 0.0
     lin, attn, comm, recv, held_peak = (np.zeros(N) for _ in range(5))
     held_now: dict[tuple[int, int], np.ndarray] = {}  # (stage, microbatch) -> bytes held per rank
+    # Kept activations pin a microbatch's backward rounds to the servers its forward rounds ran on
+    # (they hold its Q, K, V, O, LSE): a backward tick runs the placements of its (stage,
+    # microbatch) pairs' forward ticks, pooled with other pairs than now, not a fresh plan.
+    pinned = keep_activations and not ctx.recompute
+    forward_of: dict[tuple[int, int], _Placement] = {}  # (stage, microbatch) -> pipeline-wide
     stage_of = np.arange(N) // R
     for kind, active in tick_schedule(p, m):
         mb_of = dict(active)
@@ -447,13 +500,22 @@ def run_distca(ctx: Context, batch, epsilon: float, *, ping_pong: bool = True,
         t_tick = t0_tick = 0.0
         in_flight = np.zeros(N)  # a recomputed layer's rows, held during the backward tick
         for grp in groups:
+            g = np.array(grp)
+            gdocs = [docs[r] for r in grp]
+            if kind == "B" and pinned:
+                placement = _Placement.in_group(
+                    [forward_of.pop(si) for si in active if stage_of[g[0]] <= si[0] <= stage_of[g[-1]]], g)
+            else:
+                placement = _planned(gdocs, ctx.cost, epsilon, ctx.plan_min_shard(time_planner),
+                                     keep_activations, ctx.time_model() if time_planner else None)
             t, t0, lb, ab, port, rv, mv, held = _tick_group(
-                ctx, [docs[r] for r in grp], np.array(grp), epsilon, kind, last[grp], ping_pong,
-                keep_activations, time_planner)
-            if kind == "F" and not ctx.recompute:  # kept until this microbatch's backward tick
+                ctx, placement, gdocs, g, kind, last[grp], ping_pong, keep_activations)
+            if kind == "F" and pinned:  # kept until this microbatch's backward tick
                 for s, i in active:
                     from_s = stage_of[grp] == s
-                    held_now.setdefault((s, i), np.zeros(N))[grp] += ctx.layers * held[from_s].sum(axis=0)
+                    if from_s.any():
+                        forward_of[(s, i)] = placement.to_global(g, N, from_s)
+                        held_now.setdefault((s, i), np.zeros(N))[grp] += ctx.layers * held[from_s].sum(axis=0)
             elif kind == "B" and ctx.recompute:
                 in_flight[grp] = held.sum(axis=0)
             t_tick, t0_tick = max(t_tick, t), max(t0_tick, t0)

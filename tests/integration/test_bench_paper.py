@@ -32,6 +32,11 @@ def test_smoke_run_writes_rows_and_figures(tmp_path, capsys):
     assert {"wlb_ideal", "per_doc_cp", "packing", "distca eps=0"} <= systems
     assert all(r["speedup_vs_wlb"] == 1.0 for r in speed if r["system"] == "wlb_ideal")
     assert all(r["speedup_vs_wlb"] > 0 for r in rows if r["experiment"] == "fig12")
+    # 4D: distca is the best of kept-activation and stateless servers, one best per configuration
+    fig10 = [r for r in speed if r["experiment"] == "fig10" and r["system"].startswith("distca")]
+    assert {r["details"]["keep_activations"] for r in fig10} == {True, False}
+    assert sum(r["best_distca"] for r in fig10) == len(bench.MODES["smoke"]["4d"])
+    assert "servers" in printed
     for name in ("fig4", "fig9", "fig10", "fig12"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
 

@@ -9,8 +9,8 @@ import pytest
 from distca_sim.hardware import attention_tables
 from distca_sim.network import alltoall_seconds, plan_round_bytes, rank_nodes, ring_seconds
 from distca_sim.pipeline import Round, pipeline_1f1b, run_rounds, tick_schedule
-from distca_sim.simulate import (GPUS, MODELS, GPUConfig, ModelConfig, ParallelConfig, Workload,
-                                 get_gpu, get_model, simulate)
+from distca_sim.simulate import (GPUS, MODELS, SYSTEMS, GPUConfig, ModelConfig, ParallelConfig,
+                                 Workload, get_gpu, get_model, simulate)
 from distca_sim.systems import Context, cp_server_seconds
 from scheduler import CostModel, plan_batch
 from scheduler.cost import RoundKind
@@ -81,18 +81,33 @@ def test_imbalanced_pair_packing_waits_distca_balances():
 
 
 def test_pipeline_bubbles_and_distca_serving_in_bubbles():
+    """pp 2, 4 microbatches of one document each. Stateless servers: every tick is planned
+    afresh, so bubbles serve half of a lone stage's CA-tasks. Kept activations pin each backward
+    to the servers of its forward tick (0.5/0.5 when its stage ran alone there, else its own
+    rank), so by hand the backward ticks' busiest servers run 1, 1.5, 1, 1.5, 1 documents' backward
+    (B0: (1,0) from F1, own rank; B1: (1,1) own + (0,0) split; B2: own, own; B3: (1,3) split +
+    (0,2) own; B4: (0,3) own) where stateless servers run 0.5, 1, 1, 1, 0.5."""
     p, m, L = 2, 4, 2048
     batch = [[[L]] for _ in range(m)]
     lin = L * (LIN_F + LIN_B) * 4 / p     # one microbatch on one stage (2 layers)
-    ca = (attn_f(L) + attn_b(L)) * 4 / p
-    one_f_one_b = (m + p - 1) * (lin + ca)   # bubble (p-1)/(m+p-1) of equal stages
-    pooled = (m + p - 1) * lin + m * ca      # bubbles serve CA-tasks: CA spread over both stages
-    cmp = run(batch, dp=1, pp=p, m=m, systems=("packing", "distca"))
+    caf, cab = attn_f(L) * 4 / p, attn_b(L) * 4 / p
+    one_f_one_b = (m + p - 1) * (lin + caf + cab)   # bubble (p-1)/(m+p-1) of equal stages
+    pooled = (m + p - 1) * lin + m * (caf + cab)    # bubbles serve CA-tasks of both passes
+    pinned = (m + p - 1) * lin + m * caf + 6 * cab  # ... of the forward only, in effect
+    cmp = run(batch, dp=1, pp=p, m=m, systems=("packing", "distca"), keep_activations=False)
     assert cmp.get("packing").step_time_s == pytest.approx(one_f_one_b, rel=1e-3)
     assert cmp.get("distca").step_time_s == pytest.approx(pooled, rel=1e-2)
-    plain = run(batch, dp=1, pp=p, m=m, systems=("distca",), bubble_serving=False)
-    assert plain.get("distca").step_time_s == pytest.approx(one_f_one_b, rel=1e-3)
-    assert cmp.get("distca").step_time_s < plain.get("distca").step_time_s - 0.5 * ca
+    kept = run(batch, dp=1, pp=p, m=m, systems=("distca",)).get("distca")
+    assert kept.details["keep_activations"] is True
+    assert kept.step_time_s == pytest.approx(pinned, rel=1e-2)
+    for keep in (False, True):
+        plain = run(batch, dp=1, pp=p, m=m, systems=("distca",), bubble_serving=False,
+                    keep_activations=keep)
+        assert plain.get("distca").step_time_s == pytest.approx(one_f_one_b, rel=1e-3)
+    assert cmp.get("distca").step_time_s < kept.step_time_s - 1.5 * cab
+    # Here pinning costs more than bubbles give: a lone stage's forward split over both servers
+    # brings its backward to a server busy with its own stage's (1.5 caf worse than no serving).
+    assert kept.step_time_s == pytest.approx(plain.get("distca").step_time_s + cab - caf, rel=1e-2)
 
 
 # ---- schedules -----------------------------------------------------------------------------------
@@ -285,7 +300,7 @@ def test_memory_fits_and_auto_recompute():
     par = ParallelConfig.from_gpus(16, tp=8)
     w = Workload("pretrain", 131072)
     none = simulate("llama3-8b", "h100", par, w, systems=("packing",), recompute="none")
-    assert not none.get("packing").fits               # ~81 GB of activations on an 80 GB H100
+    assert not none.get("packing").fits               # ~81 GB of activations on an H100 (81,559 MiB)
     auto = simulate("llama3-8b", "h100", par, w, systems=("packing",))
     assert auto.recompute and auto.get("packing").fits
     assert auto.get("packing").step_time_s > none.get("packing").step_time_s
@@ -304,7 +319,9 @@ def test_presets():
     assert get_model("Llama-8B") is MODELS["llama3-8b"]
     h100, h200 = get_gpu("h100"), get_gpu("H200")
     assert h100.peak_flops == h200.peak_flops == 989.4e12
-    assert (h100.hbm_bytes, h200.hbm_bytes) == (80e9, 141e9)
+    # nvidia-smi's memory.total on the benchmark machines (bench/results/gpu/*/session*.log),
+    # not the product names' decimal 80 GB / 141 GB.
+    assert (h100.hbm_bytes, h200.hbm_bytes) == (81559 * 2**20, 143771 * 2**20)
     assert h100.nvlink_bw == 450e9 and h100.ib_bw == 50e9
     par = ParallelConfig.from_gpus(64, tp=8, pp=2)
     assert (par.dp, par.microbatches, par.gpus) == (4, 4, 64)
@@ -348,6 +365,18 @@ def test_measured_tables_replace_the_analytic_ones():
 def test_bad_input_raises_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(ping_pong="False"), "ping_pong must be a bool, got 'False'"),  # a str is truthy: ran ping-pong
+    (dict(bubble_serving=0), "bubble_serving must be a bool, got 0"),
+    (dict(systems="distca"), f"systems must be a sequence of names from {SYSTEMS}, got 'distca'"),
+    (dict(epsilons="0.05"), "epsilons must be a sequence of numbers, got '0.05'"),
+])
+def test_flags_and_lists_of_the_wrong_type_are_refused_by_name(kw, words):
+    # A str for a list would be taken letter by letter ("unknown systems ['d', 'i', ...]").
+    with pytest.raises(ValueError, match=f"^{re.escape(words)}$"):
+        simulate(TINY, UNIT, ParallelConfig(tp=1), Workload(), batch=[[[1024]]], **kw)
 
 
 def test_cluster_comparison_has_every_system_and_a_table():
@@ -414,6 +443,40 @@ def test_cli_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.splitlines() == [f"distca simulate: error: --json {path}: No space left on device"]
 
 
+@pytest.mark.parametrize("case", ["unsearchable folder", "too long a name"])
+def test_cli_json_path_the_os_cannot_look_at_is_one_line(tmp_path, capsys, monkeypatch, case):
+    import errno
+    import os
+    from distca_cli import main
+    # Tests may run as root, whom no permission stops: the PermissionError of a folder without
+    # search permission is raised by a stand-in; a name over 255 bytes fails for real, for anyone.
+    if case == "unsearchable folder":
+        path, reason = tmp_path / "locked" / "out.json", os.strerror(errno.EACCES)
+        real_is_dir = Path.is_dir
+
+        def is_dir(self):
+            if self == path:
+                raise PermissionError(errno.EACCES, reason, str(self))
+            return real_is_dir(self)
+        monkeypatch.setattr(Path, "is_dir", is_dir)
+    else:
+        path, reason = tmp_path / ("x" * 300) / "out.json", os.strerror(errno.ENAMETOOLONG)
+    assert main(["simulate", "--gpus", "8", "--context", "16K", "--systems", "packing", "--json", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [f"distca simulate: error: --json {path}: {reason}"]
+
+
+def test_cli_tp_above_the_head_count_is_the_layout_error(capsys):
+    from distca_cli import main
+    words = ("bad parallel layout: tp=64 must divide the 8 GPUs of a node; "
+             "tp=64 must divide num_heads=32")
+    # Without --assumed-rates the shipped tables are looked up by the per-GPU shape at this tp.
+    for extra in ([], ["--assumed-rates"]):
+        assert main(["simulate", "--gpus", "64", "--tp", "64", *extra]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.splitlines() == [f"distca simulate: error: {words}"]
+
+
 def test_cli_attn_profile_folder_check_is_the_configs(tmp_path, capsys):
     from distca_cli import main
     from scheduler.config import ConfigError, PlanConfig
@@ -434,3 +497,17 @@ def test_cli_assumed_rates_help_says_an_attn_profile_wins():
     sim = cli.register(parser.add_subparsers())
     text = next(a.help for a in sim._actions if a.dest == "assumed_rates")
     assert "--attn-profile takes precedence" in text
+
+
+def test_stage_hop_crosses_nodes_where_any_stage_boundary_does():
+    """Rank ``s·R + d``'s node is that of its first GPU: with tp 2, dp 2 on 8-GPU nodes two
+    stages share a node, so the stage 1 → 2 hop crosses nodes and paces every tick (InfiniBand);
+    with tp 1 all 4 stages share one node (NVLink)."""
+    from distca_sim.network import p2p_seconds
+    from distca_sim.systems import _p2p
+    gpu, model = get_gpu("h200"), get_model("llama3-8b")
+    for tp, same in ((2, False), (1, True)):
+        ctx = Context(model=model, gpu=gpu, tp=tp, pp=4, dp=2, microbatches=8, min_shard=128,
+                      recompute=False)
+        assert _p2p(ctx, 4096, 2) == p2p_seconds(4096, model.hidden_size, tp, same, gpu)
+    assert p2p_seconds(4096, model.hidden_size, 2, False, gpu) > p2p_seconds(4096, model.hidden_size, 2, True, gpu)
