@@ -121,15 +121,18 @@ def _check_json_path(path: Path) -> None:
     folder, a missing folder under a file, or a place this process may not write.
 
     Raises:
-        ValueError: naming the path.
+        ValueError: naming the path (and the OS's reason where looking at it failed).
     """
-    if path.is_dir():
-        raise ValueError(f"--json {path}: is a folder (give a file path)")
-    folder = path.parent
-    while not folder.exists():  # the folders that do not exist yet are made when writing
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(f"--json {path}: {folder} is not a folder")
+    try:
+        if path.is_dir():
+            raise ValueError(f"--json {path}: is a folder (give a file path)")
+        folder = path.parent
+        while not folder.exists():  # the folders that do not exist yet are made when writing
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"--json {path}: {folder} is not a folder")
+    except OSError as exc:  # is_dir/exists raise for a folder this process may not search, a too long name
+        raise ValueError(f"--json {path}: {exc.strerror or exc}") from None
     target = path if path.exists() else folder
     if not os.access(target, os.W_OK):
         raise ValueError(f"--json {path}: {target} is not writable")
@@ -144,6 +147,9 @@ def main(args) -> int:
         model, gpu = _model(args), get_gpu(args.gpu)
         par = ParallelConfig.from_gpus(args.gpus, tp=args.tp, pp=args.pp,
                                        microbatches=args.microbatches)
+        # simulate() checks the layout too, but the attention tables below are chosen by
+        # model.cost_model(tp) first, whose own error would hide what is wrong (e.g. tp > heads).
+        par.check(model, gpu)
         profile = args.attn_profile
         if profile is not None:  # the folder check of `distca up --attn-profile` (PlanConfig), one message
             TimeModel.from_dir(str(profile))

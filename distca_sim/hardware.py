@@ -260,7 +260,10 @@ class GPUConfig:
 
 
 # Peak dense bf16: 989.4 TFLOP/s for both H100 SXM and H200 SXM (NVIDIA datasheets list
-# 1,979 TFLOP/s *with 2:4 sparsity*; dense is half). HBM: 80 GB (H100 SXM) and 141 GB (H200 SXM).
+# 1,979 TFLOP/s *with 2:4 sparsity*; dense is half). HBM: what the devices report, 81,559 MiB
+# (H100 SXM) and 143,771 MiB (H200 SXM), nvidia-smi's memory.total on the benchmark machines
+# (bench/results/gpu/*/session*.log). The "80 GB" and "141 GB" of the product names, read as
+# decimal bytes, are 6.5% less, and would call configurations that fit out of memory.
 # NVLink 4: 900 GB/s per GPU bidirectional, i.e. 450 GB/s each way. InfiniBand: one ConnectX-7
 # NDR NIC of 400 Gb/s = 50 GB/s each way per GPU (the DGX/HGX H100 and H200 layout).
 # Efficiencies are assumptions, to be replaced by measured tables: 0.6 of peak for the linear part
@@ -271,8 +274,8 @@ class GPUConfig:
 # NCCL collectives at large messages. H200 uses the same GH100 compute die as H100, so the same
 # rates; only memory differs (its faster HBM3e is not modelled).
 GPUS = {
-    "h100": GPUConfig("h100", peak_flops=989.4e12, hbm_bytes=80e9, nvlink_bw=450e9, ib_bw=50e9),
-    "h200": GPUConfig("h200", peak_flops=989.4e12, hbm_bytes=141e9, nvlink_bw=450e9, ib_bw=50e9),
+    "h100": GPUConfig("h100", peak_flops=989.4e12, hbm_bytes=81559 * 2**20, nvlink_bw=450e9, ib_bw=50e9),
+    "h200": GPUConfig("h200", peak_flops=989.4e12, hbm_bytes=143771 * 2**20, nvlink_bw=450e9, ib_bw=50e9),
 }
 
 

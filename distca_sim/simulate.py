@@ -282,10 +282,9 @@ def _numeric(x) -> bool:
 
 
 def _check_epsilons(epsilons) -> tuple[float, ...]:
-    try:
-        eps = tuple(epsilons)
-    except TypeError:
-        raise ValueError(f"epsilons must be a sequence of numbers, got {epsilons!r}") from None
+    if isinstance(epsilons, str) or not isinstance(epsilons, Iterable):  # a str's characters are no ε
+        raise ValueError(f"epsilons must be a sequence of numbers, got {epsilons!r}")
+    eps = tuple(epsilons)
     bad = [e for e in eps if isinstance(e, bool) or not isinstance(e, (int, float))
            or not math.isfinite(e) or e < 0]
     if not eps or bad:
@@ -347,10 +346,13 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
         A :class:`Comparison`.
 
     Raises:
-        ValueError: an unknown model, GPU, system or dataset; a layout that does not fit the model;
-            bad ε, CP degrees, recompute mode, ``keep_activations`` or ``planner``.
+        ValueError: an unknown model, GPU, system or dataset; ``systems`` or ``epsilons`` given
+            as one str; a layout that does not fit the model; bad ε, CP degrees, recompute mode,
+            ``ping_pong``, ``bubble_serving``, ``keep_activations`` (bools) or ``planner``.
     """
-    boolean("keep_activations", keep_activations)
+    for flag, value in (("ping_pong", ping_pong), ("bubble_serving", bubble_serving),
+                        ("keep_activations", keep_activations)):
+        boolean(flag, value)
     model = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not isinstance(model, ModelConfig) or not isinstance(gpu, GPUConfig):
@@ -358,6 +360,8 @@ def simulate(model: ModelConfig | str, gpu: GPUConfig | str, parallel: ParallelC
     if not isinstance(parallel, ParallelConfig) or not isinstance(workload, Workload):
         raise ValueError("parallel and workload must be ParallelConfig and Workload")
     parallel.check(model, gpu)
+    if isinstance(systems, str) or not isinstance(systems, Iterable):  # a str's characters are no names
+        raise ValueError(f"systems must be a sequence of names from {SYSTEMS}, got {systems!r}")
     systems = tuple(systems)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:

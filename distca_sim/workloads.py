@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from scheduler.checks import is_int, nonnegative_int, positive_int
+from scheduler.checks import INT64_MAX, is_int, nonnegative_int, positive_int
 
 if TYPE_CHECKING:  # importlib.resources.abc is new in 3.11
     from importlib.resources.abc import Traversable
@@ -143,6 +143,38 @@ def _pool(trace: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     return short, long
 
 
+@functools.lru_cache(maxsize=len(TRACE_NAMES))
+def _max_context_len(name: str) -> int:
+    """The longest ``context_len`` (tokens) at which sampling trace ``name`` stays within int64.
+
+    Two int64 quantities grow with it: :func:`_elongate`'s product ``l · context_len``, formed
+    before the division by 64K · 16, for the longest document (and for 64K itself, ProLong's
+    fixed length); and the packed stream's running total of elongated lengths, each below
+    ``l · context_len / 64K + 16``, summed over the whole pool. Past the bound numpy wraps
+    around silently: negative lengths, or a batch of wrong ones.
+    """
+    short, long = _pool(load_trace(name))
+    pool = np.concatenate([short, long])
+    den = LONG_DOC_TOKENS * LEN_MULTIPLE
+    by_product = (INT64_MAX - (den - 1)) // max(int(pool.max()), LONG_DOC_TOKENS)
+    by_total = (INT64_MAX - LEN_MULTIPLE * len(pool)) * LONG_DOC_TOKENS // int(pool.sum())
+    return min(by_product, by_total)
+
+
+def _check_context_len(name: str, context_len: Any) -> int:
+    """``context_len`` as a Python int if it is a positive int at most :func:`_max_context_len`.
+
+    Raises:
+        ValueError: naming the value (and the bound, for one too long).
+    """
+    context_len = positive_int("context_len", context_len)
+    top = _max_context_len(name)
+    if context_len > top:
+        raise ValueError(f"context_len must be at most {top} tokens for trace {name!r} (its documents, "
+                         f"elongated by context_len / 65536, would overflow int64), got {context_len}")
+    return context_len
+
+
 @functools.lru_cache(maxsize=32)
 def _sample_documents(name: str, context_len: int, num_docs: int | None, seed: int) -> np.ndarray:
     short, long = _pool(load_trace(name))
@@ -186,6 +218,8 @@ def sample_documents(name: str, context_len: int, num_docs: int | None = None,
     Args:
         name: ``"pretrain"`` or ``"prolong"``.
         context_len: tokens per rank chunk; also sets the elongation factor ``context_len / 64K``.
+            At most what keeps the elongated lengths in int64 (about 7.4·10^13 for Pretrain,
+            2.7·10^13 for ProLong: :func:`_max_context_len`).
         num_docs: how many documents (see above); a positive int or None.
         seed: seed of the numpy Generator; an int >= 0.
 
@@ -193,7 +227,7 @@ def sample_documents(name: str, context_len: int, num_docs: int | None = None,
         ValueError: an unknown name or a bad ``context_len``, ``num_docs`` or ``seed``.
     """
     _check_name(name)
-    context_len = positive_int("context_len", context_len)
+    context_len = _check_context_len(name, context_len)
     if num_docs is not None:
         num_docs = positive_int("num_docs", num_docs)
     seed = nonnegative_int("seed", seed)
@@ -300,11 +334,12 @@ def sample_batch(name: str, num_ranks: int, context_len: int, seed: int = 0,
     Example: ``sample_batch("pretrain", 256, 131072)``.
 
     Raises:
-        ValueError: an unknown name or a bad ``num_ranks``, ``context_len``, ``seed`` or ``step``.
+        ValueError: an unknown name or a bad ``num_ranks``, ``context_len`` (also one too long,
+            as :func:`sample_documents`), ``seed`` or ``step``.
     """
     _check_name(name)
     num_ranks = positive_int("num_ranks", num_ranks)
-    context_len = positive_int("context_len", context_len)
+    context_len = _check_context_len(name, context_len)
     seed = nonnegative_int("seed", seed)
     step = nonnegative_int("step", step)
     return _stream(name, context_len, seed).chunks(step * num_ranks, num_ranks)

@@ -396,17 +396,22 @@ def read_profile_dir(directory) -> tuple["ProfileTable", "ProfileTable"]:
     writes them; ``distca_sim/data/profiles/`` ships measured ones).
 
     Raises:
-        ValueError: a missing file or an invalid table (the message names the folder and file).
+        ValueError: a missing or unreadable file or an invalid table (the message names the folder
+            and file, and the OS's reason where reading failed).
     """
     folder = Path(directory)
     tables = []
     for kind in ("forward", "backward"):
         path = folder / f"{kind}.json"
-        if not path.is_file():
-            raise ValueError(f"attention profile {folder}: no {kind}.json there (expected "
-                             f"forward.json and backward.json, ProfileTable JSON)")
         try:
-            tables.append(ProfileTable.from_json(path))
+            found = path.is_file()
+            if found:
+                tables.append(ProfileTable.from_json(path))
+        except OSError as exc:  # a file this process may not read, or a folder it may not search
+            raise ValueError(f"attention profile {folder}: {kind}.json: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise ValueError(f"attention profile {folder}: {kind}.json: {exc}") from None
+        if not found:
+            raise ValueError(f"attention profile {folder}: no {kind}.json there (expected "
+                             f"forward.json and backward.json, ProfileTable JSON)")
     return tables[0], tables[1]

@@ -280,15 +280,19 @@ class TimeModel:
         Loaded once per folder and file modification times (cached).
 
         Raises:
-            ValueError: not a folder, a missing file, or an invalid table (the message names the path).
+            ValueError: not a folder, a missing or unreadable file, or an invalid table (the
+                message names the path, and the OS's reason where reading it failed).
         """
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise ValueError(f"attention profile must be a folder path, got {directory!r}")
-        folder = Path(directory).expanduser().resolve()
-        if not folder.is_dir():
-            raise ValueError(f"attention profile {directory!r}: not a folder")
-        stamps = tuple((folder / f"{kind}.json").stat().st_mtime_ns if (folder / f"{kind}.json").is_file() else -1
-                       for kind in ("forward", "backward"))  # a missing file: read_profile_dir names it
+        try:
+            folder = Path(directory).expanduser().resolve()
+            if not folder.is_dir():
+                raise ValueError(f"attention profile {directory!r}: not a folder")
+            stamps = tuple((folder / f"{kind}.json").stat().st_mtime_ns if (folder / f"{kind}.json").is_file() else -1
+                           for kind in ("forward", "backward"))  # a missing file: read_profile_dir names it
+        except OSError as exc:  # is_dir/stat raise for a folder this process may not search, a too long name
+            raise ValueError(f"attention profile {directory!r}: {exc.strerror or exc}") from None
         return _load(str(folder), stamps, float(task_s), float(call_s))
 
 

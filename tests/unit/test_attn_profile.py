@@ -2,7 +2,10 @@
 preset's assumed attention rates, and a table for another attention shape is refused."""
 
 import argparse
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +111,27 @@ def test_shipped_measured_tables_are_used_by_default_for_their_gpu_and_shape(tmp
     assert "measured tables from h200/llama3-8b-tp8" in printed
     assumed, printed = attention_seconds([*args, "--assumed-rates"], tmp_path, capsys)
     assert "assumed rates" in printed and measured != assumed
+
+
+@pytest.mark.parametrize("case", ["unsearchable folder", "unreadable file", "too long a name"])
+def test_unreadable_profiles_exit_1_with_the_os_reason(tmp_path, capsys, monkeypatch, case):
+    # Tests may run as root, whom no permission stops: the PermissionError a user meets is
+    # raised by a stand-in; a name over the file system's 255 bytes fails for real, for anyone.
+    folder = write_profile(tmp_path / "p", get_model("llama3-8b").cost_model(8), 1e14, 1e14).resolve()
+
+    def denied(*_):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    if case == "unsearchable folder":
+        real_is_dir = Path.is_dir
+        monkeypatch.setattr(Path, "is_dir", lambda self: denied() if self == folder else real_is_dir(self))
+        expect = f"attention profile {str(folder)!r}: {os.strerror(errno.EACCES)}"
+    elif case == "unreadable file":
+        real_read = Path.read_text
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **kw: denied() if self == folder / "forward.json"
+                            else real_read(self, *a, **kw))
+        expect = f"attention profile {folder}: forward.json: {os.strerror(errno.EACCES)}"
+    else:
+        folder = tmp_path / ("x" * 300)
+        expect = f"attention profile {str(folder)!r}: {os.strerror(errno.ENAMETOOLONG)}"
+    assert cli.main(parse([*ARGS, "--attn-profile", str(folder)])) == 1
+    assert capsys.readouterr().err.splitlines() == [f"distca simulate: error: {expect}"]

@@ -189,6 +189,20 @@ def test_bad_arguments_raise(call, match):
         call()
 
 
+@pytest.mark.parametrize("name", ["pretrain", "prolong"])
+def test_context_len_that_would_overflow_int64_is_refused(name):
+    # Elongation multiplies a length by context_len before dividing by 64K · 16: for these traces
+    # the longest document's product is the first int64 to overflow (the stream total is at
+    # most 1/20 of it). At the bound every length is still positive and every chunk full.
+    top = (2**63 - 1 - (LONG_DOC_TOKENS * 16 - 1)) // max(load_trace(name))
+    assert min(sample_documents(name, top)) > 0
+    assert all(sum(c) == top and min(c) > 0 for c in sample_batch(name, 4, top, step=3))
+    for too_long in (top + 1, 100_000_000 * 2**20):  # the second: `--context 100000000M`
+        for call in (sample_documents, lambda n, c: sample_batch(n, 4, c)):
+            with pytest.raises(ValueError, match=f"context_len must be at most {top} .*got {too_long}$"):
+                call(name, too_long)
+
+
 def test_bad_trace_file_raises(tmp_path):
     p = tmp_path / "bad.json"
     p.write_text(json.dumps([3, -1, "x"]))
