@@ -91,7 +91,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--keep-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="distca's servers keep each layer's activations until its backward round, "
                         "which then sends dO only (default); --no-keep-activations: stateless "
-                        "servers, the backward round resends Q, K, V, O and LSE")
+                        "servers, the backward round resends Q, K, V, O and LSE (with --pp > 1 and "
+                        "no recomputation often faster: kept activations pin each backward to the "
+                        "servers of its forward tick)")
     g = p.add_argument_group("sweep and output")
     g.add_argument("--sweep", action="store_true", help="run every --contexts x --epsilon value")
     g.add_argument("--contexts", type=tokens, nargs="+", default=[65536, 131072, 262144, 524288])
