@@ -198,7 +198,7 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
 print("varlen_attn", importlib.util.find_spec("torch.nn.attention.varlen") is not None,
-      "flash_attn", importlib.util.find_spec("flash_attn") is not None,
+      "flash_attn", "flash_attn" in available_backends("cuda"),
       "ray", importlib.util.find_spec("ray") is not None)
 for pkg in ("nvshmem4py-cu13", "nvidia-nvshmem-cu13", "cuda-core", "cuda-bindings", "cuda-pathfinder",
             "cupy-cuda13x"):

@@ -86,14 +86,22 @@ def mask_classes(lq, lk, d, window: int | None) -> list[tuple[tuple[int, int], l
     Returns:
         ``[((left, right), [sequence indices]), ...]`` in order of first appearance; ``left`` /
         ``right`` are -1 where the mask has no bound on that side (every key the rows could reach
-        there is visible). Empty sequences go with the first class.
+        there is visible). Empty sequences (no query rows or no keys) go with the first class, in
+        index order; if every sequence is empty, that is the bottom-right class
+        ``(W - 1 or -1, 0)``.
 
     Raises:
         ValueError: a sequence with keys past its last query's diagonal that some row must not
             see (``right`` would be negative), which no FlashAttention window expresses.
     """
     classes: dict[tuple[int, int], list[int]] = {}
+    empty = []
     for b, (nq, nk, dd) in enumerate(zip(lq, lk, d)):
+        if nq == 0 or nk == 0:
+            # No (row, key) pair to mask: any window gives out 0, lse -inf and zero gradients, so
+            # its diagonal must neither raise nor open a class (one more kernel call) of its own.
+            empty.append(b)
+            continue
         e = dd - (nk - nq)  # the diagonal's offset from the bottom-right one: (., e) bounds it
         # Bottom-right sequences keep (., 0); others whose keys every row sees up to the last
         # share (., -1) whatever their offset.
@@ -101,10 +109,16 @@ def mask_classes(lq, lk, d, window: int | None) -> list[tuple[tuple[int, int], l
         left = -1 if window is None else window - 1 - e
         if left < 0 and window is not None and window >= nq + dd:
             left = -1  # the window never bites in this sequence
-        if right < -1 or left < -1 or (window is not None and left == -1 and window < nq + dd):
+        # right = e < 0 (keys after the last row's diagonal) can be -1, the "unbounded" mark, so
+        # refuse on the keys themselves (nk - 1 > dd), as the window test does for left == -1.
+        if (right < 0 and nk - 1 > dd) or left < -1 or (
+                window is not None and left == -1 and window < nq + dd):
             raise ValueError(f"sequence {b} (Lq={nq}, Lk={nk}, diagonal {dd}, window {window}) has keys "
                              f"no query may see; FlashAttention's window_size cannot express it")
         classes.setdefault((left, right), []).append(b)
+    if empty:
+        first = classes.setdefault(next(iter(classes), (-1 if window is None else window - 1, 0)), [])
+        first[:] = sorted(first + empty)
     return list(classes.items())
 
 

@@ -26,6 +26,16 @@ sequence, query and key token totals, each rounded up to a power of two) and per
 head_dim, scale, mask bounds); lengths and offsets are runtime tensors, so every mix of lengths
 that fits a bucket reuses its graph. Unused sequence slots are zero-length sequences
 (:func:`padded_offsets`). Nothing here copies a tensor to the host.
+
+Threads: each thread has its own cuDNN handles (one per device) and its own built graphs, so no lock
+is held across a launch. The local runtime drives participants concurrently on pool threads, each
+on its own CUDA stream (``distca_server/runtime/local.py``, ``_run_threads``), and a handle runs on
+the one stream last set on it: cuDNN forbids using a handle from two threads at once, and
+cudnn-frontend 1.32's ``cudnn.set_stream`` assumes a handle is not driven from two streams
+concurrently ("a caller that does needs its own handle per stream"). Graphs are per thread too:
+a pygraph is built against the handle it was given and fills caches lazily inside ``execute``, and
+cuDNN execution plans are not guaranteed thread-safe across engines, which is why torch keeps its
+own cuDNN graph caches ``thread_local`` (``aten/src/ATen/native/cudnn/MHA.cpp``).
 """
 
 from __future__ import annotations
@@ -215,19 +225,29 @@ class CudnnKernels:
     the FlashAttention-style one-call-per-(left, right) driver): fp16/bf16, head_dim a multiple of
     8 up to 256, GQA with H_q a multiple of H_kv; other dtypes go to the reference math.
 
-    ``graph_builds`` counts the graphs built (forward and backward); ``_graphs`` is an LRU of at
-    most 64 built graphs keyed by (kind, device, dtype, heads, head_dim, scale, bounds, bucket).
-    Raises RuntimeError when cuDNN refuses a graph (the message names the key and cuDNN's reason).
+    ``graph_builds`` counts the graphs built (forward and backward, all threads); each thread's
+    ``graphs`` (:meth:`_local`) is an LRU of at most 64 built graphs keyed by (kind, device, dtype,
+    heads, head_dim, scale, bounds, bucket), built and executed with that thread's handles (module
+    doc, "Threads"). Raises RuntimeError when cuDNN refuses a graph (the message names the key and
+    cuDNN's reason).
     """
 
     name = "cudnn"
     device_types = ("cuda",)
 
     def __init__(self):
-        self._graphs: OrderedDict = OrderedDict()
-        self._handles: dict = {}
-        self._lock = threading.Lock()
+        self._threads = threading.local()
+        self._lock = threading.Lock()  # graph_builds only: never held across a build or a launch
         self.graph_builds = 0
+
+    def _local(self):
+        """The calling thread's ``handles`` ({device index: cudnn.Handle}) and ``graphs`` (LRU),
+        made on its first call. A thread's handles live as long as the backend (cudnn.Handle does not
+        destroy its cudnnHandle_t when collected); the local runtime's pool threads are long-lived."""
+        local = self._threads
+        if not hasattr(local, "graphs"):
+            local.handles, local.graphs = {}, OrderedDict()
+        return local
 
     def is_available(self):
         return cudnn_available()
@@ -236,28 +256,31 @@ class CudnnKernels:
         return q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % 8 == 0 and q.shape[2] <= 256
 
     def _handle(self, cudnn, device):
-        """This device's cuDNN handle (one per device, made on first use), on torch's current stream."""
-        index = device.index
-        if index not in self._handles:
+        """The calling thread's cuDNN handle for ``device`` (made on its first use there), set to
+        the thread's current torch stream."""
+        handles, index = self._local().handles, device.index
+        if index not in handles:
             with torch.cuda.device(index):
-                self._handles[index] = cudnn.create_handle()
-        handle = self._handles[index]
+                handles[index] = cudnn.create_handle()
+        handle = handles[index]
         cudnn.set_stream(handle, torch.cuda.current_stream(index).cuda_stream)
         return handle
 
     def _graph(self, cudnn, handle, device, key) -> _Built:
-        with self._lock:
-            full = (device.index, *key)
-            built = self._graphs.get(full)
-            if built is not None:
-                self._graphs.move_to_end(full)
-                return built
-            built = self._build(cudnn, handle, device, key)
-            self.graph_builds += 1
-            self._graphs[full] = built
-            if len(self._graphs) > _CACHE_SIZE:
-                self._graphs.popitem(last=False)
+        """The calling thread's graph for ``key`` on ``device``, built with ``handle`` (that
+        thread's) on first use; no other thread sees it."""
+        graphs, full = self._local().graphs, (device.index, *key)
+        built = graphs.get(full)
+        if built is not None:
+            graphs.move_to_end(full)
             return built
+        built = self._build(cudnn, handle, device, key)
+        with self._lock:
+            self.graph_builds += 1
+        graphs[full] = built
+        if len(graphs) > _CACHE_SIZE:
+            graphs.popitem(last=False)
+        return built
 
     @staticmethod
     def _build(cudnn, handle, device, key) -> _Built:

@@ -7,10 +7,54 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 
 import torch
 
 from .kernel_base import _NEG_INF, AttentionBackend, _BandedKernel
+
+
+def flash_attn2_installed() -> bool:
+    """Whether flash-attn 2's ``flash_attn`` package is installed, judged without importing it (its
+    import loads the CUDA extension): a regular package (``flash_attn/__init__.py``, which exports
+    ``flash_attn_varlen_func``) with ``flash_attn_interface.py`` beside it. flash-attn-4's wheel
+    (4.0.0b36) ships ``flash_attn/cute/...`` and no ``flash_attn/__init__.py``: alone it makes
+    ``flash_attn`` a namespace package (spec origin None) that ``find_spec`` still finds but from
+    which ``from flash_attn import flash_attn_varlen_func`` fails."""
+    try:
+        spec = importlib.util.find_spec("flash_attn")  # a top-level name: found, not imported
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a __spec__
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    return os.path.isfile(os.path.join(os.path.dirname(spec.origin), "flash_attn_interface.py"))
+
+
+def fa2_max_seqlen_k(max_seqlen_q: int, max_seqlen_k: int, left: int, right: int) -> int:
+    """``max_seqlen_k`` for FlashAttention-2's varlen kernels such that they mask exactly the window
+    ``(left, right)`` (-1: unbounded side).
+
+    Args: max_seqlen_q, max_seqlen_k: ints, bounds on the call's query / key sequence lengths;
+    left, right: the window. Returns: ``max(max_seqlen_q, max_seqlen_k)`` where FA2 would rewrite
+    the right side wrongly (``right > 0``, or ``left >= 0`` with ``right = -1``), else
+    ``max_seqlen_k``.
+
+    FA2 rewrites the window against this argument M (torch's
+    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, as flash-attn's
+    ``csrc/flash_attn/flash_api.cpp``): ``mha_varlen_fwd`` / ``mha_varlen_bwd`` make a side ``>= M``
+    unbounded, then ``set_params_fprop`` gives an unbounded side M when the other one is bounded;
+    the kernel keeps keys ``r + Lk - Lq - left <= j <= r + Lk - Lq + right``. A left side
+    ``>= Lk - 1`` and a right side ``>= Lq - 1`` hide no key, so the rewrites are exact once M bounds
+    every Lk (always) and, for the right side, every Lq. With M = max_seqlen_k and Lq > Lk, a right
+    bound ``e >= max_seqlen_k`` (a diagonal above the bottom-right one) became full attention, and
+    ``(left >= 0, -1)`` got the right side ``max_seqlen_k < Lq - 1``, which dropped keys. M is only a
+    bound: the kernels mask with each sequence's lengths from cu_seqlens (``block_info.h``);
+    ``mha_varlen_bwd`` sizes ``softmax_d`` and ``dq_accum`` by total_q and the batch, not by M, and
+    its key blocks past a sequence's Lk exit at once (``compute_dq_dk_dv_1colblock``).
+    tests/unit/test_kernel_masks.py emulates the rewrites.
+    """
+    return max(max_seqlen_q, max_seqlen_k) if right > 0 or (right < 0 <= left) else max_seqlen_k
+
 
 def _flash_kernel_handles(q) -> bool:
     # FlashAttention-2 kernels: fp16/bf16 only, head_dim a multiple of 8 up to 256.
@@ -82,7 +126,8 @@ class TorchVarlenBackend(_BandedKernel, AttentionBackend):
                         left, right):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, right == 0, False,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k, left, right), 0.0, right == 0, False,
             scale=scale, window_size_left=left, window_size_right=right)[:2]
         lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
         return out, lse
@@ -95,7 +140,8 @@ class TorchVarlenBackend(_BandedKernel, AttentionBackend):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
             _lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, right == 0, rng_state, unused,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k, left, right),
+            0.0, right == 0, rng_state, unused,
             scale=scale, window_size_left=left, window_size_right=right)
         return dq, dk, dv
 
@@ -129,7 +175,7 @@ class FlashAttnBackend(_BandedKernel, AttentionBackend):
         self._lse_layout = "heads_first"  # recent flash-attn's unpadded varlen LSE; refined at first call
 
     def is_available(self):
-        return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+        return torch.cuda.is_available() and flash_attn2_installed()
 
     def _kernel_handles(self, q):
         return _flash_kernel_handles(q)
@@ -139,7 +185,8 @@ class FlashAttnBackend(_BandedKernel, AttentionBackend):
         from flash_attn import flash_attn_varlen_func
 
         out, lse, _ = flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k, left, right), dropout_p=0.0,
             softmax_scale=scale, causal=right == 0, window_size=(left, right), return_attn_probs=True)
         lse, self._lse_layout = _lse_from_kernel(lse, cu_seqlens_q, q.shape[0], q.shape[1])
         return out, lse
@@ -156,7 +203,8 @@ class FlashAttnBackend(_BandedKernel, AttentionBackend):
             dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
             softmax_lse=_lse_to_kernel(lse, self._lse_layout, cu_seqlens_q, max_seqlen_q),
             dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k, left, right),
+            dropout_p=0.0, softmax_scale=scale,
             causal=right == 0, window_size=(left, right), window_size_left=left, window_size_right=right,
             softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None))
         return dq, dk, dv

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 
 import pytest
 import torch
@@ -222,6 +223,41 @@ def test_flash_attn_backward_called_by_keyword_across_versions():
     assert seen == dict(window_size=(-1, -1), causal=True, left=-1, right=-1, softcap=0.0)
     with pytest.raises(RuntimeError, match="sink"):
         kernels_flash._call_by_name(lambda q, sink: None, values)
+
+
+def _package(root, files):
+    for name in files:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+
+@pytest.mark.parametrize("files,fa2", [
+    # flash-attn-4 (4.0.0b36) alone: flash_attn/cute/..., no flash_attn/__init__.py, so flash_attn is
+    # a namespace package that find_spec finds but `from flash_attn import flash_attn_varlen_func`
+    # cannot import from.
+    (["flash_attn/cute/__init__.py", "flash_attn/cute/interface.py"], False),
+    # flash-attn 2 (with or without flash-attn-4 installed beside it).
+    (["flash_attn/__init__.py", "flash_attn/flash_attn_interface.py"], True),
+    (["flash_attn/__init__.py", "flash_attn/flash_attn_interface.py", "flash_attn/cute/interface.py"], True),
+    (["flash_attn/__init__.py"], False),  # some other package named flash_attn
+], ids=["fa4_only", "fa2", "fa2_and_fa4", "no_interface"])
+def test_flash_attn_backend_needs_flash_attn_2_not_a_namespace_package(tmp_path, monkeypatch, files, fa2):
+    from distca_server import kernels_fa4
+
+    _package(tmp_path, files)
+    monkeypatch.syspath_prepend(str(tmp_path))  # also invalidates the import caches
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the package alone decides
+    for other in ("cudnn", "fa4"):  # their checks would query the (absent) GPU
+        monkeypatch.setattr(BACKENDS[other], "is_available", lambda: False)
+    assert kernels_flash.flash_attn2_installed() is fa2
+    assert BACKENDS["flash_attn"].is_available() is fa2
+    assert ("flash_attn" in available_backends("cuda")) is fa2  # what bench/gpu_session.sh prints
+    # flash-attn-4's own check still sees its files either way.
+    assert kernels_fa4.fa4_installed() is any(f.endswith("cute/interface.py") for f in files)
+    assert "flash_attn" not in sys.modules  # judged without importing the package
 
 
 def test_kernel_lse_layouts_round_trip():

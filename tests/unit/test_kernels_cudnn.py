@@ -9,9 +9,12 @@ and one built graph per bucket across mixes of lengths.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import random
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -226,6 +229,95 @@ def test_one_graph_per_bucket_across_length_mixes(monkeypatch):
     assert b.graph_builds == 2 and keys[-1][-1] == Bucket(8, 256, 256, 256, 256)
 
 
+class _FakeHandle:
+    def __init__(self, owner):
+        self.owner, self.stream, self.stream_sets = owner, 0, 0  # a fresh handle runs on stream 0
+
+
+def _threaded_cudnn(monkeypatch):
+    """A stand-in ``cudnn`` (handles remember their stream and, as cudnn-frontend 1.32's
+    ``set_stream`` does, skip a set to the same stream) and torch CUDA stream queries answering a
+    stream per thread, as the local runtime's participant threads run. Returns the module."""
+    fake = types.ModuleType("cudnn")
+    fake.create_handle = lambda: _FakeHandle(threading.get_ident())
+
+    def set_stream(handle, stream):
+        if handle.stream != stream:
+            handle.stream, handle.stream_sets = stream, handle.stream_sets + 1
+    fake.set_stream = set_stream
+    fake.streams = {}  # thread ident -> the stream it runs on (1, 2, ...)
+    lock = threading.Lock()
+
+    def current_stream(index=None):
+        with lock:
+            stream = fake.streams.setdefault(threading.get_ident(), len(fake.streams) + 1)
+        return types.SimpleNamespace(cuda_stream=stream)
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    return fake
+
+
+class _RecordingGraph:
+    def __init__(self, built_with, log):
+        self.built_with, self.log = built_with, log
+
+    def execute(self, pack, workspace, handle=None):
+        time.sleep(0.002)  # let the other thread run meanwhile
+        self.log.append(dict(thread=threading.get_ident(), handle=handle, stream=handle.stream,
+                             built_with=self.built_with))
+
+
+def test_each_thread_launches_with_its_own_handle_stream_and_graphs(monkeypatch):
+    # cuDNN: a handle must not be used from two threads at once; cudnn-frontend 1.32 set_stream:
+    # "a caller that [drives a Handle from two streams concurrently] needs its own handle per
+    # stream". Participants run concurrently on pool threads, each on its own stream
+    # (runtime/local.py _run_threads): a shared handle let one thread's kernel launch on the
+    # other's stream. Graphs are built and executed per thread too (module doc, "Threads").
+    fake = _threaded_cudnn(monkeypatch)
+    b = kernels.CudnnBackend()
+    monkeypatch.setattr(b, "device_types", None)  # run its CUDA path on CPU tensors
+    monkeypatch.setattr(b, "is_available", lambda: True)
+    log, builds = [], []
+    names = ("q", "k", "v", "o", "do", "stats", "dq", "dk", "dv", "seq_q", "seq_k", "off_q", "off_k", "off_stats")
+
+    def build(cudnn, handle, device, key):
+        builds.append((threading.get_ident(), handle))
+        return kernels_cudnn._Built(_RecordingGraph(handle, log), {n: n for n in names}, 64)
+    monkeypatch.setattr(b, "_build", build)
+    x = make_inputs(([5, 9], [7, 9], 4, 2, 64), torch.bfloat16)
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    barrier, errors = threading.Barrier(2), []
+
+    def participant():
+        try:
+            barrier.wait()  # both threads alive at once: distinct thread identities and streams
+            for _ in range(3):
+                out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=4)
+                b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=4)
+            barrier.wait()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=participant) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    tids = {t.ident for t in threads}
+    assert {e["thread"] for e in log} == tids and len(log) == 2 * 3 * 2
+    for e in log:
+        assert e["handle"].owner == e["thread"]  # the calling thread's own handle ...
+        assert e["stream"] == fake.streams[e["thread"]]  # ... on the calling thread's stream ...
+        assert e["built_with"] is e["handle"]  # ... running a graph built with that handle
+    handles = {id(e["handle"]) for e in log}
+    assert len(handles) == 2 and sorted(fake.streams.values()) == [1, 2]
+    assert all(e["handle"].stream_sets == 1 for e in log)  # never re-streamed by the other thread
+    # One forward and one backward graph per thread, each built once, on its own thread.
+    assert b.graph_builds == 4 and sorted(t for t, _ in builds) == sorted([*tids, *tids])
+    assert all(h.owner == t for t, h in builds)
+
+
 # ---------------------------------------------------------------- graph arguments (CPU, needs the package)
 
 
@@ -425,3 +517,45 @@ def test_gpu_one_graph_per_bucket_across_length_mixes():
     x = make_inputs(CASES["odd_gqa4_d128"], torch.bfloat16, device="cuda", seed=9)  # 101 keys: a new bucket
     _run_cuda(b, x, 16)
     assert b.graph_builds == 4
+
+
+@pytest.mark.gpu
+def test_gpu_threads_on_their_own_streams_run_after_their_own_work():
+    # As the local runtime's participants: two threads, each on a CUDA stream of its own, each
+    # writing its inputs on that stream right before the call. A handle shared by the threads
+    # launched one thread's kernel on the other's stream, unordered with that write (it read the
+    # zeros); a handle per thread keeps every launch on its caller's stream.
+    b = _cudnn_or_skip(fresh=True)
+    cases = [make_inputs(([37, 64, 5], [37, 90, 40], 8, 2, 64), torch.bfloat16, device="cuda", seed=s)
+             for s in (21, 22)]
+    want = [tuple(t.cpu() for t in _run_cuda(b, x, 16)) for x in cases]  # this thread's graphs
+    barrier, errors = threading.Barrier(2), []
+
+    def participant(x, expected):
+        try:
+            stream, q_in = torch.cuda.Stream(), torch.zeros_like(x["q"])
+            with torch.cuda.stream(stream):
+                barrier.wait()
+                for i in range(20):
+                    q_in.zero_()
+                    stream.synchronize()
+                    torch.cuda._sleep(1_000_000)  # the write lands late on this stream ...
+                    q_in.copy_(x["q"])
+                    got = _run_cuda(b, dict(x, q=q_in), 16)  # ... and the kernels must wait for it
+                    for name, a, e in zip(NAMES, got, expected):
+                        assert max_error(a, e) <= 1e-2 * max(1.0, e.float().abs().max().item()), (i, name)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads between setting a stream and launching
+    try:
+        threads = [threading.Thread(target=participant, args=(x, w)) for x, w in zip(cases, want)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert b.graph_builds == 3 * 2  # forward and backward graphs of this thread and each participant

@@ -112,6 +112,18 @@ def _diagonal_oracle(x, window, diagonals):
 PARTIAL = ([30, 30, 30, 7, 1, 12], [10, 25, 30, 40, 5, 12], [40, 5, 0, 3, 9, 20], 4, 2, 16)
 # The shapes a valid plan makes (keys never past the queries): FlashAttention-expressible.
 EXPRESSIBLE = ([30, 30, 30, 1, 12], [10, 25, 30, 5, 12], [40, 5, 0, 9, 20], 4, 2, 16)
+# (q_lens, k_lens, diagonals, window) whose windows FlashAttention-2 rewrites against max_seqlen_k
+# (tests/unit/test_kernel_masks.py): Lq > Lk with a diagonal above the bottom-right one, class
+# (-1, 10), which max_seqlen_k = 4 made full attention; class (0, -1), whose right side became
+# max_seqlen_k = 512 (130,816 pairs lost); both among other classes; and an empty sequence, which
+# mask_classes puts in the first class.
+CLAMPED = {
+    "right_bound_past_max_k": ([12], [4], [2], None),
+    "left_bound_lq_gt_max_k": ([1024], [512], [511], 1024),
+    "mixed_classes": ([12, 8, 30, 40], [4, 8, 10, 8], [2, 0, 40, 30], None),
+    "mixed_windowed": ([1024, 12, 8], [512, 4, 8], [511, 2, 0], 1024),
+    "empty_sequence": ([4, 0, 12], [4, 5, 4], [0, 0, 2], None),
+}
 
 
 @pytest.mark.parametrize("window", [None, 3, 16, 100])
@@ -136,6 +148,20 @@ def test_per_sequence_diagonals_match_the_definition(backend, window, case):
     out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
     grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
     for name, a, e in zip(NAMES, (out, lse, *grads), expected):
+        assert max_error(a, e) <= 1e-10, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu", "banded"])
+@pytest.mark.parametrize("case", CLAMPED)
+def test_clamped_shapes_match_the_definition(backend, case):
+    # The GPU test's shapes on the CPU: mask classes and per-class calls (banded) are exact there.
+    q_lens, k_lens, diagonals, window = CLAMPED[case]
+    x = make_inputs((q_lens, k_lens, 4, 2, 64), torch.float64, seed=11)
+    b = FakeBanded() if backend == "banded" else BACKENDS[backend]
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
+    for name, a, e in zip(NAMES, (out, lse, *grads), _diagonal_oracle(x, window, diagonals)):
         assert max_error(a, e) <= 1e-10, name
 
 
@@ -240,6 +266,27 @@ def test_gpu_partial_kv_diagonals_match_the_definition(backend, window):
     if window is not None and any(dd - (lk - lq) > window - 1 and window < lq + dd
                                   for lq, lk, dd in zip(q_lens, k_lens, diagonals)):
         pytest.skip("not expressible as one (left, right) window per class")
+    expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
+                                diagonals)
+    b = BACKENDS[backend]
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
+    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
+        scale = max(1.0, e[torch.isfinite(e)].abs().max().item())
+        assert max_error(a.cpu(), e) <= 2e-2 * scale, name  # bf16 rounding of O(1) values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn", "fa4"])
+@pytest.mark.parametrize("case", CLAMPED)
+def test_gpu_windows_fa2_rewrites_keep_the_definition(backend, case):
+    # FA2's flash_api.cpp drops a window side >= max_seqlen_k and gives an unbounded side
+    # max_seqlen_k; distca_server.kernels_flash.fa2_max_seqlen_k passes a bound that keeps both exact.
+    if not BACKENDS[backend].is_available():
+        pytest.skip(f"{backend} not available")
+    q_lens, k_lens, diagonals, window = CLAMPED[case]
+    x = _on_cuda(make_inputs((q_lens, k_lens, 4, 2, 64), torch.bfloat16, seed=11))
     expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
                                 diagonals)
     b = BACKENDS[backend]
