@@ -162,6 +162,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # a replay stream each): past CUDA_DEVICE_MAX_CONNECTIONS (default 8) streams share hardware
 # queues, where one held wait could hold a peer's work (transport/memop_stream.py).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+# Several PEs on one GPU run NVSHMEM in its limited multi-process-per-GPU mode, where its
+# collective barrier exits the process; the heap's NVLS (multicast) set-up calls it. distca uses
+# no multicast, so a session turns it off rather than risk every NVSHMEM stage.
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 
 # $RES into $OUT/results.tar, replacing the last one whole (a call cut short brings back a whole tar)
 pack() {

@@ -57,6 +57,7 @@ from scheduler.cost import RoundKind
 
 from ..errors import first_cause
 from ..participant import drive
+from ..transport.exchange_graph import level_graph_tags
 from ..transport.symmetric_words import GRAPH_BLOCKS
 
 WARMUP_ROUNDS = 2
@@ -109,8 +110,15 @@ class CapturedRound:
         self.stash = [[(None, None)] * 2 for _ in participants]
         self._owning: dict = {}  # (participant, set) -> how its kept rows become its own (_own)
         self.graphs = []
-        for i, (p, t) in enumerate(zip(participants, transports)):
-            self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, self.views[i], rows(p, self.outputs))))
+        level_graph_tags(transports)  # an earlier capture that failed part-way left them unequal
+        try:
+            for i, (p, t) in enumerate(zip(participants, transports)):
+                self.graphs.append(t.graph(self._round(i, p, t, softmax_scale, self.views[i], rows(p, self.outputs))))
+        except BaseException:
+            # The participants captured so far give their blocks back, so that at the next capture
+            # every participant picks the same block (those never tried took none).
+            self.release()
+            raise
 
     @staticmethod
     def _static_kept(p, kept: int) -> tuple:

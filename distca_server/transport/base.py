@@ -27,6 +27,18 @@ def aligned(nbytes: int) -> int:
     return -(-int(nbytes) // ALIGN) * ALIGN
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without stopping the host where it can: a host tensor bound for a CUDA
+    device goes through pinned memory in a non-blocking copy on the current stream (a copy from
+    pageable memory synchronizes that stream, which a device-driven exchange may hold in a wait
+    for a peer); torch's pinned-memory cache keeps the staging block until the copy has run.
+    Anything else is ``t.to(device)``. Use the result in the current stream's order."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+
+
 class Transport(Protocol):
     """One participant's endpoint of an all-to-all group.
 

@@ -9,8 +9,9 @@ their own, and values that do not change between replays:
 - **Blocks.** A graph owns one of :data:`~.symmetric.GRAPH_BLOCKS` blocks of words. Its exchange
   ``j`` (at most :data:`~.symmetric.GRAPH_EXCHANGES`) has, per source PE, a credit word and an
   arrival word, in two **sets**. Its value is ``generation << 32 | tag``, where ``tag`` counts
-  captures on this transport (every PE captures in the same order, so all agree), so the words an
-  earlier graph left in a reused block are below it.
+  captures on this transport (every PE captures in the same order, so all agree; a capture that
+  fails counts nothing, and :func:`level_graph_tags` evens out a caller that stopped part-way), so
+  the words an earlier graph left in a reused block are below it.
 - **Two recordings.** The graph records ``fn``'s exchanges twice, once per set, and replays
   alternate between them. A replay of set ``v`` first resets this PE's words of set ``1 - v`` (a
   stream operation, :meth:`~.pe_stream.PeStream.fill`), then runs the exchanges as
@@ -154,14 +155,22 @@ class ExchangeGraph:
         self._t, self.replays, self._next = t, 0, 0
         if t._graph_tag + 1 >= _LOW:
             raise DistCAError(f"participant {t.rank}: too many graphs captured in group epoch {t.epoch}")
-        t._graph_tag += 1
-        self._tag = t._graph_tag
+        self._tag = t._graph_tag + 1
+        # A capture that fails changes nothing on this PE: not its tag (the values its waits need;
+        # a peer that never attempted this capture did not count it, and after the next capture
+        # this PE would wait for tag n + 1 while that peer sends n: every replay would time out),
+        # not its blocks (the graph its block was taken from stays usable, as on that peer). Its
+        # recordings never ran, so nothing of the words it would have used was written.
+        # In-process callers that stop at the first failure level the tags of the participants
+        # they captured before it (level_graph_tags).
+        taken = list(t._graphs), list(t._graph_order)
         self._block = _take_block(t, self)
         try:
             self._record(st, fn)
         except BaseException:
-            self.release()  # the block goes to the next capture
+            t._graphs[:], t._graph_order[:] = taken
             raise
+        t._graph_tag = self._tag
 
     def _record(self, st, fn) -> None:
         t, value = self._t, self._t._base | self._tag
@@ -210,7 +219,8 @@ class ExchangeGraph:
         Raises:
             ValueError: the graph was released (another capture took its block) or the buffers
                 grew since it was captured (capture it again).
-            DistCAError: the group is aborted or closed, or the previous replay of the same set failed.
+            DistCAError: the group is aborted or closed, the previous replay of the same set failed,
+                or the transport's heap lease has ended.
         """
         t, v = self._t, self._next
         if not self.usable:
@@ -226,9 +236,10 @@ class ExchangeGraph:
             if t._closed or t._broken is not None:
                 raise DistCAError(f"graph replay on participant {t.rank} of group epoch {t.epoch}: the group is "
                                   f"{'closed' if t._closed else 'aborted: ' + t._broken}")
-            t._stream.begin()  # after the caller's work (the send rows)
-            t._stream.replay(self._recordings[v])
-            marker = t._stream.mark()  # not the recorded markers: a GPU's recorded event passes early
+            with t._leased:  # a recording's writes are the stream's: a revoked lease refuses them
+                t._stream.begin()  # after the caller's work (the send rows)
+                t._stream.replay(self._recordings[v])
+                marker = t._stream.mark()  # not the recorded markers: a GPU's recorded event passes early
             value, n = t._base | self._tag, self.replays
             entries = [_Entry(value, deadline, r, snap, marker, credits, arrivals,
                               label=(_REPLAY_LABEL, j, r.name, n, t.epoch))
@@ -247,6 +258,21 @@ class ExchangeGraph:
             self._t._graphs[self._block] = None
 
 
+def level_graph_tags(transports) -> None:
+    """Raise every transport's capture count (the tag of its next graph's values, see
+    :class:`ExchangeGraph`) to the highest among them, before one graph is captured on each.
+
+    For a caller that captures its participants one after another in one process
+    (:class:`~distca_server.runtime.graphed.CapturedRound`) and stops at the first failure: the
+    participants captured before it counted their captures, the others did not, and a graph
+    whose PEs wait for different tags never completes a replay. Levelling before every capture
+    keeps them equal whichever participant failed; a count only ever rises, so the words an earlier
+    graph left in a block stay below the next graph's values."""
+    top = max((t._graph_tag for t in transports), default=0)
+    for t in transports:
+        t._graph_tag = top
+
+
 def _take_block(t, graph: ExchangeGraph) -> int:
     """A free block for ``graph``, else the least recently captured graph's (released). Every PE
     captures in the same order, so every PE picks the same block."""
@@ -259,4 +285,4 @@ def _take_block(t, graph: ExchangeGraph) -> int:
     return block
 
 
-__all__ = ["ARRIVED", "CREDIT", "ExchangeGraph", "graph_slot", "set_words"]
+__all__ = ["ARRIVED", "CREDIT", "ExchangeGraph", "graph_slot", "level_graph_tags", "set_words"]

@@ -30,6 +30,13 @@ class ReusableHeap:
     epoch may still write late: its values carry the old generation, which the new transport
     ignores (see the module docstring).
 
+    Device-driven writes go through a stream (``stream_ops``), not through the lease's methods, so
+    the lease covers them where they are queued: a revoked lease makes no stream, and a transport
+    queues its stream work holding :meth:`HeapLease.writing`, which raises once the lease ended
+    (and which revocation waits for). Work queued before revocation still runs (a GPU stream cannot
+    take it back): the old epoch's transport must end its exchanges (``close`` forces their waits)
+    before the next epoch takes the heap.
+
     The new epoch's transport carves its arrays afresh (from an empty layout, the same on every PE):
     views that an old epoch's transport handed out are overwritten by the new epoch's exchanges.
 
@@ -83,7 +90,10 @@ class HeapLease:
     ends the lease and leaves the heap open for the next generation. Other attributes of the
     heap under it (a shared-memory ``handle``, NVSHMEM's ``finalize``) are passed through.
 
-    Raises (every write, once revoked or closed):
+    The heap's ``stream_ops`` and ``signal_now``, where it has them, are writes too: a revoked
+    lease refuses them (see :class:`ReusableHeap`).
+
+    Raises (every write, once revoked or closed, and :meth:`writing`):
         DistCAError: naming the generation and why the lease ended.
     """
 
@@ -91,17 +101,32 @@ class HeapLease:
         self._owner, self._heap, self.generation = owner, owner.heap, int(generation)
         self.rank, self.world_size, self.device, self.arena = owner.rank, owner.world_size, owner.device, owner.arena
         self._revoked: str | None = None
+        self._held = _Held(self)  # made once: every write and every exchange queued on a stream enter it
 
     def __getattr__(self, name):  # handle, finalize ... of the heap under the lease
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._heap, name)
+        found = getattr(self._heap, name)
+        if name in ("stream_ops", "signal_now"):  # they write the heap: refused once revoked
+            return lambda *args: self._write(found, *args)
+        return found
+
+    def writing(self) -> "_Held":
+        """A context manager that holds the lease while stream work is queued (revocation waits
+        for it to be left).
+
+        Raises:
+            DistCAError: on entry, the lease has ended.
+        """
+        return self._held
+
+    def _check(self) -> None:
+        if self._revoked is not None:
+            raise DistCAError(f"participant {self.rank}: the heap lease of generation "
+                              f"{self.generation} has ended ({self._revoked})")
 
     def _write(self, fn, *args):
-        with self._owner._lock:
-            if self._revoked is not None:
-                raise DistCAError(f"participant {self.rank}: the heap lease of generation "
-                                  f"{self.generation} has ended ({self._revoked})")
+        with self._held:
             return fn(*args)
 
     def put(self, pe: int, offset: int, src: torch.Tensor) -> None:
@@ -133,3 +158,25 @@ class HeapLease:
         with self._owner._lock:
             if self._revoked is None:
                 self._revoked = "closed"
+
+
+class _Held:
+    """:meth:`HeapLease.writing`: the owner's lock, taken only while the lease is live. Not a
+    generator-based context manager: it is entered for every put and every replay."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease: HeapLease):
+        self._lease = lease
+
+    def __enter__(self) -> None:
+        lock = self._lease._owner._lock
+        lock.acquire()
+        try:
+            self._lease._check()
+        except BaseException:
+            lock.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._lease._owner._lock.release()

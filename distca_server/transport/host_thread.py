@@ -27,6 +27,11 @@ class HostThread:
     next :meth:`call`). A call made from the thread itself runs at once. Daemon: a call stuck in
     NVSHMEM (an init or finalize waiting for a dead peer) never keeps the process from exiting.
 
+    A call that overran its wait leaves the thread *stuck* (:attr:`stuck`): later calls and
+    submissions fail at once, rather than each waiting out its own bound behind it. Once the
+    overrun call returns (a quiet whose stream a watchdog's force drained late), the thread is
+    usable again; an error that call raised is reported by the next :meth:`call`.
+
     Args:
         name: the thread's name.
     """
@@ -35,8 +40,9 @@ class HostThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self.stuck: str | None = None  # the call that overran its wait; later calls fail at once
-        self._error: BaseException | None = None  # the first error of a submitted call
+        self._overran: list[tuple[Future, str]] = []  # calls that overran their wait, oldest first
+        self._overran_lock = threading.Lock()  # callers on several threads may overrun
+        self._error: BaseException | None = None  # the first error of a submitted or overrun call
 
     @property
     def ident(self) -> int | None:
@@ -62,9 +68,24 @@ class HostThread:
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                     future.set_exception(exc)
 
+    @property
+    def stuck(self) -> str | None:
+        """The name of the oldest call that overran its wait and has not returned yet; None when
+        there is none (an overrun call that returned since no longer counts)."""
+        if not self._overran:  # nearly always: no lock taken on every submission
+            return None
+        with self._overran_lock:
+            while self._overran and self._overran[0][0].done():
+                future, _ = self._overran.pop(0)
+                late = future.exception()  # no one else will ever read it
+                if late is not None and self._error is None:
+                    self._error = late
+            return self._overran[0][1] if self._overran else None
+
     def _check(self, what: str) -> None:
-        if self.stuck is not None:
-            raise DistCAError(f"NVSHMEM {what}: the NVSHMEM host thread is still stuck in {self.stuck}")
+        stuck = self.stuck
+        if stuck is not None:
+            raise DistCAError(f"NVSHMEM {what}: the NVSHMEM host thread is still stuck in {stuck}")
         if not self._thread.is_alive():
             raise DistCAError(f"NVSHMEM {what}: the NVSHMEM host thread has stopped")
 
@@ -90,7 +111,8 @@ class HostThread:
 
         Raises:
             DistCAError: it did not return within ``timeout_s`` (the thread is then *stuck*: later
-                calls fail at once), the thread is stuck or stopped, or a submitted call failed.
+                calls fail at once until it returns), the thread is stuck or stopped, or a submitted
+                call (or an overrun one, late) failed.
             whatever ``fn`` raises.
         """
         what = what or getattr(fn, "__name__", "call")
@@ -102,7 +124,8 @@ class HostThread:
         try:
             result = future.result(timeout=timeout_s)
         except FutureTimeout:
-            self.stuck = what
+            with self._overran_lock:
+                self._overran.append((future, what))
             raise DistCAError(f"NVSHMEM {what} did not return within {timeout_s} s") from None
         error, self._error = self._error, None
         if error is not None:

@@ -16,6 +16,8 @@ communication and force streams) could get the same CUDA stream, and one PE's he
 the other's signals. Non-blocking: the legacy default stream, which torch work uses unless told
 otherwise, never waits implicitly for a stream held in a wait. Every driver call runs with the
 device's primary context (torch's) pushed, so it works on any thread (the watchdog's has none).
+These driver calls (stream creation, the write, the wait) are :class:`StreamDriver`'s, which the
+NVSHMEM heap and stream (:mod:`.nvshmem`, :mod:`.nvshmem_stream`) use too.
 
 Limits (stated, not hidden): ``credit`` is ignored (a stream cannot skip a queued copy). CUDA does not
 see a wait's dependency (the driver's own warning), so while a wait is held anything that waits for
@@ -60,14 +62,108 @@ def load_driver():
     return driver
 
 
+class StreamDriver:
+    """The CUDA driver calls of device-driven streams on one device (shared by :class:`MemopStream`
+    and the NVSHMEM heap and stream of :mod:`.nvshmem` / :mod:`.nvshmem_stream`): non-blocking
+    streams of their own, 64-bit stream writes and waits. Every call runs with the device's primary
+    context (torch's, the buffers' own) pushed, so it works on any thread (the watchdog's and the
+    NVSHMEM host thread included).
+
+    Made once per PE stream or heap: it asks whether the device has 64-bit stream memory
+    operations (:attr:`memops`) and retains the primary context (:meth:`release` gives it back).
+
+    Args:
+        index: the CUDA device ordinal.
+        rank: the PE, for error messages.
+        driver: the driver module (default :func:`load_driver`).
+        require: refuse a device without 64-bit stream memory operations (a heap whose host-driven
+            exchanges need none passes False and reads :attr:`memops`).
+
+    Raises:
+        DistCAError: no cuda-python, a failed driver call, or (``require``) a device without 64-bit
+            stream memory operations (``CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS``).
+    """
+
+    def __init__(self, index: int, rank: int, driver=None, require: bool = True):
+        self.d = d = load_driver() if driver is None else driver
+        self.rank = int(rank)
+        self._ok = d.CUresult.CUDA_SUCCESS
+        self._write = int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)  # with a memory barrier
+        self._geq = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self.call("cuInit", 0)  # idempotent (torch initialised the driver)
+        self.dev = self.call("cuDeviceGet", int(index))
+        # CUDA 12 enables stream memory operations by default (CUDA 10's drivers only with the nvidia
+        # module's NVreg_EnableStreamMemOPs=1); this attribute says whether the 64-bit ones work here.
+        # (The non-_V1 name, 122 in CUDA 13's enum; the docs of cuStreamWriteValue64 name it.)
+        attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+        self.memops = bool(self.call("cuDeviceGetAttribute", attr, self.dev))  # (attrib, dev) -> (CUresult, int)
+        if require and not self.memops:
+            raise DistCAError(f"participant {self.rank}: CUDA device {index} has no 64-bit stream memory "
+                              f"operations (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0); "
+                              f"device-driven exchanges need them")
+        self.ctx = self.call("cuDevicePrimaryCtxRetain", self.dev)
+
+    def call(self, name: str, *args):
+        """``driver.name(*args)``, which returns ``(CUresult, *values)``: the value (or None), or
+        DistCAError naming the call and the error (also when the binding raises: no libcuda, or a
+        driver without the call).
+
+        cuda-bindings 13 (the classic ``cuda.bindings.driver``, checked against its docstrings):
+        every call returns a tuple, ``(CUresult,)`` without outputs; handles (``CUstream``,
+        ``CUdeviceptr``, ``cuuint64_t``) may be passed as ints; flags are ``unsigned int`` (an
+        IntEnum passes); a negative ``cuuint64_t`` raises OverflowError, so values are masked to
+        64 bits. Without libcuda the binding raises ``cuda.pathfinder``'s DynamicLibNotFoundError,
+        a RuntimeError."""
+        try:
+            result = getattr(self.d, name)(*args)
+        except RuntimeError as exc:
+            raise DistCAError(f"participant {self.rank}: {name} failed: {exc}") from exc
+        if result[0] != self._ok:
+            raise DistCAError(f"participant {self.rank}: {name} failed: {getattr(result[0], 'name', result[0])}")
+        return result[1] if len(result) > 1 else None
+
+    def in_ctx(self, name: str, *args):
+        """:meth:`call` with the device's primary context current on this thread."""
+        self.call("cuCtxPushCurrent", self.ctx)
+        try:
+            return self.call(name, *args)
+        finally:
+            self.call("cuCtxPopCurrent")
+
+    def create_stream(self):
+        """A new ``CU_STREAM_NON_BLOCKING`` stream (its ``CUstream``; ``int()`` of it is the
+        ``cudaStream_t``). Not from torch's pool: see the module docstring. Non-blocking: the
+        legacy default stream never waits implicitly for a stream held in a wait."""
+        # cuStreamCreate(unsigned int Flags) -> (CUresult, CUstream)
+        return self.in_ctx("cuStreamCreate", int(self.d.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def stream(self, cuda):
+        """:meth:`create_stream`, as a torch stream (``cuda.wrap``: ``torch.cuda.ExternalStream``)."""
+        return cuda.wrap(int(self.create_stream()))
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Queue on ``stream`` (its int handle): the 8 bytes at device address ``addr`` = ``value``
+        (masked to 64 bits), after a memory barrier (earlier work on the stream is visible first)."""
+        # cuStreamWriteValue64(stream, addr, value, unsigned int flags) -> (CUresult,)
+        self.in_ctx("cuStreamWriteValue64", stream, addr, int(value) & _U64, self._write)
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None:
+        """Hold ``stream`` (its int handle) until the 8 bytes at device address ``addr`` >= ``value``.
+
+        GEQ is the cyclic ``(int64_t)(*addr - value) >= 0`` (the bindings' enum docstring); for
+        values in [0, 2**63), as the exchange's are (``generation << 32 | n``, generation < 2**31),
+        the difference never wraps and the compare is the plain one. The wait re-reads the word
+        from memory, so a write from another stream, another GPU or a copy engine ends it."""
+        # cuStreamWaitValue64(stream, addr, value, unsigned int flags) -> (CUresult,)
+        self.in_ctx("cuStreamWaitValue64", stream, addr, int(value) & _U64, self._geq)
+
+    def release(self) -> None:
+        """Give back the primary context retained at construction."""
+        self.call("cuDevicePrimaryCtxRelease", self.dev)
+
+
 class MemopCuda(TorchCuda):
     """The torch work of a :class:`MemopStream` on ``device`` (tests pass a fake with these methods)."""
-
-    def index(self) -> int:
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
-
-    def wrap(self, handle: int):
-        return torch.cuda.ExternalStream(handle, device=self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
@@ -100,25 +196,11 @@ class MemopStream:
     def __init__(self, arenas, words, rank: int, abort_value: int, *, device, driver=None, cuda=None, comm=None):
         if len(arenas) != len(words) or not 0 <= int(rank) < len(words):
             raise ValueError(f"participant {rank} of {len(arenas)} arenas and {len(words)} signal word arrays")
-        self._d = d = load_driver() if driver is None else driver
         self.device, self.rank, self.abort_value = torch.device(device), int(rank), int(abort_value)
         self._cuda = MemopCuda(self.device) if cuda is None else cuda
         self._arenas, self._words = list(arenas), list(words)
-        self._ok = d.CUresult.CUDA_SUCCESS
-        self._write = int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)  # with a memory barrier
-        self._geq = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-        self._call("cuInit", 0)  # idempotent (torch initialised the driver)
-        self._dev = self._call("cuDeviceGet", self._cuda.index())
-        # CUDA 12 enables stream memory operations by default (CUDA 10's drivers only with the nvidia
-        # module's NVreg_EnableStreamMemOPs=1); this attribute says whether the 64-bit ones work here.
-        # (The non-_V1 name, 122 in CUDA 13's enum; the docs of cuStreamWriteValue64 name it.)
-        attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-        if not self._call("cuDeviceGetAttribute", attr, self._dev):  # (attrib, dev) -> (CUresult, int)
-            raise DistCAError(f"participant {self.rank}: {self.device} has no 64-bit stream memory operations "
-                              f"(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0); device-driven exchanges "
-                              f"between PEs of one process need them")
-        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)  # torch's context, the buffers' own
-        self._key = (id(d), self._cuda.index())
+        self._drv = StreamDriver(self._cuda.index(), self.rank, driver)
+        self._key = (id(self._drv.d), self._cuda.index())
         self._owned: list = []  # (handle, torch stream) made here, reused by a later stream once drained
         self._comm = self._new_stream() if comm is None else comm
         self._side = self._new_stream()  # force()'s, made now: force must allocate nothing
@@ -128,41 +210,12 @@ class MemopStream:
         self._ready = None  # begin()'s event, made at the first begin and recorded again at each
         self._capturing = False  # inside capture()
 
-    # ---- the driver -----------------------------------------------------------------------------
-    def _call(self, name: str, *args):
-        """``driver.name(*args)``, which returns ``(CUresult, *values)``: the value (or None), or
-        DistCAError naming the call and the error (also when the binding raises: no libcuda, or a
-        driver without the call).
-
-        cuda-bindings 13 (the classic ``cuda.bindings.driver``, checked against its docstrings):
-        every call returns a tuple, ``(CUresult,)`` without outputs; handles (``CUstream``,
-        ``CUdeviceptr``, ``cuuint64_t``) may be passed as ints; flags are ``unsigned int`` (an
-        IntEnum passes); a negative ``cuuint64_t`` raises OverflowError, so values are masked to
-        64 bits. Without libcuda the binding raises ``cuda.pathfinder``'s DynamicLibNotFoundError,
-        a RuntimeError."""
-        try:
-            result = getattr(self._d, name)(*args)
-        except RuntimeError as exc:
-            raise DistCAError(f"participant {self.rank}: {name} failed: {exc}") from exc
-        if result[0] != self._ok:
-            raise DistCAError(f"participant {self.rank}: {name} failed: {getattr(result[0], 'name', result[0])}")
-        return result[1] if len(result) > 1 else None
-
-    def _in_ctx(self, name: str, *args):
-        """:meth:`_call` with the device's primary context current on this thread."""
-        self._call("cuCtxPushCurrent", self._ctx)
-        try:
-            return self._call(name, *args)
-        finally:
-            self._call("cuCtxPopCurrent")
-
     def _new_stream(self):
-        # cuStreamCreate(unsigned int Flags) -> (CUresult, CUstream); int(CUstream) is the handle.
         with _SPARE_LOCK:
             spare = _SPARE.get(self._key)
             made = spare.pop() if spare else None
         if made is None:
-            handle = self._in_ctx("cuStreamCreate", int(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            handle = self._drv.create_stream()
             made = (handle, self._cuda.wrap(int(handle)))
         self._owned.append(made)
         return made[1]
@@ -244,8 +297,7 @@ class MemopStream:
         """PE ``pe``'s word ``slot`` = ``value`` (int64) once everything queued before has run.
         Raises ValueError (bad PE or slot), DistCAError (the driver call failed)."""
         self._open()
-        # cuStreamWriteValue64(stream, addr, value, unsigned int flags) -> (CUresult,)
-        self._in_ctx("cuStreamWriteValue64", self._h, self._word(pe, slot), int(value) & _U64, self._write)
+        self._drv.write(self._h, self._word(pe, slot), value)
 
     def wait_ge(self, slot: int, value: int) -> None:
         """Hold the stream until this PE's word ``slot`` >= ``value``. GEQ is the cyclic
@@ -254,9 +306,7 @@ class MemopStream:
         difference never wraps and the compare is the plain one (a zero or an older generation's
         word waits, the abort value ends the wait). Raises as :meth:`signal`."""
         self._open()
-        # cuStreamWaitValue64(stream, addr, value, unsigned int flags) -> (CUresult,); GEQ (= 0, the
-        # default) is "(int64_t)(*addr - value) >= 0" in the bindings' enum docstring.
-        self._in_ctx("cuStreamWaitValue64", self._h, self._word(self.rank, slot), int(value) & _U64, self._geq)
+        self._drv.wait_geq(self._h, self._word(self.rank, slot), value)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the communication stream (both contiguous on this device, equal
@@ -347,8 +397,7 @@ class MemopStream:
         addr = self._word(self.rank, slot)
         with self._lock:
             if self._side is not None:
-                self._in_ctx("cuStreamWriteValue64", self._cuda.handle(self._side), addr, int(value) & _U64,
-                             self._write)
+                self._drv.write(self._cuda.handle(self._side), addr, value)
 
     def close(self) -> None:
         """Let the queued work drain for at most :data:`CLOSE_WAIT_S` seconds (the transport forced
@@ -365,7 +414,7 @@ class MemopStream:
                 with _SPARE_LOCK:
                     _SPARE.setdefault(self._key, []).extend(self._owned)
                 self._owned = []
-                self._call("cuDevicePrimaryCtxRelease", self._dev)
+                self._drv.release()
 
 
-__all__ = ["CLOSE_WAIT_S", "MemopCuda", "MemopStream", "load_driver"]
+__all__ = ["CLOSE_WAIT_S", "MemopCuda", "MemopStream", "StreamDriver", "load_driver"]

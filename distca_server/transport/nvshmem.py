@@ -37,7 +37,18 @@ Memory: the words are assumed zero in freshly mapped heap memory only for the fi
 Operations are host-initiated and stream-ordered (``*_on_stream``) on a communication stream that
 first waits for the caller's stream (where the rows to send were produced); waits poll the signal
 words with a device-to-host copy on a separate stream, so a dead peer costs a timeout, never a hung
-stream. Only point-to-point RMA is used: several PEs may share one GPU without MPS.
+stream. Only point-to-point RMA is used: several PEs may share one GPU without MPS. NVSHMEM then
+runs in *limited MPG* mode, where some host calls (collectives, teams, the ``*_wait_until_on_stream``
+waits) print and ``exit(-1)``; none of them is called here (see :mod:`.nvshmem_stream`). Which mode
+ran (``nvshmemx_init_status``) is :attr:`NvshmemRuntime.init_status`, and :func:`describe` reports it.
+
+Streams: the heap makes its own (communication, poll, abort signals, force) once, with
+``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` (:class:`~.memop_stream.StreamDriver`), never torch's pool
+streams, which are handed out round robin and could repeat the stream a wait holds.
+
+``NVSHMEM_SYMMETRIC_SIZE`` (unless set) is set by :func:`set_symmetric_size` before NVSHMEM's first
+call in the process (world rank 0's unique id, the others' init): NVSHMEM reads its environment once,
+at that call, and keeps it.
 
 The transport is a :class:`~.routed.RoutedTransport`: exchanges of an installed route are
 device-driven, queued on the same communication stream by :meth:`NvshmemHeap.stream_ops` (an
@@ -51,6 +62,7 @@ epoch (in tests a ``torch.multiprocessing`` queue does), and every PE calls :fun
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -63,11 +75,48 @@ import torch
 from scheduler.config import DEFAULT_HEAP_BYTES
 
 from ..errors import DistCAError
-from .base import aligned
+from .base import aligned, host_to_device
 from .host_thread import HostBoundHeap, HostThread
 from .symmetric import ReusableHeap, SymmetricTransport
 from .symmetric_words import check_heap_bytes, signal_words
+
 FINALIZE_TIMEOUT_S = 60.0  # finalize's bound at exit before any group set one
+NVSHMEM_STATE_BYTES = 64 << 20  # room in the symmetric heap for NVSHMEM's own allocations
+LIMITED_MPG = "STATUS_LIMITED_MPG"  # nvshmem4py's InitStatus name: several PEs per GPU without MPS
+log = logging.getLogger(__name__)
+
+
+def symmetric_size(heap_bytes: int, world_size: int) -> int:
+    """Bytes of NVSHMEM symmetric heap a PE needs: the arena (``heap_bytes``), the signal words
+    of ``world_size`` PEs and :data:`NVSHMEM_STATE_BYTES` for NVSHMEM's own state."""
+    return int(heap_bytes) + 8 * signal_words(world_size) + NVSHMEM_STATE_BYTES
+
+
+def set_symmetric_size(heap_bytes: int, world_size: int, environ=None) -> str:
+    """Set ``NVSHMEM_SYMMETRIC_SIZE`` to :func:`symmetric_size` unless already set; returns the
+    value in force. Must run before NVSHMEM's first call in the process: ``nvshmemx_get_uniqueid``
+    (world rank 0) and init both begin with ``nvshmemi_options_init()``, which reads the environment
+    once and keeps it (NVSHMEM 3.4.5 src/host/init/init.cu, src/host/util/env_vars.cpp); with a
+    static heap (``NVSHMEM_DISABLE_CUDA_VMM=1``) a size read too early (default 1 GiB) makes the
+    allocation fail."""
+    environ = os.environ if environ is None else environ
+    return environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(symmetric_size(heap_bytes, world_size)))
+
+
+def init_status_name(core) -> str:
+    """NVSHMEM's init status (``nvshmem.core.init_status()``, ``nvshmemx_init_status``) by its name
+    in ``nvshmem.core.InitStatus``: ``"STATUS_IS_INITIALIZED"`` (one PE per GPU),
+    :data:`LIMITED_MPG` (several PEs per GPU without MPS), ``"STATUS_FULL_MPG"`` (with MPS); the
+    number where the enum lacks it, ``"unknown"`` where this nvshmem4py lacks the call."""
+    status = getattr(core, "init_status", None)
+    if status is None:
+        return "unknown"
+    value = int(status())  # the binding returns a plain int
+    names = getattr(core, "InitStatus", None)
+    try:
+        return names(value).name
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _modules():
@@ -90,10 +139,13 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def unique_id() -> bytes:
-    """A fresh NVSHMEM unique id (on world rank 0), as bytes to hand to the other PEs. Runs on
-    the process's NVSHMEM host thread."""
-    return runtime().host.call(Nvshmem4py().unique_id, what="get_unique_id")
+def unique_id(*, world_size: int, heap_bytes: int = DEFAULT_HEAP_BYTES) -> bytes:
+    """A fresh NVSHMEM unique id (on world rank 0), as bytes to hand to the other PEs, after
+    :func:`set_symmetric_size` for ``heap_bytes`` of arena among ``world_size`` PEs (the unique id
+    is NVSHMEM's first call). Runs on the process's NVSHMEM host thread."""
+    driver = Nvshmem4py()
+    driver.configure(world_size, heap_bytes)
+    return runtime().host.call(driver.unique_id, what="get_unique_id")
 
 
 def _uid_bytes(uid) -> bytes:
@@ -113,7 +165,17 @@ class NvshmemHeap:
     """This PE's endpoint of the NVSHMEM heap (see :class:`.symmetric.SymmetricHeap`), over the
     process's one symmetric allocation ``whole`` (arena, then the signal words). Its NVSHMEM calls
     (``put``, ``put_signal``, ``signal``, ``quiet``) must run on the process's :class:`HostThread`
-    (:class:`HostBoundHeap` sees to it); :meth:`stage` runs on the calling thread.
+    (:class:`HostBoundHeap` sees to it); :meth:`stage` runs on the calling thread, and
+    :meth:`signal_now` on any thread (it hands its call to the host thread, :attr:`submit`).
+
+    Its CUDA streams are made here, once per heap (so once per process), with
+    ``cuStreamCreate(CU_STREAM_NON_BLOCKING)``: the communication stream (puts, signals, the
+    device-driven waits), the poll stream (reading its own words and tables), the abort stream
+    (:meth:`signal_now`) and the force stream (:meth:`.nvshmem_stream.NvshmemStream.force`). None
+    of them is torch's pool stream: the pool hands out 32 streams round robin, so a stream made
+    later (per epoch) could be the communication stream itself, queued behind the wait it should
+    end. They are not destroyed: torch's allocator may record events on them (``record_stream``)
+    until the process exits.
 
     Args:
         whole: the uint8 symmetric tensor of ``heap_bytes + 8 * signal_words(world_size)`` bytes.
@@ -121,38 +183,60 @@ class NvshmemHeap:
         heap_bytes: arena bytes (a multiple of 256).
         device: this PE's CUDA device (several PEs may share one).
         bindings: ``nvshmem.bindings``.
+        driver: the CUDA driver calls (default a :class:`~.memop_stream.StreamDriver` on ``device``).
+        cuda: the torch work (default :class:`~.nvshmem_stream.TorchCuda` on ``device``).
+        init_status: NVSHMEM's init status by name (:func:`init_status_name`).
+
+    Attributes:
+        submit: queues ``fn(*args)`` on the NVSHMEM host thread without waiting (a
+            ``HostThread.submit``, which runs ``fn`` at once when called there); set by
+            :class:`NvshmemRuntime` to its own; None: the process runtime's.
     """
 
     def __init__(self, whole: torch.Tensor, rank: int, world_size: int, heap_bytes: int,
-                 device: torch.device, bindings):
+                 device: torch.device, bindings, *, driver=None, cuda=None, init_status: str = "unknown"):
+        from .nvshmem_stream import TorchCuda
         self._bindings = bindings
         words = signal_words(world_size)
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.init_status = init_status
         self._whole = whole
         self.arena = whole[:heap_bytes]
         self._words = whole[heap_bytes:heap_bytes + 8 * words].view(torch.int64)
         self._sig_at = self._words.data_ptr()
         self._set = int(getattr(bindings.Signal_op, "SIGNAL_SET"))
-        self._stream = torch.cuda.Stream(device)  # puts and signals
-        self._poll = torch.cuda.Stream(device)  # reading our own words and tables
-        self._host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        self._cuda = TorchCuda(device) if cuda is None else cuda
+        if driver is None:
+            from .memop_stream import StreamDriver  # host-driven exchanges need no stream memory operations
+            driver = StreamDriver(self._cuda.index(), rank, require=False)
+        self._drv = driver
+        self._stream = driver.stream(self._cuda)  # puts, signals and the device-driven waits
+        self._poll = driver.stream(self._cuda)  # reading our own words and tables
+        self._abort = driver.stream(self._cuda)  # signal_now: never behind a held communication stream
+        self._side = driver.stream(self._cuda)  # the device-driven stream's force()
+        self._host = self._cuda.pinned(words, torch.int64)
         self._dirty: set[int] = set()  # peers with puts since their last signal (host thread only)
         self._joined = False
+        self._aborting = False  # signal_now issued since the last quiet or close (host thread only)
+        self.submit: Callable | None = None
+
+    def _submitter(self) -> Callable:
+        return runtime().host.submit if self.submit is None else self.submit
 
     # ---- the calling thread: stream work that must see the caller's current stream -------------
     def stage(self, src: torch.Tensor | None) -> torch.Tensor | None:
         """Order the communication stream after the caller's (once per quiet) and return ``src``
         as contiguous device bytes, kept from the allocator until the put has run (None: a signal)."""
         if not self._joined:  # rows to send were produced on the caller's stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._stream.wait_stream(self._cuda.current_stream())
             self._joined = True
         if src is None:
             return None
         src = src.reshape(-1).contiguous()
         if src.device != self.device:  # tables are built on the host
-            with torch.cuda.stream(self._stream):
-                src = src.to(self.device, non_blocking=False)
-        src.record_stream(self._stream)  # not reused by the allocator before the put has run
+            with self._cuda.use(self._stream):  # not blocking: the stream may be held in a wait
+                src = host_to_device(src, self.device)
+        self._cuda.keep(src, self._stream)  # not reused by the allocator before the put has run
         return src
 
     # ---- the host thread: NVSHMEM calls ---------------------------------------------------------
@@ -182,7 +266,44 @@ class NvshmemHeap:
         self._bindings.signal_op_on_stream(self._sig_at + 8 * slot, int(value), self._set, pe,
                                            self._stream.cuda_stream)
 
+    def signal_now(self, pe: int, slot: int, value: int) -> None:
+        """:meth:`signal`, ordered after nothing queued before it, for the abort path
+        (``SymmetricTransport._abort``), from any thread: the communication stream may be held by
+        the very wait the abort is to end, so a signal queued there would land only once that wait
+        is forced, and a ``quiet`` (which synchronizes it) would not return before.
+
+        ``signal_op_on_stream(SIGNAL_SET)`` on the heap's abort stream (never held: nothing waits
+        there), issued on the host thread like every NVSHMEM call (:attr:`submit`; at once when
+        called there), without a fence (an abort need not follow the rows) and without waiting:
+        neither for the host thread nor for any stream. Every later host call (``quiet``,
+        ``close``, ``finalize``) runs after it, and the next :meth:`quiet` or :meth:`close` waits
+        for it to complete.
+
+        Raises:
+            ValueError: ``slot`` outside the signal words.
+            DistCAError: the host thread is stuck or stopped.
+        """
+        if not 0 <= slot < self._words.numel():
+            raise ValueError(f"participant {self.rank}: signal word {slot} outside [0, {self._words.numel()})")
+        self._submitter()(self._signal_now, int(pe), self._sig_at + 8 * slot, int(value))
+
+    def _signal_now(self, pe: int, sig: int, value: int) -> None:  # on the host thread
+        self._bindings.signal_op_on_stream(sig, value, self._set, pe, self._abort.cuda_stream)
+        self._aborting = True
+
+    def _join_aborts(self) -> None:
+        # signal_now's signals have completed when quiet() or close() returns: a process that
+        # leaves right after close() must not lose them. NVSHMEM's quiet is per stream (a remote
+        # PE's signal goes through the proxy), and the abort stream is never held, so its
+        # synchronize returns (unless it shares a hardware queue with a held wait: see
+        # nvshmem_stream.DEVICE_CONNECTIONS_NEEDED).
+        if self._aborting:
+            self._bindings.quiet_on_stream(self._abort.cuda_stream)
+            self._abort.synchronize()
+            self._aborting = False
+
     def quiet(self) -> None:
+        self._join_aborts()
         if self._joined:
             self._bindings.quiet_on_stream(self._stream.cuda_stream)
             self._stream.synchronize()
@@ -192,6 +313,7 @@ class NvshmemHeap:
     def close(self) -> None:
         """Stop using the heap for now (it stays allocated for the next group epoch; the runtime
         frees it at exit)."""
+        self._join_aborts()
         self._stream.synchronize()
 
     # ---- device-driven exchanges -------------------------------------------------------------------
@@ -200,33 +322,44 @@ class NvshmemHeap:
         on the heap's own communication stream and fence bookkeeping (host- and device-driven
         work stay in one order). ``submit`` queues a call on the NVSHMEM host thread (default the
         runtime's; :class:`HostBoundHeap` passes its own); ``timeout_s`` bounds a marker's join.
+        The streams and driver calls are the heap's, made once (a transport per group epoch calls
+        this again). Warns once per process when ``CUDA_DEVICE_MAX_CONNECTIONS`` is too low for
+        device-driven exchanges (:func:`~.nvshmem_stream.warn_device_connections`).
 
         Returns:
-            the stream, or None (with a warning) when this nvshmem4py lacks a call it needs: the
-            transport's exchanges then stay host-driven.
+            the stream, or None (with a warning) when this nvshmem4py lacks a call it needs or the
+            device has no 64-bit stream memory operations: the transport's exchanges then stay
+            host-driven.
         """
-        from .nvshmem_stream import NvshmemStream, missing_bindings
+        from .nvshmem_stream import NvshmemStream, missing_bindings, warn_device_connections
         missing = missing_bindings(self._bindings)
         if missing:
             warnings.warn(f"nvshmem4py lacks {', '.join(missing)}: NVSHMEM exchanges stay host-driven",
                           RuntimeWarning, stacklevel=2)
             return None
+        if not self._drv.memops:  # the device-driven waits are cuStreamWaitValue64
+            warnings.warn(f"{self.device} has no 64-bit stream memory operations "
+                          f"(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0): NVSHMEM exchanges stay "
+                          f"host-driven", RuntimeWarning, stacklevel=2)
+            return None
+        warn_device_connections()
         return NvshmemStream(self.arena, self._words, self.rank, abort_value, bindings=self._bindings,
-                             submit=runtime().host.submit if submit is None else submit, device=self.device,
-                             comm=self._stream, dirty=self._dirty, timeout_s=timeout_s)
+                             submit=self._submitter() if submit is None else submit, device=self.device,
+                             cuda=self._cuda, driver=self._drv, comm=self._stream, side=self._side,
+                             dirty=self._dirty, timeout_s=timeout_s)
 
     # ---- this PE's own memory: no NVSHMEM call ---------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)  # on the caller's stream, like the rows it produced
 
     def signals(self) -> np.ndarray:
-        with torch.cuda.stream(self._poll):
+        with self._cuda.use(self._poll):
             self._host.copy_(self._words, non_blocking=True)
         self._poll.synchronize()
         return self._host.numpy().copy()
 
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        with torch.cuda.stream(self._poll):
+        with self._cuda.use(self._poll):
             out = self.arena[offset:offset + nbytes].to("cpu", non_blocking=False)
         self._poll.synchronize()
         return out
@@ -244,7 +377,12 @@ class NvshmemHeap:
 
 class Nvshmem4py:
     """The NVSHMEM calls an :class:`NvshmemRuntime` makes, through nvshmem4py (each runs on the
-    host thread). Tests of the lifecycle pass a fake with the same three methods."""
+    host thread). Tests of the lifecycle pass a fake with the same three methods (``unique_id``,
+    ``start``, ``finalize``); ``configure`` is optional."""
+
+    def configure(self, world_size: int, heap_bytes: int) -> None:
+        """NVSHMEM's environment, before its first call in the process: :func:`set_symmetric_size`."""
+        set_symmetric_size(heap_bytes, world_size)
 
     def unique_id(self) -> bytes:
         core, _, _ = _modules()
@@ -253,14 +391,15 @@ class Nvshmem4py:
     def start(self, uid: bytes, rank: int, world_size: int, heap_bytes: int, device) -> NvshmemHeap:
         """``nvshmem.core.init`` (uid bootstrap) on ``device`` and the one symmetric allocation
         (collective). NVSHMEM_SYMMETRIC_SIZE is set to hold it plus NVSHMEM's own state, unless
-        already set.
+        already set (on world rank 0 already before its unique id: :meth:`configure`). The heap
+        records NVSHMEM's init status (:func:`init_status_name`).
 
         Raises:
             nvshmem.core.NvshmemError: NVSHMEM failed to start.
         """
         core, bindings, Device = _modules()
         words = signal_words(world_size)
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + 8 * words + (64 << 20)))
+        self.configure(world_size, heap_bytes)  # the other PEs' first NVSHMEM call is init
         device = torch.device(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -270,10 +409,11 @@ class Nvshmem4py:
         # nvshmem.core.init(device: cuda.core.Device, uid, rank, nranks, mpi_comm, initializer_method)
         core.init(device=dev, uid=_uid_from(uid), rank=rank, nranks=world_size, initializer_method="uid")
         whole = core.interop.torch.bytetensor((heap_bytes + 8 * words,))  # uint8 [n], collective
-        return NvshmemHeap(whole, rank, world_size, heap_bytes, device, bindings)
+        return NvshmemHeap(whole, rank, world_size, heap_bytes, device, bindings, init_status=init_status_name(core))
 
     def finalize(self, heap: NvshmemHeap) -> None:
-        """Free the heap and finalize NVSHMEM (collective)."""
+        """Free the heap and finalize NVSHMEM (collective). The heap's streams stay (see
+        :class:`NvshmemHeap`)."""
         core, _, _ = _modules()
         heap._stream.synchronize()
         core.interop.torch.free_tensor(heap._whole)
@@ -294,6 +434,8 @@ class NvshmemRuntime:
             NVSHMEM cannot be started again in this process) or ``"finalized"``.
         uid, rank, world_size, heap_bytes: the running world's unique id, this PE, its size and
             arena bytes.
+        init_status: NVSHMEM's init status by name once started (:func:`init_status_name`, e.g.
+            :data:`LIMITED_MPG` when several PEs share a GPU without MPS), else None.
         starts, finalizes: how often NVSHMEM was started and finalized (at most once each).
     """
 
@@ -303,6 +445,7 @@ class NvshmemRuntime:
         self.state, self.why = "idle", ""
         self.uid: bytes | None = None
         self.rank = self.world_size = self.heap_bytes = None
+        self.init_status: str | None = None
         self.heap: ReusableHeap | None = None
         self.timeout_s = FINALIZE_TIMEOUT_S
         self.starts = self.finalizes = 0
@@ -385,6 +528,9 @@ class NvshmemRuntime:
         if self.state == "running":
             value = {"uid": self.uid, "heap_bytes": self.heap_bytes, "reuse": True}
         else:
+            configure = getattr(self.driver, "configure", None)
+            if configure is not None:  # before the unique id: NVSHMEM reads its environment at its first call
+                configure(world_size, heap_bytes)
             try:
                 uid = self.host.call(self.driver.unique_id, what="get_unique_id")
             except ImportError:
@@ -407,9 +553,23 @@ class NvshmemRuntime:
             raise DistCAError(f"could not start NVSHMEM for {where}: {why}") from None
         self.state, self.starts = "running", self.starts + 1
         self.uid, self.rank, self.world_size, self.heap_bytes = uid, rank, world_size, heap_bytes
+        self.init_status = getattr(heap, "init_status", None)
+        if isinstance(heap, NvshmemHeap):
+            heap.submit = self.host.submit  # signal_now, from any thread, calls NVSHMEM on this host thread
+        log.info("NVSHMEM started: PE %d of %d, init status %s, NVSHMEM_SYMMETRIC_SIZE=%s", rank, world_size,
+                 self.init_status, os.environ.get("NVSHMEM_SYMMETRIC_SIZE"))
         self.heap = ReusableHeap(HostBoundHeap(heap, self.host, timeout_s))
         if self._register_exit:
             atexit.register(self.finalize)
+
+    def describe(self) -> dict:
+        """What this process runs, for reports (e.g. a GPU session's): ``state``, ``init_status``
+        (None before the start), ``rank``, ``world_size``, ``heap_bytes`` (arena bytes per PE),
+        ``symmetric_size`` (``NVSHMEM_SYMMETRIC_SIZE`` as set, or None), ``starts``, ``finalizes``."""
+        return {"state": self.state, "init_status": self.init_status, "rank": self.rank,
+                "world_size": self.world_size, "heap_bytes": self.heap_bytes,
+                "symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"), "starts": self.starts,
+                "finalizes": self.finalizes}
 
     def finalize(self, timeout_s: float | None = None) -> bool:
         """Free the heap and finalize NVSHMEM (collective: every PE of the world must call it; the
@@ -455,6 +615,11 @@ def runtime() -> NvshmemRuntime:
         return _RUNTIME
 
 
+def describe() -> dict:
+    """:meth:`NvshmemRuntime.describe` of the process's :func:`runtime`."""
+    return runtime().describe()
+
+
 def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
                  lookup: Callable[[], object], heap_bytes: int = DEFAULT_HEAP_BYTES,
                  device: torch.device | str = "cuda", epoch: int = 0) -> SymmetricTransport:
@@ -478,5 +643,6 @@ def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Calla
                           lookup=lookup, heap_bytes=heap_bytes, device=device, epoch=epoch)
 
 
-__all__ = ["DEFAULT_HEAP_BYTES", "HostBoundHeap", "HostThread", "Nvshmem4py", "NvshmemHeap",
-           "NvshmemRuntime", "available", "join_nvshmem", "runtime", "unique_id"]
+__all__ = ["DEFAULT_HEAP_BYTES", "LIMITED_MPG", "HostBoundHeap", "HostThread", "Nvshmem4py", "NvshmemHeap",
+           "NvshmemRuntime", "available", "describe", "init_status_name", "join_nvshmem", "runtime",
+           "set_symmetric_size", "symmetric_size", "unique_id"]

@@ -4,8 +4,28 @@ stream-ordered host API (issue 22 item 1; the CPU twin is :class:`~.pe_stream.Ho
 Every operation is enqueued on one CUDA stream, the *communication stream* (the heap's own, shared
 with the host-driven exchange of :mod:`.nvshmem` so the two stay in one order), and the host returns
 at once: puts and signals are ``putmem_on_stream`` / ``putmem_signal_on_stream`` /
-``signal_op_on_stream``, a wait is ``signal_wait_until_on_stream(word, CMP_GE, value)``, copies and
-snapshots are asynchronous copies on that stream, a marker is a CUDA event recorded there.
+``signal_op_on_stream``, a wait is the CUDA driver's ``cuStreamWaitValue64(word, value,
+CU_STREAM_WAIT_VALUE_GEQ)`` on this PE's own symmetric signal word (:class:`~.memop_stream.StreamDriver`,
+as :class:`~.memop_stream.MemopStream` waits), copies and snapshots are asynchronous copies on that
+stream, a marker is a CUDA event recorded there.
+
+Why not NVSHMEM's ``signal_wait_until_on_stream``: in NVSHMEM 3.4.5 it begins with
+``NVSHMEM_API_NOT_SUPPORTED_WITH_LIMITED_MPG_RUNS()`` (src/host/comm/sync.cpp), which prints and
+calls ``exit(-1)`` (src/include/internal/host/util.h) whenever NVSHMEM runs in *limited MPG* mode:
+several PEs on one GPU without MPS (src/host/init/init.cu, ``nvshmemi_determine_mpg_support_level``),
+our one-GPU setup. On a GEQ compare of a local word NVSHMEM itself issues the same driver wait
+(plus ``CU_STREAM_WAIT_VALUE_FLUSH`` where the device can flush remote, i.e. NIC, writes; the
+exchange's peers are on this host). The calls used here carry no such guard in 3.4.5:
+``putmem_on_stream`` and ``putmem_signal_on_stream`` (src/host/comm/putget.cpp) and
+``signal_op_on_stream`` and ``quiet_on_stream`` (sync.cpp, quiet.cpp) check only that NVSHMEM is
+initialised.
+
+The streams (communication and :meth:`NvshmemStream.force`'s) are made with
+``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` once per heap (:mod:`.nvshmem` passes them), never taken
+from torch's pool, which hands out 32 streams round robin: a force stream made per epoch would, about
+every 32nd, be the communication stream itself, queued behind the wait it should end. A held wait
+also holds whatever shares its hardware queue, so ``CUDA_DEVICE_MAX_CONNECTIONS`` below
+:data:`DEVICE_CONNECTIONS_NEEDED` is warned about once (:func:`warn_device_connections`).
 
 Two threads, one order:
 
@@ -32,8 +52,10 @@ operations are skipped, markers still pass, and the transport raises from the er
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -43,15 +65,55 @@ from ..errors import DistCAError
 
 QUERY_POLL_S = 1e-3  # longest sleep between two queries of a marker's event
 CLOSE_WAIT_S = 1.0  # how long close() lets the queued work drain (the transport forced its waits)
-BINDINGS = ("putmem_on_stream", "putmem_signal_on_stream", "signal_op_on_stream", "quiet_on_stream",
-            "signal_wait_until_on_stream")
-CONSTANTS = (("Signal_op", "SIGNAL_SET"), ("Cmp_type", "CMP_GE"))
+# nvshmem4py's calls and constants the stream uses (none of them refused in limited MPG runs: see
+# the module docstring); waits are the CUDA driver's.
+BINDINGS = ("putmem_on_stream", "putmem_signal_on_stream", "signal_op_on_stream", "quiet_on_stream")
+CONSTANTS = (("Signal_op", "SIGNAL_SET"),)
+# Hardware queues a device-driven heap needs: its communication stream (which holds waits) and the
+# streams whose work must pass such a wait: force's, the abort signals', the poll of its own words,
+# and the caller's current stream (the kernels). CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS
+# queues (default 8; Megatron sets 1); with fewer queues than these five streams some two share one,
+# and if one of them is the communication stream its held wait holds the other (with 1, force queues
+# behind the very wait it should end: the watchdog cannot end a hang).
+DEVICE_CONNECTIONS_NEEDED = 5
+_CONNECTIONS_WARNED = threading.Event()  # warn_device_connections: once per process
 
 
 def missing_bindings(bindings) -> list[str]:
     """The names :class:`NvshmemStream` needs that ``bindings`` (``nvshmem.bindings``) lacks."""
     names = [n for n in BINDINGS if not callable(getattr(bindings, n, None))]
     return names + [f"{e}.{m}" for e, m in CONSTANTS if getattr(getattr(bindings, e, None), m, None) is None]
+
+
+def device_connections_problem(environ=None) -> str | None:
+    """What is wrong with ``CUDA_DEVICE_MAX_CONNECTIONS`` in ``environ`` (default ``os.environ``)
+    for device-driven exchanges, or None (unset: CUDA's default 8; or at least
+    :data:`DEVICE_CONNECTIONS_NEEDED`; or not an integer, which CUDA does not take either). CUDA
+    reads it when the process's context is made, so the value seen here is the one in force unless
+    it was changed after CUDA started."""
+    raw = (os.environ if environ is None else environ).get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        n = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    if n is None or n >= DEVICE_CONNECTIONS_NEEDED:
+        return None
+    return (f"CUDA_DEVICE_MAX_CONNECTIONS={raw} is below the {DEVICE_CONNECTIONS_NEEDED} hardware queues "
+            f"device-driven NVSHMEM exchanges need (the communication stream, which holds waits, and the "
+            f"force, abort, poll and caller's streams): a held wait may hold the stream that would end it "
+            f"(a hang the watchdog cannot end) or the caller's kernels. Unset it or raise it to at least "
+            f"{DEVICE_CONNECTIONS_NEEDED} before CUDA starts in this process")
+
+
+def warn_device_connections(environ=None) -> bool:
+    """Warn (RuntimeWarning) once per process about :func:`device_connections_problem`; whether
+    this call warned."""
+    problem = device_connections_problem(environ)
+    if problem is None or _CONNECTIONS_WARNED.is_set():
+        return False
+    _CONNECTIONS_WARNED.set()
+    warnings.warn(problem, RuntimeWarning, stacklevel=3)
+    return True
 
 
 def _stampable(dst: torch.Tensor, device: torch.device, rank: int) -> None:
@@ -68,8 +130,13 @@ class TorchCuda:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
-    def stream(self):
-        return torch.cuda.Stream(self.device)  # a pool stream: non-blocking w.r.t. the legacy stream
+    def index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def wrap(self, handle: int):
+        """A torch stream over a CUDA stream made with the driver (:class:`~.memop_stream.StreamDriver`):
+        never one of torch's pool streams, which it hands out round robin (see :mod:`.memop_stream`)."""
+        return torch.cuda.ExternalStream(handle, device=self.device)
 
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
@@ -195,34 +262,45 @@ class NvshmemStream:
         submit: queues ``fn(*args)`` on the process's NVSHMEM host thread (``HostThread.submit``).
         device: this PE's CUDA device.
         cuda: the CUDA work (default :class:`TorchCuda` on ``device``).
+        driver: the CUDA driver calls (a :class:`~.memop_stream.StreamDriver`; default one made
+            here; :mod:`.nvshmem` passes the heap's): the waits, and the streams made here.
         comm: the communication stream (default: a new one; :mod:`.nvshmem` passes the heap's).
+        side: :meth:`force`'s stream (default: a new one; :mod:`.nvshmem` passes the heap's, made
+            once per heap: one per epoch would cost a stream each epoch).
         dirty: peers with puts since the last quiet (shared with the heap; host thread only).
         timeout_s: the longest a marker's ``join`` waits for the host thread to reach it.
 
     Raises:
-        DistCAError: ``bindings`` lacks a call or constant (this nvshmem4py is too old).
+        DistCAError: ``bindings`` lacks a call or constant (this nvshmem4py is too old), no
+            cuda-python, or the device has no 64-bit stream memory operations.
     """
 
     synchronous = False
 
     def __init__(self, arena: torch.Tensor, words: torch.Tensor, rank: int, abort_value: int, *, bindings,
-                 submit: Callable, device, cuda=None, comm=None, dirty: set | None = None, timeout_s: float = 60.0):
+                 submit: Callable, device, cuda=None, driver=None, comm=None, side=None, dirty: set | None = None,
+                 timeout_s: float = 60.0):
         missing = missing_bindings(bindings)
         if missing:
             raise DistCAError(f"device-driven exchanges need nvshmem4py's {', '.join(missing)}, which this "
                               f"nvshmem4py lacks; upgrade nvshmem4py")
         self._b, self._submit = bindings, submit
-        self._set, self._ge = int(bindings.Signal_op.SIGNAL_SET), int(bindings.Cmp_type.CMP_GE)
+        self._set = int(bindings.Signal_op.SIGNAL_SET)
         self.device, self.rank, self.abort_value = torch.device(device), int(rank), int(abort_value)
         self._cuda = TorchCuda(self.device) if cuda is None else cuda
+        if driver is None:
+            from .memop_stream import StreamDriver  # here: memop_stream imports this module
+            driver = StreamDriver(self._cuda.index(), self.rank)
+        self._drv = driver
         self._arena, self._words = arena, words
         self._base, self._sig = arena.data_ptr(), words.data_ptr()
-        self._comm = self._cuda.stream() if comm is None else comm
+        self._comm = driver.stream(self._cuda) if comm is None else comm
         self._h = self._cuda.handle(self._comm)
         self._dirty = set() if dirty is None else dirty
         self._timeout_s = float(timeout_s)
-        # force(): its own stream and host words, made now so that force allocates nothing
-        self._side = self._cuda.stream()
+        # force(): its own stream (never the communication stream, which it must pass) and host
+        # words, made now so that force allocates nothing
+        self._side = driver.stream(self._cuda) if side is None else side
         self._forced = self._cuda.pinned(words.numel(), torch.int64)
         self._force_lock = threading.Lock()
         self.error: BaseException | None = None  # the first failure of a queued operation
@@ -313,7 +391,11 @@ class NvshmemStream:
         self._enqueue(self._signal, int(pe), self._word(slot), int(value))
 
     def wait_ge(self, slot: int, value: int) -> None:
-        self._enqueue(self._b.signal_wait_until_on_stream, self._word(slot), self._ge, int(value), self._h)
+        """Hold the communication stream until this PE's word ``slot`` >= ``value``: a driver
+        ``cuStreamWaitValue64`` (GEQ), queued from the host thread in order with the calls before
+        it (ValueError: ``slot`` out of range). Not NVSHMEM's wait, which exits the process in
+        limited MPG runs (see the module docstring)."""
+        self._enqueue(self._wait, self._word(slot), int(value))
 
     def fill(self, slot: int, count: int, value: int) -> None:
         """This PE's words ``[slot, slot + count)`` = ``value``, a fill kernel on the communication
@@ -408,10 +490,9 @@ class NvshmemStream:
     #   putmem_signal_on_stream(intptr_t dest, intptr_t source, size_t bytes, intptr_t sig_addr,
     #                           uint64_t signal, int sig_op, int pe, intptr_t cstrm)
     #   signal_op_on_stream(intptr_t sig_addr, uint64_t signal, int sig_op, int pe, intptr_t cstrm)
-    #   signal_wait_until_on_stream(intptr_t sig_addr, int cmp, uint64_t cmp_value, intptr_t cstream)
     #   quiet_on_stream(intptr_t cstrm)
     # dest and sig_addr are this PE's symmetric addresses (NVSHMEM maps them to pe's); values are
-    # uint64 (ours are in [0, 2**63)); Signal_op.SIGNAL_SET and Cmp_type.CMP_GE are IntEnums.
+    # uint64 (ours are in [0, 2**63)); Signal_op.SIGNAL_SET is an IntEnum. Waits: StreamDriver.wait_geq.
     def _fence(self, pe: int) -> None:
         if pe in self._dirty:  # earlier plain puts to pe land before its signal does
             self._b.quiet_on_stream(self._h)
@@ -431,6 +512,9 @@ class NvshmemStream:
     def _signal(self, pe: int, sig: int, value: int) -> None:
         self._fence(pe)
         self._b.signal_op_on_stream(sig, value, self._set, pe, self._h)
+
+    def _wait(self, sig: int, value: int) -> None:
+        self._drv.wait_geq(self._h, sig, value)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._cuda.use(self._comm):
@@ -452,4 +536,5 @@ class NvshmemStream:
             marker.recorded.set()
 
 
-__all__ = ["CudaMarker", "DeviceSnapshot", "NvshmemStream", "TorchCuda", "missing_bindings"]
+__all__ = ["DEVICE_CONNECTIONS_NEEDED", "CudaMarker", "DeviceSnapshot", "NvshmemStream", "TorchCuda",
+           "device_connections_problem", "missing_bindings", "warn_device_connections"]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import numpy as np
 import torch
 
+from .base import host_to_device
 from .symmetric_words import _REPORT
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ class _Route:
         rows = np.zeros((len(self.send_to), _REPORT), dtype=np.int64)
         for i, pe in enumerate(self.send_to):
             rows[i, 1:3 + nseg] = [nseg, rid] + [ss[s][pe] for s in range(nseg)]
-        self.report_rows = torch.from_numpy(rows).to(transport.device)
+        # on the caller's stream, not blocking the host (the comm stream orders after it in begin())
+        self.report_rows = host_to_device(torch.from_numpy(rows), transport.device)
         self.reports = {pe: self.report_rows[i].view(torch.uint8) for i, pe in enumerate(self.send_to)}
         self.tag = 0  # the tag word 0 of the rows holds once the queued work has run
         # per peer we receive from, words 1.. of the report row it must send (nseg, route, bytes...)

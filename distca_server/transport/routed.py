@@ -44,11 +44,14 @@ the CPU; a GPU stream cannot skip a host-queued put, so there a failing group's 
 rows into a buffer it had not freed (it fails its next exchange). Exchanges of a route must pass
 the same sizes and the same receive buffers as the one that installed it: anything else is
 refused with ``ValueError`` before a byte moves and aborts the group, whose peers fail with
-``DistCAError``.
+``DistCAError``. Over a reused heap, a transport whose lease has ended (a later group epoch took
+the heap, :mod:`.heap_lease`) queues nothing more: its exchanges and replays raise ``DistCAError``;
+what it queued before still runs, so it must be closed before the next epoch takes the heap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -59,6 +62,7 @@ import torch
 
 from ..errors import DistCAError
 from .base import DONE, ExchangeHandle, check_exchange
+from .heap_lease import HeapLease
 from .pe_stream import HostStream, PeStream
 from .route import _pointers, _Route, route_id
 from .symmetric import SymmetricTransport
@@ -125,6 +129,9 @@ class RoutedTransport(SymmetricTransport):
         super().__init__(heap, timeout_s=timeout_s, epoch=epoch, generation=generation)
         self.abort_value = self._base | _LOW
         self._stream = stream
+        # Held while work is queued on the stream (HeapLease.writing): a revoked lease refuses it,
+        # as it refuses a host call's write; a heap of one generation needs nothing held.
+        self._leased = heap.writing() if isinstance(heap, HeapLease) else contextlib.nullcontext()
         self._routes: OrderedDict[int, _Route] = OrderedDict()
         self._inflight: list[_Entry] = []
         self._lock = threading.RLock()
@@ -243,7 +250,15 @@ class RoutedTransport(SymmetricTransport):
         """Queue one exchange of route ``r`` on the stream: its words are ``credit_slot(src)`` and
         ``arrival_slot(src)`` (this PE's words a source PE sets; the same index on every PE), and
         every signal and wait uses ``value``; ``tag`` (None: left as it is) goes into word 0 of the
-        report rows. Returns ``(snapshot, marker, credits, arrivals)``."""
+        report rows. Returns ``(snapshot, marker, credits, arrivals)``.
+
+        Raises:
+            DistCAError: the heap lease has ended (nothing is queued).
+        """
+        with self._leased:  # the stream's writes bypass the lease's own checks: hold it here
+            return self._queue_held(r, send, recv, value, credit_slot, arrival_slot, tag)
+
+    def _queue_held(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot, tag: int | None):
         me, st = self.rank, self._stream
         st.begin()
         if tag is not None and tag != r.tag and r.send_to:
@@ -347,24 +362,35 @@ class RoutedTransport(SymmetricTransport):
                 cause: tuple[int, int] | None = None) -> None:
         """End exchange ``e``'s waits: the watchdog at its deadline (``code`` TIMED_OUT: every
         peer fails), on a peer's failure (PEER_FAILED: the peers waiting on this one fail, told
-        ``cause``, the (PE, code) that failed first), or a wait that gave up."""
+        ``cause``, the (PE, code) that failed first), or a wait that gave up.
+
+        Nothing here blocks while holding the transport's lock (the words are read before it is
+        taken: a device heap's read synchronizes a stream, its own, but still a wait)."""
+        if e.resolved or e.expired is not None:
+            return
+        words, me = (self.heap.signals() if why is None else None), self.rank
         with self._lock:
             if e.resolved or e.expired is not None:
                 return
-            words, me = self.heap.signals(), self.rank
-            # A peer we send to that gave its credit has entered the exchange: its rows may be held
-            # up by another peer. The others never showed up (as far as this PE can tell).
-            entered = {pe for pe, slot in e.credits.items() if self._landed(int(words[slot]), e.seq)}
-            missing = self._pending(e, words)
-            # Peers whose deadline passed as ours did have aborted too: alive, not silent.
-            gave_up = {pe for pe in missing if self._abort_code(words, pe)}
-            silent, held = sorted(missing - entered - gave_up), sorted((missing & entered) - gave_up)
-            e.expired = why or (f"participant {me} did not hear from participants {silent} within the deadline"
-                                + (f"; participants {held} entered the exchange but their rows did not come"
-                                   if held else "")
-                                + (f"; participants {sorted(gave_up)} gave up waiting too" if gave_up else ""))
-            self._abort(code, e.expired, cause)
-            self._force_waits()
+            if why is None:
+                # A peer we send to that gave its credit has entered the exchange: its rows may be
+                # held up by another peer. The others never showed up (as far as this PE can tell).
+                entered = {pe for pe, slot in e.credits.items() if self._landed(int(words[slot]), e.seq)}
+                missing = self._pending(e, words)
+                # Peers whose deadline passed as ours did have aborted too: alive, not silent.
+                gave_up = {pe for pe in missing if self._abort_code(words, pe)}
+                silent, held = sorted(missing - entered - gave_up), sorted((missing & entered) - gave_up)
+                why = (f"participant {me} did not hear from participants {silent} within the deadline"
+                       + (f"; participants {held} entered the exchange but their rows did not come" if held else "")
+                       + (f"; participants {sorted(gave_up)} gave up waiting too" if gave_up else ""))
+            e.expired = why  # claimed: no other thread expires it again
+            if self._broken is None:  # before the stream drains: a GPU wait that returns sees it
+                self._broken = why
+        # Our own waits first, then the peers: the abort's signals may be queued on this PE's
+        # stream behind the very waits being ended (a heap without signal_now), and a peer's
+        # memory may be slow or gone; the stream must drain whatever the abort does.
+        self._force_waits()
+        self._abort(code, why, cause)
 
     def _force_waits(self) -> None:
         """End every wait of this PE's stream: the abort value into its own exchange words and the

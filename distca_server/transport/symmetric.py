@@ -204,24 +204,27 @@ class SymmetricTransport:
 
     def _abort(self, code: int, why: str, cause: tuple[int, int] | None = None) -> None:
         """Mark the group broken here and tell every peer (best effort: a peer may be gone);
-        ``cause``: the (PE, code) a PEER_FAILED abort passes on."""
+        ``cause``: the (PE, code) a PEER_FAILED abort passes on. Never blocks on this PE's stream
+        (the watchdog calls it, and :meth:`.routed.RoutedTransport._resolve` with the transport's
+        lock held)."""
         if self._broken is None:
             self._broken = why
         value = self._base | abort_low(code, cause)
-        # A heap whose signals are stream-ordered (the in-process heap on CUDA) writes these now:
-        # behind the caller's stream, which may be held by the very wait this abort is to end, they
-        # would never land, and quiet() would never return.
+        # A heap whose signals are stream-ordered (the in-process heap on CUDA, NVSHMEM) writes
+        # these now where it can (signal_now, a stream of its own): behind its stream, which may be
+        # held by the very wait this abort is to end, they would land only once that wait is forced.
         now = getattr(self.heap, "signal_now", None)
         for pe in self._peers():
             try:
                 (now or self.heap.signal)(pe, self._slot(ABORT, self.rank), value)
             except Exception:  # noqa: BLE001 - a dead peer's memory may be unreachable
                 pass
-        if now is None:
-            try:
-                self.heap.quiet()
-            except Exception:  # noqa: BLE001
-                pass
+        # No quiet(), with signal_now or without: it only waits for these writes to complete, and
+        # without signal_now they are queued behind the stream's held waits. NVSHMEM's quiet
+        # synchronizes that stream on the host thread: it could not return before the force, and
+        # overrunning its bound would leave the host thread stuck for every later call. Queued,
+        # the signals go out once the stream gets to them (the watchdog forces its waits first);
+        # a direct heap (shared memory) has written them already; close() quiets, bounded.
 
     @contextlib.contextmanager
     def _refusing(self):

@@ -16,6 +16,7 @@ reference.
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -26,10 +27,14 @@ from distca_server.errors import DistCAError
 from distca_server.refs import attend_with_grads_ref
 from distca_server.runtime.cpu_replay import cpu_replays as replay_on_cpu
 from distca_server.runtime.graphed import WARMUP_ROUNDS, RoundGraphs
+from distca_server.transport.local_heap import HeapGroup
 from distca_server.transport.symmetric_words import GRAPH_BLOCKS
 from scheduler.config import JobConfig, PlanConfig
 from scheduler.cost import RoundKind
 from gpu_subprocess import run_fresh
+from test_exchange_graph import Static
+from test_transport_routed import play, recv_splits, route_data
+from test_transport_symmetric import in_threads
 
 
 
@@ -152,6 +157,63 @@ def test_captures_beyond_the_graph_words_go_least_recently_used_first_and_unusab
     assert fake.made[2].released  # taking the words of the least recently used (keys[2])
     fake.made[-1].ok = False  # e.g. the buffers grew: made again at once
     assert run(g, keys[0]) and len(fake.made) == GRAPH_BLOCKS + 3
+
+
+class _Exchanging:
+    """A participant whose forward round is a :class:`Static`'s exchanges (what the transports see
+    of a real round); ``fail``: its next round first exchanges a route that is not installed (the
+    ValueError a capture of a route whose buffers grew late raises, which RoundGraphs retries)."""
+
+    def __init__(self, static):
+        self.static, self.fail, self.traffic = static, False, {}
+
+    def forward_steps(self, t, *args, out=None, lse=None):
+        s, (_, splits) = self.static, self.static.exchanges[0]
+        if self.fail:
+            self.fail = False
+            yield t.exchange(s.send[0], splits[t.rank], s.recv[0], recv_splits(splits, t.rank), route=("test", "never"))
+        yield from s.run()
+
+    def layout(self, kind):
+        return types.SimpleNamespace(sent={})
+
+
+@pytest.mark.parametrize("fails", [0, 1, 2])
+def test_a_capture_that_fails_part_way_is_made_again_with_equal_tags_and_replays(fails):
+    """Participants are captured one after another; participant ``fails``'s capture raises the
+    ValueError RoundGraphs retries, so the ones before it counted a capture and the ones after it
+    never tried. The retried capture has the same graph tag and block on every participant, and
+    its replays deliver (before, participant 0 waited for a tag its peers never sent, or a block
+    they never used, and every replay timed out)."""
+    P = 3
+    group = HeapGroup(P, timeout_s=30)  # what a regression costs; the fixed path waits for no deadline
+    ts = [group.endpoint(r) for r in range(P)]
+    try:
+        splits = route_data(11, P)
+        in_threads(P, lambda r: play(ts[r], [("r", splits)] * 2))  # grow, install
+        statics = [Static(t, [("r", splits)]) for t in ts]
+        parts = [_Exchanging(s) for s in statics]
+        g = RoundGraphs()
+
+        def round_(step=0):
+            for s in statics:
+                s.fill(step)
+            return g.run("shape", parts, ts, RoundKind.FORWARD, 0.25, (torch.zeros(4),),
+                         (torch.zeros(4), torch.zeros(4)), lambda p, tensors: list(tensors))
+        assert not any(round_() for _ in range(WARMUP_ROUNDS))  # the warm-up: eager rounds
+        parts[fails].fail = True
+        assert not round_()  # the capture failed part-way: eager once more
+        assert all(t._graphs == [None] * GRAPH_BLOCKS for t in ts)  # every block given back
+        assert not round_()
+        for step in range(3):  # captured, then replayed
+            assert round_(step)
+            for s in statics:
+                s.check(step)
+        assert g.replays == 3 and g.disabled is None
+        assert len({t._graph_tag for t in ts}) == 1 and ts[0]._graph_tag >= 1
+        assert len({t._graph_order[-1] for t in ts}) == 1
+    finally:
+        group.close()
 
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # a rounding step of the last summand, with margin

@@ -178,6 +178,55 @@ def test_leases_and_generations_are_checked():
         destroy_heap(handle)
 
 
+def test_a_revoked_lease_refuses_device_driven_writes_and_the_next_epoch_is_exact():
+    """Device-driven writes go through the PE stream, not the lease's methods. Over a heap whose
+    stream ops write the endpoint directly (the in-process heap: a CPU stand-in for NVSHMEM's
+    stream), a transport of a revoked lease that still has an installed route and a captured
+    graph queues nothing (before, its exchange wrote its credits and rows into memory the new
+    epoch uses, and its GEQ waits passed on the new epoch's higher-generation words); the old
+    lease makes no stream and writes no signal_now; the next epoch's exchanges are exact."""
+    from distca_server.transport.local_heap import LocalHeap
+    from distca_server.transport.routed import RoutedTransport
+    from test_exchange_graph import Static, replay_steps
+    from test_transport_routed import installed, payload, play, recv_splits
+    P = 2
+    memory = LocalHeap(P, heap_bytes=4 << 20)
+    heaps = [ReusableHeap(memory.endpoint(r)) for r in range(P)]
+    old = [RoutedTransport(heaps[r].lease(1), timeout_s=60, epoch=1) for r in range(P)]
+    splits = installed(old)  # grow, install: the next exchanges of the route are device-driven
+    statics = [Static(t, [("r", splits)]) for t in old]
+    graphs = in_threads(P, lambda r: old[r].graph(lambda: [h.wait() for h in statics[r].run()]))
+    replay_steps(old, statics, graphs, 1)
+    leases = [t.heap for t in old]
+    new = [RoutedTransport(heaps[r].lease(2), timeout_s=60, epoch=2) for r in range(P)]
+    try:
+        words, arenas = [w.clone() for w in memory.words], [a.clone() for a in memory.arenas]
+        sent = old[0].device_exchanges
+        rs = recv_splits(splits, 0)
+        with pytest.raises(DistCAError, match="generation 1 has ended"):
+            old[0].exchange(payload(0, splits, 7), splits[0], [old[0].buffer("recv-r-0", sum(rs[0]))], rs,
+                            route=("test", "r"))
+        with pytest.raises(DistCAError, match="generation 1 has ended"):
+            graphs[0].replay()
+        assert old[0]._stream.mark().wait(30)  # whatever was queued has run
+        assert all(torch.equal(a, b) for a, b in zip(words, memory.words))  # no credit, no signal
+        assert all(torch.equal(a, b) for a, b in zip(arenas, memory.arenas))  # no row, no report
+        assert old[0].device_exchanges == sent
+        with pytest.raises(DistCAError, match="generation 1 has ended"):
+            leases[0].stream_ops(old[0].abort_value)
+        with pytest.raises(DistCAError, match="generation 1 has ended"):
+            leases[0].signal_now(1, 0, 1)
+        got = in_threads(P, lambda r: play(new[r], [("r", splits)] * 4))  # grow, install, device-driven
+        for r in range(P):
+            want = [torch.cat([payload(src, splits, step)[0][sum(splits[src][0][:r]):sum(splits[src][0][:r + 1])]
+                               for src in range(P)]) for step in range(4)]
+            assert all(torch.equal(got[r][step][0], want[step]) for step in range(4)), r
+        assert [t.device_exchanges for t in new] == [2, 2]
+    finally:
+        for t in old + new:
+            t.close()
+
+
 # ---- the NVSHMEM host thread, with a fake heap ------------------------------------------------------
 class RecordingHeap:
     """A fake NVSHMEM endpoint: records ``(call, thread identity)``; ``inner`` (a ShmHeap) does the
@@ -276,8 +325,33 @@ def test_host_thread_bounds_a_stuck_call_and_fails_later_ones_at_once():
         host.call(lambda: 1, timeout_s=5)
     with pytest.raises(DistCAError, match="stuck in init"):
         host.submit(lambda: None)
+    release.set()  # the stuck call returns (a dead peer's wait ended): the thread is usable again
+    assert _eventually(lambda: host.stuck is None)
+    assert host.call(lambda: 1, timeout_s=5) == 1
+    # A stuck call that fails once it returns: its error is the next call's
+    release.clear()
+
+    def late_failure():
+        release.wait()
+        raise RuntimeError("quiet failed late")
+    with pytest.raises(DistCAError, match="NVSHMEM quiet did not return"):
+        host.call(late_failure, timeout_s=0.2, what="quiet")
     release.set()
+    assert _eventually(lambda: host.stuck is None)
+    with pytest.raises(DistCAError, match="an earlier NVSHMEM call failed before put: quiet failed late"):
+        host.call(lambda: 2, timeout_s=5, what="put")
+    assert host.call(lambda: 3, timeout_s=5) == 3
     host.stop()
+
+
+def _eventually(cond, bound_s: float = 30.0) -> bool:
+    """Whether ``cond()`` holds within ``bound_s`` (generous: a loaded machine's threads run late)."""
+    end = time.monotonic() + bound_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_host_thread_reports_a_submitted_calls_error_at_the_next_call():

@@ -10,11 +10,13 @@ The CPU twin of these checks is tests/unit/test_heap_lifecycle.py.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from test_transport_nvshmem import get_result
 from test_transport_symmetric import TIMEOUT_S, expected_digests, run_rounds
 
 pytestmark = pytest.mark.nvshmem
@@ -53,7 +55,8 @@ def test_two_epochs_reuse_one_nvshmem_world_and_heap(P):
     try:
         for p in procs:
             p.start()
-        got = dict(results.get(timeout=300) for _ in range(P))
+        deadline = time.monotonic() + 300
+        got = dict(get_result(results, procs, deadline) for _ in range(P))
     finally:
         for p in procs:
             p.join(timeout=60)

@@ -10,6 +10,8 @@ on one GPU need no MPS: the exchange uses point-to-point RMA only).
 from __future__ import annotations
 
 import os
+import queue
+import time
 
 import pytest
 import torch
@@ -37,6 +39,23 @@ def _worker(rank: int, P: int, scenario: str, seed: int, rounds: int, uids, resu
     os._exit(0)  # a PE whose peer died cannot finalize (collective); leave without teardown
 
 
+def get_result(results, procs, deadline: float):
+    """The next ``(rank, value)`` from the PEs' ``results`` queue before ``deadline``
+    (``time.monotonic()``); fails at once, not at the deadline, when a PE process exited with a
+    nonzero status: NVSHMEM prints and calls ``exit(-1)`` (status 255) on a fatal error, e.g. an API
+    refused in a limited-MPG run (several PEs per GPU without MPS)."""
+    while True:
+        try:
+            return results.get(timeout=1)
+        except queue.Empty:
+            pass
+        dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        if dead:
+            pytest.fail(f"PE processes exited with status {dead} (255: NVSHMEM's exit(-1); see their stderr)")
+        if time.monotonic() > deadline:
+            pytest.fail("the PEs did not answer in time")
+
+
 def run_group(P: int, scenario: str, seed: int = 0, rounds: int = 1, expect: int | None = None) -> dict:
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
     uids, results = ctx.Queue(), ctx.Queue()
@@ -47,8 +66,9 @@ def run_group(P: int, scenario: str, seed: int = 0, rounds: int = 1, expect: int
             p.start()
         n = P if expect is None else expect
         starts, got = {}, {}
+        deadline = time.monotonic() + 300
         for _ in range(P + n):
-            rank, value = results.get(timeout=300)
+            rank, value = get_result(results, procs, deadline)
             if "words_at_start" in value and rank not in starts:
                 starts[rank] = value["words_at_start"]
             else:

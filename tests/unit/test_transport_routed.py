@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from distca_server.errors import DistCAError
+from distca_server.transport.host_thread import HostBoundHeap, HostThread
 from distca_server.transport.local import LocalGroup
-from distca_server.transport.routed import GRACE_S, RoutedTransport, route_id
+from distca_server.transport.routed import GRACE_S, RoutedTransport, _Entry, route_id
 from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
-from distca_server.transport.symmetric import ReusableHeap
-from distca_server.transport.symmetric_words import MISMATCH, PEER_FAILED
+from distca_server.transport.symmetric import ReusableHeap, SymmetricTransport
+from distca_server.transport.symmetric_words import (ABORT, GEN_SHIFT, MISMATCH, PEER_FAILED, abort_low,
+                                                    signal_words)
 from test_transport_symmetric import in_threads  # the helpers those tests share
 
 SIZES = [0, 0, 1, 3, 64, 255, 1000, 4096]
@@ -431,3 +435,119 @@ def test_a_shorter_wait_bound_ends_a_silent_exchange_early(heap):
         with pytest.raises(DistCAError, match="did not finish within 0.5 s"):
             handle.wait(0.5)  # participant 1 never comes; the transport's deadline is 60 s
         assert time.monotonic() - t0 < timeout / 2
+
+
+
+# ---- the abort path never waits on the stream it is ending --------------------------------------------
+class _HeldStreamHeap:
+    """An NVSHMEM-like endpoint (behind ``HostBoundHeap``) whose stream is held by a device-driven
+    wait: ``quiet`` (NVSHMEM's quiet_on_stream + stream synchronize) cannot return until the
+    stream's ``force`` sets ``held``. Logs what reached it, in order."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self, held: threading.Event, log: list):
+        self.held, self.log = held, log
+        self.arena = torch.zeros(1 << 16, dtype=torch.uint8)
+
+    def put(self, *a):
+        self.log.append(("put",))
+
+    def put_signal(self, *a):
+        self.log.append(("put_signal",))
+
+    def signal(self, pe, slot, value):
+        self.log.append(("signal", pe, slot))
+
+    def quiet(self):
+        self.log.append(("quiet",))
+        self.held.wait()
+
+    def close(self):
+        pass
+
+    def signals(self):
+        return np.zeros(signal_words(self.world_size), dtype=np.int64)
+
+    def read(self, offset, nbytes):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def idle(self, seconds):
+        time.sleep(seconds)
+
+
+class _HeldStream:
+    """The PE stream of that endpoint: ``force`` ends the held wait (and logs whether the
+    transport's lock was held meanwhile)."""
+
+    synchronous = False
+
+    def __init__(self, held: threading.Event, log: list, transport_lock):
+        self.held, self.log, self.lock = held, log, transport_lock
+
+    def force(self, slot, value):
+        self.log.append(("force", slot, self.lock._is_owned()))
+        self.held.set()
+
+    def close(self):
+        pass
+
+
+class _HeldMarker:
+    def __init__(self, held: threading.Event):
+        self.held = held
+
+    def done(self):
+        return self.held.is_set()
+
+    def wait(self, timeout_s):
+        return self.held.wait(timeout_s)
+
+    def join(self):
+        pass
+
+
+def test_an_expired_exchange_forces_its_waits_first_and_never_waits_on_the_held_stream():
+    """The watchdog's expiry of a device-driven exchange whose stream is held (a heap without
+    signal_now): the waits are forced first, outside the transport's lock, then the abort's
+    signals go out, and nothing waits on the held stream. Before, the abort's quiet synchronized
+    that stream on the host thread until the force that came only after it: the expiry took the
+    host call's whole bound and left the host thread stuck for every later NVSHMEM call."""
+    held, log = threading.Event(), []
+    host = HostThread("test-held-stream")
+    try:
+        # 2 s: what a regression would cost here; the fixed path waits for no host call
+        lease = ReusableHeap(HostBoundHeap(_HeldStreamHeap(held, log), host, 2.0)).lease(0)
+        t = RoutedTransport(lease, timeout_s=60.0)
+        t._stream = _HeldStream(held, log, t._lock)
+        e = _Entry(t._base | 1, time.monotonic(), None, None, _HeldMarker(held), {1: 1}, {1: 3}, "test exchange")
+        t._inflight.append(e)
+        t._expire(e)  # what the watchdog does at the deadline
+        assert host.call(lambda: 7, timeout_s=30) == 7 and host.stuck is None  # usable; its queue has run
+        forced = [i for i, x in enumerate(log) if x[0] == "force"]
+        signalled = [i for i, x in enumerate(log) if x[0] == "signal"]
+        assert forced and signalled and max(forced) < min(signalled), log
+        assert not any(log[i][2] for i in forced), log  # the transport's lock was not held
+        assert [log[i] for i in signalled] == [("signal", 1, t._slot(ABORT, 0))] and ("quiet",) not in log, log
+        assert e.expired == "participant 0 did not hear from participants [1] within the deadline"
+        assert t._broken == e.expired
+    finally:
+        held.set()
+        host.stop()
+
+
+def test_the_abort_writes_through_signal_now_where_the_heap_has_it():
+    """A heap with ``signal_now`` (the in-process heap on CUDA): the abort writes every peer's
+    ABORT word through it, and neither queues a signal behind the stream nor quiets."""
+    log = []
+
+    class Heap(_HeldStreamHeap):
+        rank, world_size = 1, 3
+
+        def signal_now(self, pe, slot, value):
+            self.log.append(("signal_now", pe, slot, value))
+    t = SymmetricTransport(Heap(threading.Event(), log), timeout_s=5, epoch=4)
+    t._abort(MISMATCH, "test")
+    value = (4 << GEN_SHIFT) | abort_low(MISMATCH, None)  # generation = epoch 4
+    assert log == [("signal_now", pe, t._slot(ABORT, 1), value) for pe in (2, 0)]
+    assert t._broken == "test"
