@@ -177,6 +177,11 @@ class SchedulerActor:
                              f"of Ray job {ray_job} cannot join it as rank {rank}: use another job name "
                              f"(`distca up --name ...`), or end that run first")
 
+    def settings(self) -> dict:
+        """The job's settings (:meth:`Coordinator.settings`), read-only: what a client checks its
+        own against before it registers."""
+        return self.coord.settings()
+
     def unregister_client(self, rank: int, incarnation: str) -> None:
         self.coord.unregister_client(rank, incarnation)
         log.info("job %s: client rank %d left", self.name, rank)
@@ -367,8 +372,8 @@ class SchedulerActor:
         for kind, total in rec["bytes"].items():
             round_tags = {JOB_LABEL: self.name, "round": kind}
             m["distca_bytes_per_round"].set(total, tags=round_tags)
-            if total > 0:  # an in-place plan that moves nothing has no bytes to put in a bucket
-                m["distca_step_bytes_per_round"].observe(total, tags=round_tags)
+            # every plan, one that moves nothing too (its own bucket): the mean per step counts it
+            m["distca_step_bytes_per_round"].observe(total, tags=round_tags)
         # a known server left out of this plan (dead, suspect) carries no load now, not its last one
         for sid in sorted(set(rec["server_flops"]) | set(self.coord.servers)):
             server_tags = {JOB_LABEL: self.name, "server": str(sid)}

@@ -58,10 +58,17 @@ class MembershipMixin:
         self._check_claimed_step(info.get("step"), f"client rank {rank}")
         self.clients[int(rank)] = dict(info, rank=int(rank))
         self._rebuild(info)
+        return dict(self.settings(), next_step=max(self.next_step, self.floor))
+
+    def settings(self) -> dict:
+        """The job's settings, set once at launch, without registering anyone: ``{"name",
+        "mode", "timeout_s", "backend", "keep_activations", "transport", "config"}`` (``config``:
+        :meth:`JobConfig.to_dict <scheduler.config.JobConfig.to_dict>`). A client checks what it
+        was given against them before it registers (a registration replaces the rank's earlier
+        one, so a refused client must not register at all)."""
         return {"name": self.name, "mode": self.mode, "timeout_s": self.timeout_s,
-                "backend": self.backend, "next_step": max(self.next_step, self.floor),
-                "keep_activations": self.keep_activations, "transport": self.transport,
-                "config": self.config.to_dict()}
+                "backend": self.backend, "keep_activations": self.keep_activations,
+                "transport": self.transport, "config": self.config.to_dict()}
 
     def _rebuild(self, info: dict) -> None:
         """Take a registering member's last step and epoch into account (after a scheduler

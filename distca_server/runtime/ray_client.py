@@ -50,6 +50,25 @@ _RESTART_POLL_S = 0.2  # while the scheduler restarts, try to register again thi
 log = logging.getLogger(__name__)
 
 
+def _check_settings(name: str, cfg: dict, keep_activations: bool | None,
+                    config: JobConfig | PlanConfig | None) -> None:
+    """``keep_activations`` and ``config`` given to ``connect`` against the job's settings
+    (:meth:`SchedulerActor.settings`); None: not checked.
+
+    Raises:
+        ValueError: naming the job and every field that differs.
+    """
+    if keep_activations is not None and keep_activations != cfg["keep_activations"]:
+        raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
+                         f"{keep_activations} (it is set once per job, at launch)")
+    if config is not None:
+        job = JobConfig.from_dict(cfg["config"])
+        differ = differences(config, job if isinstance(config, JobConfig) else job.plan)
+        if differ:
+            raise ValueError(f"job {name!r} runs with another config than the one given to connect "
+                             f"(given != the job's, set once at launch): {'; '.join(differ)}")
+
+
 def _ray_rank_and_size(rank, world_size):
     if rank is not None and world_size is not None:
         return rank, world_size
@@ -142,19 +161,15 @@ class RayClientRuntime(Runtime):
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.timeout_s = float(timeout_s) if timeout_s is not None else JobConfig.timeout_s
         self.member: GroupMember | None = None
+        if keep_activations is not None or config is not None:
+            # before registering: a registration replaces the rank's earlier one, so a client
+            # refused here would otherwise have evicted the rank's live client from the job
+            _check_settings(name, ask(self.scheduler.settings.remote(), max(self.timeout_s, REGISTER_TIMEOUT_S)),
+                            keep_activations, config)
         cfg = self._register()
         self.mode, self.backend = cfg["mode"], cfg["backend"]
         # the job's, set once at launch (None: a scheduler that did not say; the plans tell)
         self.keep_activations = cfg.get("keep_activations")
-        if keep_activations is not None and keep_activations != cfg["keep_activations"]:
-            raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
-                             f"{keep_activations} (it is set once per job, at launch)")
-        if config is not None:
-            job = JobConfig.from_dict(cfg["config"])
-            differ = differences(config, job if isinstance(config, JobConfig) else job.plan)
-            if differ:
-                raise ValueError(f"job {name!r} runs with another config than the one given to connect "
-                                 f"(given != the job's, set once at launch): {'; '.join(differ)}")
         self.timeout_s = float(timeout_s if timeout_s is not None else cfg["timeout_s"])
         self._state = StepState(cfg["next_step"])
         heap_bytes = (cfg.get("config") or {}).get("heap_bytes")  # the job's symmetric heap (world rank 0 uses it)

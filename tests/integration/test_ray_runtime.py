@@ -158,8 +158,26 @@ def test_inplace_three_clients(local_ray):
         assert job["servers"] == []  # in-place: the clients serve
         plan = _check_plan_and_traffic(workers, lens3[1], 5)
         assert plan.mode == "inplace" and plan.num_servers == 3 and not plan.keep_activations
+        # A connect refused for other settings than the job's changes nothing: it must not have
+        # registered (a registration replaces the rank's, which evicted rank 1's live client).
+        refused = ray.get([_refused_connect.remote("inp", 1, 3, kw) for kw in (
+            {"config": JobConfig(timeout_s=5)}, {"keep_activations": True})], timeout=120)
+        assert "another config" in refused[0] and "timeout_s" in refused[0], refused
+        assert "keep_activations=False" in refused[1], refused
+        results = _step(workers, lens3[0], 7)
+        assert all(r["ok"] for r in results), results
     finally:
         shutdown("inp")
+
+
+@ray.remote(num_cpus=0)
+def _refused_connect(name, rank, world, kwargs):
+    from distca_client import DistCAClient
+    try:
+        DistCAClient.connect(name, rank=rank, world_size=world, timeout_s=TIMEOUT, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "connected"
 
 
 def test_server_killed_mid_step_then_next_step_on_remaining_server(local_ray):
