@@ -67,3 +67,41 @@ def test_prometheus_names():
             assert not metric.boundaries
     with pytest.raises(ValueError, match="'client'"):
         metrics_of("client")
+
+
+def test_bytes_histogram_counts_every_plan_so_the_mean_per_step_is_true():
+    """The dashboard's "mean per step" is rate(_sum) / rate(_count) of distca_step_bytes_per_round:
+    a plan that moves nothing (a balanced in-place step) must be counted, in a bucket of its own.
+    Four plans, one moving 1 MiB per round: the mean is 256 KiB, not 1 MiB."""
+    import inspect
+    from types import SimpleNamespace
+    pytest.importorskip("ray")
+    from scheduler.actor import SchedulerActor
+
+    class Recorded:
+        def __init__(self):
+            self.observed = []
+
+        def set(self, value, tags=None):
+            pass
+
+        def inc(self, value=1, tags=None):
+            pass
+
+        def observe(self, value, tags=None):
+            self.observed.append((tags.get("round"), value))
+
+    actor = SimpleNamespace(m={name: Recorded() for name in metrics_of("scheduler")}, name="j",
+                            _tags={JOB_LABEL: "j"}, coord=SimpleNamespace(servers={}))
+    export = inspect.unwrap(SchedulerActor._export)  # the actor class's own method, on a stand-in
+    for moved in (2**20, 0, 0, 0):
+        export(actor, {"step": 0, "batch": 0, "imbalance_before": 1.2, "imbalance_after": 1.0, "plan_ms": 1.0,
+                       "cut_ms": 0.1, "num_tasks": 2, "bytes": {"forward": moved, "backward": moved},
+                       "server_flops": {0: 1.0}, "server_tasks": {0: 1}, "server_held_bytes": {0: 0}})
+    forward = [v for kind, v in actor.m["distca_step_bytes_per_round"].observed if kind == "forward"]
+    assert len(forward) == len(actor.m["distca_step_imbalance_before"].observed) == 4
+    assert sum(forward) / len(forward) == 2**18
+    # Ray's _sum counts each observation at its bucket's midpoint: a plan that moves nothing
+    # falls in a first bucket [0, b] whose midpoint b / 2 is well under any plan that moves a row
+    bounds = metrics_of("scheduler")["distca_step_bytes_per_round"].boundaries
+    assert bounds[0] <= 1 < 1024 <= bounds[1]
