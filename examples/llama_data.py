@@ -62,6 +62,18 @@ def _folder_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
     return found
 
 
+def source_problem(path: str | os.PathLike | None) -> str | None:
+    """What makes ``path`` unusable as :func:`load_corpus`'s source, seen without reading it (so a
+    run can refuse it before anything starts): ``"no such file or folder"`` or ``"not a folder or
+    a .jsonl file"``; None when it may be loaded (None: the standard library)."""
+    if path is None:
+        return None
+    root = Path(path)
+    if root.is_dir() or (root.is_file() and root.suffix == ".jsonl"):
+        return None
+    return "not a folder or a .jsonl file" if root.exists() else "no such file or folder"
+
+
 def load_corpus(path: str | os.PathLike | None = None, *, min_bytes: int = _MIN_BYTES) -> Corpus:
     """Load documents as bytes.
 
@@ -94,7 +106,7 @@ def load_corpus(path: str | os.PathLike | None = None, *, min_bytes: int = _MIN_
                         raise ValueError(f"{root}:{lineno}: not a JSON object with a 'text' field") from None
                     docs.append(np.frombuffer(str(text).encode("utf-8"), dtype=np.uint8))
         else:
-            raise ValueError(f"--data {path}: not a folder or a .jsonl file")
+            raise ValueError(f"--data {path}: {source_problem(path)}")
         source = str(root.resolve())
     docs = [d for d in docs if len(d) >= min_bytes]
     if not docs:

@@ -63,21 +63,34 @@ def format_step(r: dict) -> str:
             f"moved {_mib(r['bytes'])}  docs {r['documents']:3d} (longest {r['longest']})")
 
 
+def warm_steps(run: dict) -> list[dict]:
+    """A run's steps less the first of each session (``session_starts``: step 0, then where each
+    ``--resume`` continued), which warm up: kernels load, the transport's heap is made. A
+    metrics.json of an older version has no ``session_starts``: only its step 0 is left out. All
+    the steps when no other is left."""
+    starts = set(run.get("session_starts", [0]))
+    return [r for r in run["steps"] if r["step"] not in starts] or run["steps"]
+
+
 def summary_table(runs: list[dict]) -> str:
-    """One row per run: loss first -> last, step time, tokens/s, imbalance, bytes moved."""
+    """One row per run: loss first -> last, step time and tokens/s (:func:`warm_steps`), imbalance,
+    bytes moved, and the wall time of the session that ran last (marked so after a ``--resume``:
+    earlier sessions' walls are not kept)."""
     head = ("run", "attention", "steps", "loss first", "loss last10", "step time", "tokens/s",
             "imbalance before", "after", "moved/step", "wall")
     rows = []
     for m in runs:
         s = m["steps"]
         how = m["attention"] + (f" ({m['mode']}, {m['servers']} servers)" if m["attention"] == "distca" else "")
-        times = [r["step_time_s"] for r in s[1:]] or [s[0]["step_time_s"]]  # step 0 warms up
+        times = [r["step_time_s"] for r in warm_steps(m)]
+        resumed = len(m.get("session_starts", [0])) > 1
         rows.append((m["name"], how, str(len(s)), f"{s[0]['loss']:.3f}",
                      f"{np.mean([r['loss'] for r in s[-10:]]):.3f}", f"{np.mean(times):.2f} s",
                      f"{m['tokens_per_step'] / np.mean(times):,.0f}",
                      f"{np.mean([r['imbalance_before'] for r in s]):.2f}",
                      f"{np.mean([r['imbalance_after'] for r in s]):.2f}",
-                     _mib(np.mean([r["bytes"] for r in s])), f"{m['wall_s']:.0f} s"))
+                     _mib(np.mean([r["bytes"] for r in s])),
+                     f"{m['wall_s']:.0f} s" + (" (this session)" if resumed else "")))
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -115,16 +128,16 @@ def loss_agreement(distca: list[dict], local: list[dict], rtol: float = AGREE_RT
 
 
 def step_time(run: dict) -> float:
-    """A run's typical step time, seconds: the median over its steps after the first (step 0 warms
-    up: kernels load, the transport's heap is made), robust to a slow step or two."""
-    s = run["steps"]
-    return float(np.median([r["step_time_s"] for r in s[1:]] or [s[0]["step_time_s"]]))
+    """A run's typical step time, seconds: the median over its :func:`warm_steps`, robust to a
+    slow step or two."""
+    return float(np.median([r["step_time_s"] for r in warm_steps(run)]))
 
 
 def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> dict:
     """The figures of a distca-vs-local pair of runs (or of one run) as ``bench/gpu_session.sh``
     reports them: loss agreement over the first steps, step time and tokens/s of each run
-    (:func:`step_time`; tokens per step = workers x context), the setup.
+    (:func:`step_time`; tokens per step = workers x context), the wall time of the session that
+    ran last, the setup.
 
     Raises:
         ValueError: ``runs`` empty, or two runs of the same attention.
@@ -147,8 +160,8 @@ def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> d
         out[f"train_steps_{attention}"] = len(m["steps"])
         out[f"train_wall_s_{attention}"] = m["wall_s"]
         out[f"train_losses_{attention}"] = [r["loss"] for r in m["steps"]]
-        heads = [(r.get("rounds"), r.get("header_rounds")) for r in m["steps"][1:]]
-        if heads and all(n is not None for pair in heads for n in pair):  # distca: rank 0's, after step 0
+        heads = [(r.get("rounds"), r.get("header_rounds")) for r in warm_steps(m)]
+        if heads and all(n is not None for pair in heads for n in pair):  # distca: rank 0's, warm steps
             out[f"train_rounds_per_step_{attention}"] = float(np.mean([n for n, _ in heads]))
             out[f"train_header_rounds_per_step_{attention}"] = float(np.mean([h for _, h in heads]))
     if agreement is not None:

@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scheduler.checks import finite_nonnegative, finite_positive, nonnegative_int
 from scheduler.config import ConfigError, JobConfig, PlanConfig
 
 import llama_device
-from llama_data import VOCAB_SIZE, PackedStream, collate, load_corpus
+from llama_data import VOCAB_SIZE, PackedStream, collate, load_corpus, source_problem
 from llama_report import imbalance, rank_flops
 
 # The attn_implementation names each run registers in its workers' transformers.
@@ -120,6 +121,18 @@ class TrainConfig:
             problems.append(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.save_every < 0:
             problems.append(f"save_every={self.save_every} (must be >= 0)")
+        # The optimizer's and the data's numbers: AdamW and the shuffle would refuse a bad one only
+        # inside the Train workers, and a grad_clip <= 0 would not be refused at all (0 zeroes every
+        # gradient, a negative one turns the step around).
+        for name, check in (("lr", finite_positive), ("grad_clip", finite_positive),
+                            ("weight_decay", finite_nonnegative), ("warmup", nonnegative_int),
+                            ("seed", nonnegative_int)):
+            try:
+                check(name, getattr(self, name))
+            except ValueError as exc:
+                problems.append(str(exc))
+        if (problem := source_problem(self.data)) is not None:
+            problems.append(f"data={self.data!r}: {problem}")
         problems += llama_device.config_problems(self)
         try:
             self.job_config()  # as launch will check it, but before Ray starts
@@ -157,11 +170,13 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 def read_state(checkpoint_dir: str | Path) -> dict:
     """A checkpoint's ``state.json``: ``step`` (the next step to run), ``config``, ``steps`` (the
-    metrics of every step so far)."""
+    metrics of every step so far), ``session_starts`` (the first step of each session that ran
+    them: 0, then where each ``--resume`` continued; absent from checkpoints of older versions)."""
     return json.loads((Path(checkpoint_dir) / STATE_FILE).read_text())
 
 
-def _report(step: int, cfg: TrainConfig, history: list[dict], model, opt, *, rank: int) -> None:
+def _report(step: int, cfg: TrainConfig, history: list[dict], session_starts: list[int], model, opt, *,
+            rank: int) -> None:
     """``ray.train.report`` with a checkpoint of rank 0's replica (every replica holds the same);
     every rank calls it, as Ray Train requires."""
     from ray import train
@@ -169,7 +184,8 @@ def _report(step: int, cfg: TrainConfig, history: list[dict], model, opt, *, ran
         checkpoint = None
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, Path(tmp) / MODEL_FILE)
-            (Path(tmp) / STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(cfg), "steps": history}))
+            (Path(tmp) / STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(cfg), "steps": history,
+                                                            "session_starts": session_starts}))
             checkpoint = train.Checkpoint.from_directory(tmp)
         train.report({"step": step}, checkpoint=checkpoint)
 
@@ -194,7 +210,7 @@ def train_loop(config: dict) -> None:
         hf.register_local(ATTENTION["local"])
     model = build_model(cfg, ATTENTION[cfg.attention]).train()
     opt = build_optimizer(model, cfg)
-    start, history = 0, []
+    start, history, session_starts = 0, [], []
     checkpoint = train.get_checkpoint()  # the run's latest, when Ray Train restores a run
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -202,7 +218,11 @@ def train_loop(config: dict) -> None:
             state = read_state(d)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        start, history = state["step"], state["steps"]
+        # An older checkpoint does not say where its sessions began: its steps count as one session.
+        start, history, session_starts = state["step"], state["steps"], state.get("session_starts", [0])
+    # Each session's first step warms up again (kernels, the transport's heap): the summary's step
+    # time leaves it out (llama_report.warm_steps).
+    session_starts = session_starts + [start]
     device = llama_device.worker_device(cfg)
     ddp = prepare_model(model)  # on the worker's device; DDP averages gradients during backward
 
@@ -245,8 +265,8 @@ def train_loop(config: dict) -> None:
             if progress is not None:
                 progress.put(record)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _report(step + 1, cfg, history, model, opt, rank=rank)
-    _report(cfg.steps, cfg, history, model, opt, rank=rank)
+            _report(step + 1, cfg, history, session_starts, model, opt, rank=rank)
+    _report(cfg.steps, cfg, history, session_starts, model, opt, rank=rank)
     if client is not None:
         client.close()
 

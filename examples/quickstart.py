@@ -15,19 +15,23 @@ import torch
 from distca_client import DistCAClient
 from distca_server.kernels import get_backend
 from distca_sim.workloads import sample_batch
+from scheduler.checks import finite_nonnegative, nonnegative_int, positive_int
 from scheduler.config import PlanConfig
 
 
-def count(text: str) -> int:
-    """argparse type of a count (>= 1): a bad one is argparse's error naming the flag, not a
-    traceback from deep inside the client."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
-    return value
+def checked(kind, check, words: str):
+    """An argparse type: ``kind(text)`` that ``check`` (a :mod:`scheduler.checks` range check)
+    accepts. A bad value is argparse's one-line error naming the flag (``must be <words>, got
+    '<text>'``), not a traceback from deep inside the client or the planner."""
+    def parse(text: str):
+        try:
+            return check("value", kind(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+    return parse
+
+
+count = checked(int, positive_int, "a positive int")
 
 
 def local_attention(q, k, v, dout, doc_lens, scale):
@@ -45,8 +49,10 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=count, default=4096, help="tokens per client rank")
     ap.add_argument("--trace", choices=["pretrain", "prolong"], default="pretrain")
     ap.add_argument("--mode", choices=["inplace", "dedicated"], default="inplace")
-    ap.add_argument("--epsilon", type=float, default=PlanConfig.epsilon)
-    ap.add_argument("--step", type=int, default=3, help="which batch of the trace to take")
+    ap.add_argument("--epsilon", type=checked(float, finite_nonnegative, "a finite number >= 0"),
+                    default=PlanConfig.epsilon, help="planner imbalance tolerance")
+    ap.add_argument("--step", type=checked(int, nonnegative_int, "an int >= 0"), default=3,
+                    help="which batch of the trace to take")
     args = ap.parse_args(argv)
 
     per_rank = sample_batch(args.trace, args.servers, args.context, seed=0, step=args.step)

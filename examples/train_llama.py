@@ -1,6 +1,7 @@
 """Train a small Hugging Face Llama on real documents with Ray Train, distca serving its core attention.
 
-A ``TorchTrainer`` runs W data-parallel workers on the local Ray instance; each holds a DDP replica
+A ``TorchTrainer`` runs W data-parallel workers on a local Ray instance (or on the Ray cluster the
+command runs in: ``ray job submit``, a node of ``ray start``); each holds a DDP replica
 of a random-init transformers ``LlamaForCausalLM`` (bytes as tokens) and trains on its own chunk of
 packed documents (``llama_worker.train_loop``). The model runs with ``attn_implementation="distca"``
 (``distca_client.integrations.hf``): each layer's core attention goes to the distca job's attention
@@ -46,7 +47,7 @@ import llama_data  # noqa: E402
 import llama_device  # noqa: E402
 import llama_report  # noqa: E402
 import llama_worker  # noqa: E402
-from distca_cli.connect import worker_pythonpath  # noqa: E402
+from distca_cli.connect import explicit_address, worker_pythonpath  # noqa: E402
 from llama_data import VOCAB_SIZE, PackedStream, load_corpus  # noqa: E402
 from llama_report import (agree_rtol, format_step, loss_agreement, plot_balance, plot_loss,  # noqa: E402
                           runs_to_compare, summary_table, train_summary)
@@ -56,17 +57,41 @@ from llama_worker import MODEL_FILE, TrainConfig, read_state  # noqa: E402
 TRAIN_DIR = "train"
 
 
+def _cluster_running() -> bool:
+    """Whether this command joins a running Ray cluster rather than start a local instance: one is
+    named by ``RAY_ADDRESS`` (``ray job submit`` sets it for its driver), or ``ray start`` recorded
+    one on this machine (``ray stop`` removes the record) and a raylet here still names it. A record
+    that a crashed cluster left behind is passed over (``ray.init`` would retry it for minutes);
+    the look is at this machine's processes, so it waits on nothing."""
+    if explicit_address(None) is not None:
+        return True
+    try:  # Ray's own lookups (what a plain ray.init() reads), not public API
+        from ray._private.services import find_bootstrap_address, find_gcs_addresses
+    except ImportError:  # a Ray without them: only RAY_ADDRESS names a cluster to join
+        return False
+    recorded = find_bootstrap_address(None)
+    return recorded is not None and recorded in find_gcs_addresses()
+
+
 def _ensure_ray(num_gpus: int | None = None) -> bool:
-    """Start a local Ray instance unless one is up (a test's, or the caller's); True if started.
-    ``num_gpus``: the GPUs it offers (None: Ray's own count)."""
+    """Join the running Ray cluster (:func:`_cluster_running`), or start a local Ray instance,
+    unless Ray is up in this process (a test's, or the caller's); True if this call did either
+    (the caller then shuts it down: a cluster's driver disconnects, the cluster stays).
+    ``num_gpus``: the GPUs a local instance offers (None: Ray's own count)."""
     if ray.is_initialized():
         return False
     # log_to_driver=False: Train's controller and workers log to Ray's session files, so the
     # terminal shows the progress bar and the step lines only.
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, namespace="distca",
-             object_store_memory=200 * 2**20, log_to_driver=False, logging_level=logging.WARNING,
-             **({} if num_gpus is None else {"num_gpus": num_gpus}),
-             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}})  # workers import distca from here
+    common = dict(namespace="distca", log_to_driver=False, logging_level=logging.WARNING,
+                  runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}})  # workers import distca from here
+    if _cluster_running():
+        # "auto": RAY_ADDRESS, else the recorded cluster; unlike that address given explicitly, it
+        # sends the token Ray keeps for a cluster started here. No resources: the cluster has its
+        # own, and Ray refuses num_cpus, num_gpus, object_store_memory when joining one.
+        ray.init(address="auto", **common)
+    else:  # "local" explicitly: never joined by accident, with resources it would refuse
+        ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False,
+                 object_store_memory=200 * 2**20, **({} if num_gpus is None else {"num_gpus": num_gpus}), **common)
     return True
 
 
@@ -92,15 +117,35 @@ def latest_checkpoint(cfg: TrainConfig) -> Path:
     if checkpoint is None:
         raise ValueError(f"--resume: no Ray Train checkpoint under {train_dir}")
     state = read_state(checkpoint.path)
-    saved = state["config"]
+    # The data as paths resolved here: a checkpoint of an older version may hold a relative one.
+    saved = dict(state["config"], data=data_path(state["config"]["data"]))
+    now = replace(cfg, data=data_path(cfg.data))
     must_match = ("layers", "hidden", "heads", "kv_heads", "workers", "context", "seed", "data", "attention")
-    diff = [f"{k}: saved {saved[k]!r}, now {getattr(cfg, k)!r}" for k in must_match if saved[k] != getattr(cfg, k)]
+    diff = [f"{k}: saved {saved[k]!r}, now {getattr(now, k)!r}" for k in must_match if saved[k] != getattr(now, k)]
     if diff:
         raise ValueError("--resume with a different setup: " + "; ".join(diff))
     if state["step"] >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {state['step']}, nothing to do for "
                          f"--steps {cfg.steps}")
     return Path(checkpoint.path)
+
+
+def data_path(data: str | None) -> str | None:
+    """``--data`` as an absolute path (None, the standard library, stays None): each Train worker
+    reads it again, from its own working directory."""
+    return None if data is None else str(Path(data).resolve())
+
+
+def check_start(cfg: TrainConfig) -> None:
+    """Refuse a run that cannot start, before anything starts (Ray, the run folder).
+
+    Raises:
+        ValueError: a bad setting (:meth:`TrainConfig.validate`, the data's path included), or a
+            ``--resume`` that cannot continue (:func:`latest_checkpoint`).
+    """
+    cfg.validate()
+    if cfg.resume:
+        latest_checkpoint(cfg)
 
 
 def _fit(trainer, progress, cfg: TrainConfig, show: bool):
@@ -154,11 +199,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     from distca_server import launch, shutdown
     from scheduler import CostModel
 
-    cfg.validate()
+    check_start(cfg)
     run_dir = cfg.run_dir
-    if cfg.resume:
-        latest_checkpoint(cfg)  # refuse before starting anything
-    else:
+    if not cfg.resume:
         shutil.rmtree(run_dir / TRAIN_DIR, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data)
@@ -202,7 +245,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     wall = time.perf_counter() - wall0
 
     final = torch.load(Path(result.checkpoint.path) / MODEL_FILE, weights_only=True, map_location="cpu")["model"]
-    history = read_state(result.checkpoint.path)["steps"]
+    state = read_state(result.checkpoint.path)
+    history = state["steps"]
     metrics = {
         "name": cfg.name, "attention": cfg.attention,
         "mode": cfg.mode if job else None, "servers": cfg.num_servers if job else 0,
@@ -212,7 +256,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                   "parameters": sum(v.numel() for v in final.values())},
         "data": {"source": corpus.source, "documents": len(corpus.documents), "tokens": corpus.num_tokens},
         "tokens_per_step": cfg.workers * cfg.context,
-        "wall_s": wall,
+        "wall_s": wall,  # this session's: after a --resume, earlier sessions' walls are not kept
+        "session_starts": state["session_starts"],  # llama_report.warm_steps
         "steps": history,
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
@@ -252,7 +297,8 @@ def parse_command_line(argv=None) -> tuple[TrainConfig, bool, str | None]:
                     help="after a distca run, train <name>-local with local attention on the same data")
     ap.add_argument("--mode", choices=["inplace", "dedicated"], default=d.mode,
                     help="in-place: each worker also serves attention; dedicated: --servers separate actors")
-    ap.add_argument("--servers", type=int, default=d.servers, help="attention servers (dedicated mode)")
+    ap.add_argument("--servers", type=int, default=None,
+                    help=f"attention servers, dedicated mode only (default {d.servers})")
     ap.add_argument("--workers", type=int, default=d.workers, help="data-parallel ranks (Ray Train workers)")
     ap.add_argument("--context", type=int, default=d.context, help="tokens per rank per step")
     ap.add_argument("--layers", type=int, default=d.layers)
@@ -285,7 +331,13 @@ def parse_command_line(argv=None) -> tuple[TrainConfig, bool, str | None]:
     ap.add_argument("--summary-json", default=None, help="also write the distca-vs-local summary here "
                     "(loss agreement, step time, tokens/s)")
     a = ap.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(a, k) for k in asdict(d)})
+    if a.mode == "inplace" and a.servers is not None:  # distca up's refusal, in its words
+        raise ValueError(f"--servers {a.servers} is for dedicated mode: in in-place mode every client "
+                         f"rank serves its share of attention (the job has as many servers as clients); "
+                         f"drop --servers, or use --mode dedicated")
+    fields = {k: getattr(a, k) for k in asdict(d)}
+    fields.update(servers=d.servers if a.servers is None else a.servers, data=data_path(a.data))
+    cfg = TrainConfig(**fields)
     cfg.validate()  # a bad value is named before Ray starts
     return cfg, a.compare_local and cfg.attention == "distca", a.summary_json
 
@@ -294,12 +346,15 @@ def main(argv=None, *, progress: bool = True) -> dict:
     """Train as the command line says; returns ``{run name: train()'s result}``.
 
     Raises:
-        ValueError: a bad setting (naming it), before anything starts.
+        ValueError: a bad setting (naming it), or a ``--resume`` that cannot continue, of either
+            run, before anything starts (:func:`check_start`).
         SystemExit(1): the distca and local runs disagree beyond the rounding of ``--dtype``
             (:func:`llama_report.agree_rtol`).
     """
     cfg, compare, summary_json = parse_command_line(argv)
     configs = [cfg] + ([replace(cfg, name=cfg.name + "-local", attention="local")] if compare else [])
+    for c in configs:  # every run's, before the first trains (each train() checks its own again)
+        check_start(c)
     started_ray = _ensure_ray(_gpus_here(cfg))  # one Ray instance for both runs
     try:
         results = {}
@@ -334,5 +389,16 @@ def main(argv=None, *, progress: bool = True) -> dict:
     return results
 
 
+def cli(argv=None) -> int:
+    """The command: :func:`main`, with a bad setting (a ``ValueError``) as one line
+    ``train_llama.py: error: ...`` on stderr and exit status 1 instead of a traceback."""
+    try:
+        main(argv)
+    except ValueError as exc:
+        print(f"{Path(__file__).name}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -18,3 +18,18 @@ def test_quickstart_names_a_bad_count_flag(capsys):
             module.main([flag, "0"])
         assert info.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be a positive int, got '0'")
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--epsilon", "-1", "must be a finite number >= 0, got '-1'"),
+    ("--epsilon", "nan", "must be a finite number >= 0, got 'nan'"),
+    ("--epsilon", "x", "must be a finite number >= 0, got 'x'"),
+    ("--step", "-1", "must be an int >= 0, got '-1'"),
+    ("--step", "1.5", "must be an int >= 0, got '1.5'"),
+])
+def test_quickstart_names_a_bad_epsilon_or_step(capsys, flag, value, words):
+    module = load_script("examples/quickstart.py", "quickstart")
+    with pytest.raises(SystemExit) as info:  # argparse's error, not a ConfigError or sample_batch traceback
+        module.main([flag, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: {words}")

@@ -219,6 +219,10 @@ def test_resume_continues_at_the_saved_step_with_identical_parameters(local_ray,
 
     assert [s["step"] for s in resumed["steps"]] == [0, 1, 2]
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
+    # where each session began, for the summary to leave out each one's warm-up step
+    assert straight["session_starts"] == first["session_starts"] == [0] and resumed["session_starts"] == [0, 2]
+    assert json.loads((tmp_path / "resumed" / "metrics.json").read_text())["session_starts"] == [0, 2]
+    assert llama_worker.read_state(resumed["checkpoint"])["session_starts"] == [0, 2]
     for name, p in straight["model_state"].items():
         assert torch.equal(p, resumed["model_state"][name]), name
     with pytest.raises(ValueError, match="hidden"):
@@ -234,3 +238,184 @@ def test_command_line_defaults_are_the_demo():
     assert cfg.attention == "distca" and compare and cfg.name == "demo"
     cfg, compare = train_llama.parse_args(["--attention", "local", "--steps", "5", "--kv-heads", "1"])
     assert cfg.attention == "local" and not compare and cfg.steps == 5 and cfg.kv_heads == 1
+
+
+# ---- the command before anything starts: Ray, settings, --resume (no Ray started) -----------------
+class _RayStarted(Exception):
+    """Raised by a stand-in for _ensure_ray: the command got as far as starting Ray."""
+
+
+def _no_ray(*_):
+    raise _RayStarted
+
+
+def test_ray_is_joined_where_a_cluster_runs_else_started_locally_with_resources(monkeypatch):
+    """`ray job submit` (RAY_ADDRESS) or `ray start` (its record, a raylet here naming it): joined
+    without resources, which Ray refuses when joining; else a local instance, "local" explicitly,
+    with them. A record a crashed cluster left behind is passed over."""
+    from ray._private import services
+    calls, running, recorded = [], set(), "10.0.0.7:6379"
+    monkeypatch.setattr(train_llama.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(train_llama.ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: recorded)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: running)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.8:6379")
+    assert train_llama._ensure_ray(1)  # a job's driver
+    monkeypatch.delenv("RAY_ADDRESS")
+    running.add(recorded)
+    assert train_llama._ensure_ray(1)  # on a node of a `ray start` cluster
+    running.clear()
+    assert train_llama._ensure_ray(1)  # the record of a cluster that is gone
+    for joined in calls[:2]:
+        assert joined["address"] == "auto", joined
+        assert not {"num_cpus", "num_gpus", "object_store_memory", "include_dashboard"} & joined.keys()
+        assert joined["namespace"] == "distca" and "PYTHONPATH" in joined["runtime_env"]["env_vars"]
+    started = calls[2]
+    assert started["address"] == "local" and started["num_gpus"] == 1 and started["num_cpus"] >= 1
+    assert started["runtime_env"] == calls[0]["runtime_env"]
+
+
+def _checkpoints(monkeypatch, runs_dir: Path, **states):
+    """Ray Train's ``Result.from_path`` over hand-written checkpoints: ``name=(TrainConfig, step)``
+    writes ``<runs_dir>/<name>/train/checkpoint_0/state.json``; a run without one is Ray's
+    RuntimeError."""
+    from types import SimpleNamespace
+    from dataclasses import asdict
+    from ray.train import Result
+    for name, (cfg, step) in states.items():
+        folder = runs_dir / name / train_llama.TRAIN_DIR / "checkpoint_0"
+        folder.mkdir(parents=True)
+        (folder / llama_worker.STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(cfg), "steps": []}))
+
+    def from_path(path):
+        found = sorted(Path(path).glob("checkpoint_*"))
+        if not found:
+            raise RuntimeError(f"no run at {path}")
+        return SimpleNamespace(checkpoint=SimpleNamespace(path=str(found[-1])))
+    monkeypatch.setattr(Result, "from_path", staticmethod(from_path))
+
+
+def test_a_relative_data_path_reaches_the_workers_resolved(tmp_path, monkeypatch):
+    """Every Train worker reads --data again from its own working directory: the command hands
+    them the path resolved, and --resume compares resolved paths (a checkpoint of an older version
+    holds the relative one)."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("x" * 200)
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = train_llama.parse_args(["--data", "docs", "--attention", "local", "--runs-dir", "runs"])
+    assert cfg.data == str((tmp_path / "docs").resolve())
+    _checkpoints(monkeypatch, tmp_path / "runs", demo=(replace(cfg, data="docs"), 2))
+    assert train_llama.latest_checkpoint(replace(cfg, resume=True))  # the same data, resolved
+    assert train_llama.latest_checkpoint(replace(cfg, resume=True, data="./docs/"))
+    with pytest.raises(ValueError, match=f"data: saved '{tmp_path / 'docs'}', now '{tmp_path / 'other'}'"):
+        train_llama.latest_checkpoint(replace(cfg, resume=True, data="other"))
+
+
+def test_resume_checks_every_run_of_the_command_before_ray_starts(tmp_path, monkeypatch):
+    """With --compare-local (the default) --resume continues two runs: a missing checkpoint of the
+    second is refused before Ray starts, not after the first run has trained to the end."""
+    argv = ["--runs-dir", str(tmp_path), "--name", "r", "--steps", "3", "--resume"]
+    cfg, compare = train_llama.parse_args(argv)
+    assert compare
+    _checkpoints(monkeypatch, tmp_path, r=(cfg, 2))
+    monkeypatch.setattr(train_llama, "_ensure_ray", _no_ray)
+    with pytest.raises(ValueError, match=f"--resume: no Ray Train checkpoint under {tmp_path / 'r-local'}"):
+        train_llama.main(argv, progress=False)
+    _checkpoints(monkeypatch, tmp_path, **{"r-local": (replace(cfg, name="r-local", attention="local"), 2)})
+    with pytest.raises(_RayStarted):  # both can continue: the command goes on to start Ray
+        train_llama.main(argv, progress=False)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--grad-clip", "0"], "grad_clip must be a finite number > 0, got 0.0"),
+    (["--grad-clip", "-1"], "grad_clip must be a finite number > 0, got -1.0"),
+    (["--grad-clip", "inf"], "grad_clip must be a finite number > 0, got inf"),
+    (["--lr", "-0.001"], "lr must be a finite number > 0, got -0.001"),
+    (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0, got -0.1"),
+    (["--seed", "-1"], "seed must be an int >= 0, got -1"),
+    (["--warmup", "-1"], "warmup must be an int >= 0, got -1"),
+])
+def test_optimizer_and_seed_settings_are_named_before_ray_starts(argv, words):
+    with pytest.raises(ValueError) as info:
+        train_llama.parse_args(argv)
+    assert str(info.value) == f"train config: {words}"
+
+
+def test_the_optimizer_and_seed_edges_are_accepted_and_every_bad_one_named_at_once():
+    llama_worker.TrainConfig(weight_decay=0.0, warmup=0, seed=0, lr=1e-9, grad_clip=1e-9).validate()
+    with pytest.raises(ValueError) as info:
+        llama_worker.TrainConfig(lr=0.0, grad_clip=0.0, weight_decay=-1.0, seed=-2, warmup=-3).validate()
+    for name in ("lr", "grad_clip", "weight_decay", "seed", "warmup"):
+        assert str(info.value).count(f"{name} must be") == 1, (name, str(info.value))
+
+
+def test_servers_are_refused_in_place_as_distca_up_refuses_them():
+    with pytest.raises(ValueError) as info:
+        train_llama.parse_args(["--servers", "3"])
+    assert str(info.value) == ("--servers 3 is for dedicated mode: in in-place mode every client rank serves its "
+                               "share of attention (the job has as many servers as clients); drop --servers, or "
+                               "use --mode dedicated")
+    assert train_llama.parse_args(["--mode", "dedicated", "--servers", "3"])[0].servers == 3
+    cfg, _ = train_llama.parse_args(["--mode", "dedicated"])
+    assert cfg.servers == llama_worker.TrainConfig().servers and cfg.num_servers == cfg.servers
+    cfg, _ = train_llama.parse_args(["--workers", "3"])
+    assert cfg.num_servers == 3  # in place: one per worker
+
+
+def test_bad_settings_are_one_line_errors_before_ray_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_llama, "_ensure_ray", _no_ray)
+    for argv, words in ((["--workers", "0"], "train config: workers=0 (must be >= 1)"),
+                        (["--data", str(tmp_path / "missing")],
+                         f"train config: data='{tmp_path / 'missing'}': no such file or folder"),
+                        (["--data", __file__], f"train config: data='{__file__}': not a folder or a .jsonl file"),
+                        (["--resume", "--runs-dir", str(tmp_path), "--name", "never"],
+                         f"--resume: no Ray Train checkpoint under {tmp_path / 'never' / 'train'}"),
+                        (["--servers", "2"], "--servers 2 is for dedicated mode")):
+        assert train_llama.cli(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.splitlines()[-1].startswith(f"train_llama.py: error: {words}"), (argv, err)
+
+
+def test_the_command_exits_1_with_one_line():
+    import subprocess
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--workers", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "train_llama.py: error: train config: workers=0 (must be >= 1)"
+
+
+def test_each_session_warm_up_step_is_left_out_and_the_wall_is_this_sessions():
+    """After --resume the history holds two sessions: each one's first step warms up (step 0, the
+    step it continued at), and the command's wall covers only the session that ran last."""
+    times = [9.0, 1.0, 1.0, 7.0, 1.0]  # a session starts at 0 and at 3
+    steps = [{"step": i, "step_time_s": t, "loss": 5.0, "imbalance_before": 1.2, "imbalance_after": 1.0,
+              "bytes": 0} for i, t in enumerate(times)]
+    run = {"name": "r", "attention": "local", "steps": steps, "session_starts": [0, 3], "tokens_per_step": 100,
+           "wall_s": 12.0}
+    assert [r["step"] for r in llama_report.warm_steps(run)] == [1, 2, 4]
+    assert llama_report.step_time(run) == 1.0
+    row = llama_report.summary_table([run]).splitlines()[-1]
+    assert row.split()[5:8] == ["1.00", "s", "100"], row  # step time, tokens/s of the warm steps
+    assert row.endswith("12 s (this session)")
+    old = {k: v for k, v in run.items() if k != "session_starts"}  # a metrics.json of an older version
+    assert [r["step"] for r in llama_report.warm_steps(old)] == [1, 2, 3, 4]
+    assert llama_report.summary_table([old]).splitlines()[-1].endswith("12 s")
+    one = dict(run, steps=steps[:1], session_starts=[0])
+    assert llama_report.warm_steps(one) == steps[:1] and llama_report.step_time(one) == 9.0
+
+
+def test_the_demo_doc_names_functions_that_exist():
+    import re
+    import llama_data
+    import llama_device
+    text = (ROOT / "docs" / "demo.md").read_text()
+    modules = {"llama_data": llama_data, "llama_device": llama_device, "llama_report": llama_report,
+               "llama_worker": llama_worker, "train_llama": train_llama}
+    named = re.findall(r"`(llama_\w+|train_llama)\.(\w+)", text)
+    for module, name in named:
+        assert hasattr(modules[module], name), f"docs/demo.md names {module}.{name}"
+    for name, path in re.findall(r"`(\w+)` in `([\w/]+\.py)`", text):
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"docs/demo.md: {name} in {path}"
