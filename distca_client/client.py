@@ -69,7 +69,7 @@ class DistCAClient:
         closed when collected).
 
         Args:
-            num_servers: attention servers (threads here). With a :class:`JobConfig` it defaults
+            num_servers: attention servers (in this process). With a :class:`JobConfig` it defaults
                 to ``config.servers`` and must equal it.
             config: a :class:`~scheduler.config.PlanConfig` (the planner's settings; default
                 ``PlanConfig()``: in-place, ε 0.05, ``min_shard`` 128, kept activations; see

@@ -21,7 +21,8 @@ Three layers, the structure of flash-attention's ``flash_attn_interface.py``:
 
 Eager calls take :class:`EagerAttend`, a plain ``torch.autograd.Function`` with the same body and
 the same formula, since the operators' Python dispatch costs host time a replayed layer cannot
-hide (about 80 µs per layer on the development machine); compiled code calls the operators.
+hide (about 60 µs per layer against 15 µs, ``bench/results/host_path.json``); compiled code calls
+the operators.
 
 An operator takes tensors and plain scalars only, so the client goes in as an int key into a
 registry that references clients weakly (:func:`register`), and a forward round's state goes
@@ -198,9 +199,9 @@ class EagerAttend(torch.autograd.Function):
     calls: the same body (:func:`forward_round`), the same ``setup_context`` and ``backward``
     (whose eager branch runs the backward round without ``distca::attend_bwd``), and the same
     arguments and results, without the operators' Python dispatch. A no-op pair of operators with
-    this signature costs about 100 µs per layer (forward + backward) on the development machine,
-    a no-op autograd function 20 µs (``bench/host_path.py``): host time a replayed layer cannot
-    hide. Compiled code calls the operators (:func:`attend`).
+    this signature costs about 60 µs per layer (forward + backward) on the development machine,
+    a no-op autograd function 15 µs (``bench/host_path.py``, ``bench/results/host_path.json``):
+    host time a replayed layer cannot hide. Compiled code calls the operators (:func:`attend`).
 
     One difference: its LSE output is ``[Hq, T]`` as a transposed view of the runtime's
     contiguous ``[T, Hq]`` LSE, not a copy. Training (``return_lse=False``) never reads it, a

@@ -301,7 +301,7 @@ class JobConfig:
         "a multiple of 256. World rank 0's value is used by the whole group", "bytes"))
     cuda_graphs: bool = field(default=False, metadata=_meta(
         "DistCAClient.local over an in-process heap (transport shm or nvshmem) on CUDA: capture each "
-        "batch shape's rounds of a stateless plan (keep_activations=False) once, after 2 eager rounds, "
+        "batch shape's rounds (stateless or kept-activation plans) once, after 2 eager rounds, "
         "as CUDA graphs and replay them in every later layer and step (distca_server.runtime.graphed); "
         "elsewhere it does nothing"))
 

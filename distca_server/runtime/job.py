@@ -100,7 +100,8 @@ def launch(name: str = "default", *, config: JobConfig | None = None, detached: 
             here (all before any Ray call), or actors of a job of that name already running, also
             when another ``launch`` of the name started them at the same moment (this one then
             leaves nothing running).
-        TypeError: ``config`` together with deprecated settings, or an unknown keyword.
+        TypeError: ``config`` not a :class:`JobConfig`, ``config`` together with deprecated
+            settings, or an unknown keyword.
         DistCAError: the actors did not start within ``start_timeout_s`` (none is left running).
     """
     given = legacy_fields("launch", (), legacy, accepted=_LAUNCH_LEGACY)
