@@ -171,6 +171,10 @@ def main(args) -> int:
                     best = cmp.get(which)
                     print(f"\nbest {which} ({best.system}) vs WLB-ideal: "
                           f"{cmp.speedup(which):.3f}x throughput")
+                if par.pp > 1 and args.keep_activations and not cmp.recompute:
+                    print("note: kept activations pin each backward to the servers of its forward tick; "
+                          "in a pipeline without recomputation stateless servers (--no-keep-activations) "
+                          "may be faster")
             rows = [dict(context=args.context, **r.to_dict()) for r in cmp.results]
         else:
             rows = _sweep(args, model, gpu, par)

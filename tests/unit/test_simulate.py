@@ -404,6 +404,13 @@ def test_cli_single_configuration_and_sweep(tmp_path, capsys):
     assert main(["simulate", "--gpus", "32", "--context", "64K", "--systems", "distca",
                  "--no-keep-activations"]) == 0
     assert "epsilon=0.05, stateless" in capsys.readouterr().out
+    # a pipeline without recomputation: kept activations may lose to stateless servers, and it says so
+    pipe = ["simulate", "--gpus", "32", "--pp", "2", "--context", "32K", "--recompute", "none",
+            "--systems", "distca", "wlb_ideal"]
+    assert main(pipe) == 0
+    assert "--no-keep-activations) may be faster" in capsys.readouterr().out
+    assert main(pipe + ["--no-keep-activations"]) == 0
+    assert "may be faster" not in capsys.readouterr().out
     path = tmp_path / "sweep.json"
     assert main(["simulate", "--gpus", "32", "--pp", "2", "--sweep", "--contexts", "32K", "64K",
                  "--epsilon", "0", "0.1", "--json", str(path)]) == 0
