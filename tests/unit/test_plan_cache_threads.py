@@ -93,7 +93,7 @@ def test_simulator_plan_cache(tight_switching, monkeypatch):
     wrong: list[str] = []
 
     def call(i):
-        server, q_len, kv_len, q_rows, kv_rows = systems._planned(batches[i], COST, 0.05, 8, True)
+        q_len = systems._planned(batches[i], COST, 0.05, 8, True).ql
         if int(q_len.sum()) != expected[i]:  # every query row of the batch, once
             wrong.append(f"shape {i}: {int(q_len.sum())} query rows, not {expected[i]}")
     errors = _hammer(call, 1500)  # unlocked, this raised KeyError in 6 of 8 threads
