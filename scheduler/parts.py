@@ -214,21 +214,31 @@ class PlanPart:
 
     @classmethod
     def _cut(cls, plan: Plan, participant: int, step: int, batch: int, client_tasks: np.ndarray,
-             server_tasks: np.ndarray, plan_id: int = 0) -> "PlanPart":
+             server_tasks: np.ndarray, plan_id: int = 0, shared: dict | None = None) -> "PlanPart":
         """A part of an already validated ``plan``, built without re-validation.
 
         ``client_tasks``/``server_tasks`` must be the participant's rows of ``plan.task_array`` in
-        its order; only :func:`plan_part` and :func:`plan_parts` call this.
+        its order; only :func:`plan_part` and :func:`plan_parts` call this. ``shared``: the fields
+        every part of the plan has alike (:func:`_shared_fields`), made once by a caller cutting
+        many parts.
         """
-        rank, server = participant_roles(plan.mode, plan.num_ranks, participant)
+        if shared is None:
+            shared = _shared_fields(plan, step, batch, plan_id)
+        rank, server = participant_roles(shared["mode"], shared["num_ranks"], participant)
         part = object.__new__(cls)  # skips __post_init__: the plan's own checks already cover it
-        part.__dict__.update(
-            step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
-            num_servers=plan.num_servers, cost=plan.cost, participant=participant, rank=rank,
-            server=server, doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
-            client_tasks=client_tasks, server_tasks=server_tasks, plan_id=plan_id, window=plan.window,
-            keep_activations=plan.keep_activations)
+        fields = part.__dict__
+        fields.update(shared)
+        fields.update(participant=participant, rank=rank, server=server,
+                      doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
+                      client_tasks=client_tasks, server_tasks=server_tasks)
         return part
+
+
+def _shared_fields(plan: Plan, step: int, batch: int, plan_id: int) -> dict:
+    """The fields of a :class:`PlanPart` that every participant's part of ``plan`` has alike."""
+    return dict(step=step, batch=batch, mode=plan.mode, num_ranks=plan.num_ranks,
+                num_servers=plan.num_servers, cost=plan.cost, plan_id=plan_id, window=plan.window,
+                keep_activations=plan.keep_activations)
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -293,12 +303,12 @@ def plan_parts(plan: Plan, step: int = 0, batch: int = 0, plan_id: int = 0) -> l
     by_server = np.searchsorted(arr[:, 0], np.arange(plan.num_servers + 1)).tolist()
     by_rank_arr = _read_only(arr[np.argsort(arr[:, 1], kind="stable")])
     by_rank = np.searchsorted(by_rank_arr[:, 1], np.arange(plan.num_ranks + 1)).tolist()
-    parts = []
+    parts, shared, mode, ranks = [], _shared_fields(plan, step, batch, plan_id), plan.mode, plan.num_ranks
     for p in range(plan.num_participants):
-        rank, server = participant_roles(plan.mode, plan.num_ranks, p)
+        rank, server = participant_roles(mode, ranks, p)
         client = by_rank_arr[by_rank[rank]:by_rank[rank + 1]] if rank is not None else _NO_TASKS
         own = arr[by_server[server]:by_server[server + 1]] if server is not None else _NO_TASKS
-        parts.append(PlanPart._cut(plan, p, step, batch, client, own, plan_id))
+        parts.append(PlanPart._cut(plan, p, step, batch, client, own, plan_id, shared))
     return parts
 
 
