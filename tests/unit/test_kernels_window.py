@@ -240,6 +240,20 @@ def _on_cuda(x):
     return {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in x.items()}
 
 
+def _check_gpu_diagonals(backend, x, window, diagonals):
+    """``backend``'s forward and backward on CUDA inputs ``x`` against the float64 oracle of the
+    same window and per-sequence diagonals, to bf16 rounding of O(1) values."""
+    expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
+                                diagonals)
+    b = BACKENDS[backend]
+    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
+    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
+    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
+    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
+        scale = max(1.0, e[torch.isfinite(e)].abs().max().item())
+        assert max_error(a.cpu(), e) <= 2e-2 * scale, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "cudnn", "fa4"])
 @pytest.mark.parametrize("window", [1, 7, 64, 10**6])
@@ -266,15 +280,7 @@ def test_gpu_partial_kv_diagonals_match_the_definition(backend, window):
     if window is not None and any(dd - (lk - lq) > window - 1 and window < lq + dd
                                   for lq, lk, dd in zip(q_lens, k_lens, diagonals)):
         pytest.skip("not expressible as one (left, right) window per class")
-    expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
-                                diagonals)
-    b = BACKENDS[backend]
-    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
-    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
-    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
-    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
-        scale = max(1.0, e[torch.isfinite(e)].abs().max().item())
-        assert max_error(a.cpu(), e) <= 2e-2 * scale, name  # bf16 rounding of O(1) values
+    _check_gpu_diagonals(backend, x, window, diagonals)
 
 
 @pytest.mark.gpu
@@ -287,12 +293,4 @@ def test_gpu_windows_fa2_rewrites_keep_the_definition(backend, case):
         pytest.skip(f"{backend} not available")
     q_lens, k_lens, diagonals, window = CLAMPED[case]
     x = _on_cuda(make_inputs((q_lens, k_lens, 4, 2, 64), torch.bfloat16, seed=11))
-    expected = _diagonal_oracle({n: (t.cpu() if torch.is_tensor(t) else t) for n, t in x.items()}, window,
-                                diagonals)
-    b = BACKENDS[backend]
-    args = (x["cu_seqlens_q"], x["cu_seqlens_k"], x["max_seqlen_q"], x["max_seqlen_k"], x["softmax_scale"])
-    out, lse = b.forward(x["q"], x["k"], x["v"], *args, window=window, diagonals=diagonals)
-    grads = b.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args, window=window, diagonals=diagonals)
-    for name, a, e in zip(NAMES, (out, lse, *grads), expected):
-        scale = max(1.0, e[torch.isfinite(e)].abs().max().item())
-        assert max_error(a.cpu(), e) <= 2e-2 * scale, name  # bf16 rounding of O(1) values
+    _check_gpu_diagonals(backend, x, window, diagonals)
