@@ -7,6 +7,11 @@ planned by every system:
 - ``plan_batch`` (the communication-aware greedy planner) at ε = 0, 0.05, 0.1, ``min_shard=128``;
 - the baselines ``no_balance``, ``per_doc_cp`` and ``wlb_packing`` (:mod:`scheduler.baselines`).
 
+Every system's plan is made with the same ``keep_activations`` (:data:`KEEP_ACTIVATIONS`,
+``plan_batch``'s default): it sets what the backward round sends (dO alone when kept, or Q, K, V,
+O, LSE and dO again when stateless), so a ratio of two systems' bytes compares like with like only
+when both plans were made with the same value.
+
 Cost model: Llama-3-8B attention per GPU, ``CostModel(num_heads_q=32, num_heads_kv=8,
 head_dim=128, dtype_bytes=2)``.
 
@@ -16,8 +21,10 @@ Columns:
   batch, so the input's value is reported instead).
 - ``imb after``: ``plan.imbalance()[1]``, max/mean over servers under the plan.
 - ``Q MiB`` / ``KV MiB`` / ``total MiB``: bytes moved off-rank by one forward plus one backward
-  round (``plan.comm_bytes()``), Q-type = q, out, lse, dout, dq; KV-type = k, v, dk, dv.
-- ``vs CP``: total bytes as a fraction of ``per_doc_cp``'s total for the same batch.
+  round (``plan.comm_bytes()``, kept activations), Q-type = q, out, lse, dout, dq; KV-type = k, v,
+  dk, dv.
+- ``vs CP``: total bytes as a fraction of ``per_doc_cp``'s total for the same batch (both plans
+  with :data:`KEEP_ACTIVATIONS`).
 - ``plan ms``: median wall time (``time.perf_counter``) of the planning call, Plan construction and
   validation included, over ``--repeats`` runs after one warm-up run (``--quick``: a single run).
   A call whose warm-up takes longer than ``--slow-s`` seconds is timed by that run alone.
@@ -72,7 +79,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler import CostModel, plan_batch  # noqa: E402
+from scheduler import CostModel, PlanConfig, plan_batch  # noqa: E402
 from scheduler.cost import KEPT_TENSORS, KV_TENSORS  # noqa: E402
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
@@ -101,6 +108,9 @@ VARIANTS = (  # (name, partial_kv, keep_activations); the first is the baseline 
 VARIANT_SERVERS, QUICK_VARIANT_SERVERS = (128, 256, 512, 1024), (32, 128)
 VARIANT_TOKENS, VARIANT_EPSILON, VARIANT_MODES = 131072, 0.05, ("inplace", "dedicated")
 GIB = 2 ** 30
+# The grid's and the targets' plans, plan_batch's and the baselines' alike: their bytes are divided
+# by one another ("vs CP"), so they must describe the same servers (kept or stateless).
+KEEP_ACTIVATIONS = PlanConfig.keep_activations
 
 
 def systems():
@@ -109,10 +119,11 @@ def systems():
     for eps in EPSILONS:
         out.append((f"plan_batch eps={eps:g}", eps,
                     lambda b, s, eps=eps: plan_batch(b, s, cost=COST, epsilon=eps, mode="inplace",
-                                                     min_shard=MIN_SHARD)))
-    out.append(("no_balance", None, lambda b, s: no_balance(b, s, cost=COST, mode="inplace")))
-    out.append(("per_doc_cp", None, lambda b, s: per_doc_cp(b, s, cost=COST, mode="inplace")))
-    out.append(("wlb_packing", None, lambda b, s: wlb_packing(b, s, cost=COST)))
+                                                     min_shard=MIN_SHARD, keep_activations=KEEP_ACTIVATIONS)))
+    keep = KEEP_ACTIVATIONS
+    out.append(("no_balance", None, lambda b, s: no_balance(b, s, cost=COST, mode="inplace", keep_activations=keep)))
+    out.append(("per_doc_cp", None, lambda b, s: per_doc_cp(b, s, cost=COST, mode="inplace", keep_activations=keep)))
+    out.append(("wlb_packing", None, lambda b, s: wlb_packing(b, s, cost=COST, keep_activations=keep)))
     return out
 
 
@@ -162,6 +173,9 @@ def bench_config(trace, servers, tokens, repeats, warmup, slow_s, log):
     for name, eps, call in systems():
         plan, median_s, times, wall_s = time_plan(lambda: call(batch, servers), repeats, warmup,
                                                   slow_s)
+        if plan.keep_activations is not KEEP_ACTIVATIONS:  # "vs CP" would mix kept and stateless bytes
+            raise AssertionError(f"{name}: keep_activations={plan.keep_activations}, the grid's is "
+                                 f"{KEEP_ACTIVATIONS}")
         comm = plan.comm_bytes()
         q_bytes = sum(b for k in ("forward", "backward") for n, b in comm[k].items()
                       if n != "total" and n not in KV_TENSORS)
@@ -174,6 +188,7 @@ def bench_config(trace, servers, tokens, repeats, warmup, slow_s, log):
             "tokens_per_rank": tokens,
             "system": name,
             "epsilon": eps,
+            "keep_activations": plan.keep_activations,
             "num_docs": sum(len(x) for x in batch),
             "imbalance_before": before,
             "imbalance_after": plan.imbalance()[1],
@@ -206,8 +221,10 @@ def bench_targets(traces, repeats: int, log) -> list[dict]:
             batch = sample_batch(trace, servers, TARGET_TOKENS, seed=0, step=0)
             calls = {
                 "plan_batch": lambda: plan_batch(batch, servers, cost=COST, epsilon=TARGET_EPSILON,
-                                                 mode="inplace", min_shard=MIN_SHARD),
-                "no_balance": lambda: no_balance(batch, servers, cost=COST, mode="inplace"),
+                                                 mode="inplace", min_shard=MIN_SHARD,
+                                                 keep_activations=KEEP_ACTIVATIONS),
+                "no_balance": lambda: no_balance(batch, servers, cost=COST, mode="inplace",
+                                                 keep_activations=KEEP_ACTIVATIONS),
             }
             wall = {name: [] for name in calls}
             cpu = {name: [] for name in calls}
@@ -528,6 +545,7 @@ def main(argv=None) -> int:
         "cost_model": COST.to_dict(),
         "min_shard": MIN_SHARD,
         "mode": "inplace",
+        "keep_activations": KEEP_ACTIVATIONS,
         "quick": args.quick,
         "repeats": repeats,
         "warmup": warmup,

@@ -7,6 +7,11 @@
   attention workload under a per-rank token cap, longest first (DistCA §2.2, WLB-LLM §4).
 - :func:`capped_lpt`: the capped longest-processing-time packing behind ``wlb_packing``, also used
   by the simulator's WLB-ideal baseline (``distca_sim.systems``).
+
+Each plan takes ``keep_activations`` (default :class:`~scheduler.config.PlanConfig`'s, as
+:func:`scheduler.plan_batch`): it changes the baseline's :meth:`~scheduler.tasks.Plan.comm_bytes`
+and :meth:`~scheduler.tasks.Plan.held_bytes`, not its tasks, so a baseline's bytes compare with a
+``plan_batch`` plan's only when both were made with the same value.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 
 from .cost import CostModel
 from .bands import band_shards
+from .config import PlanConfig
 from .planner import validate_plan_args
 from .tasks import CATask, Plan
 
@@ -26,8 +32,10 @@ def _home_server(rank: int, num_ranks: int, num_servers: int) -> int:
     return rank if num_ranks == num_servers else rank % num_servers
 
 
-def no_balance(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace") -> Plan:
+def no_balance(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace",
+               keep_activations: bool = PlanConfig.keep_activations) -> Plan:
     """Each rank's documents on its own server (``rank % num_servers`` in dedicated mode).
+    ``keep_activations``: as :func:`scheduler.plan_batch` (see the module doc).
 
     Raises:
         ValueError: as :func:`scheduler.plan_batch`.
@@ -38,10 +46,11 @@ def no_balance(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
         server = _home_server(r, len(doc_lens_per_rank), num_servers)
         tasks[server].extend(CATask(r, i, 0, l, 0, l) for i, l in enumerate(lens))
     return Plan(doc_lens_per_rank=[list(x) for x in doc_lens_per_rank], num_servers=num_servers,
-                mode=mode, cost=cost, server_tasks=tasks)
+                mode=mode, cost=cost, server_tasks=tasks, keep_activations=keep_activations)
 
 
-def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace") -> Plan:
+def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: str = "inplace",
+               keep_activations: bool = PlanConfig.keep_activations) -> Plan:
     """Every document split into ``num_servers`` head–tail bands, one per server.
 
     Server ``j`` runs the ``j``-th band from the outside in (head shard ``j`` and tail shard
@@ -50,6 +59,8 @@ def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
     folded tokens than servers use only the first servers. Each server receives the KV prefix
     its shards need (from half to all of the document); a ring or all-gather CP moves the whole
     document to every server, so these bytes are a lower bound on such implementations.
+    ``keep_activations``: as :func:`scheduler.plan_batch` (see the module doc); every task has its
+    full key prefix, so a kept backward round sends dO alone, no merged O and LSE.
 
     Raises:
         ValueError: as :func:`scheduler.plan_batch`.
@@ -72,11 +83,12 @@ def per_doc_cp(doc_lens_per_rank, num_servers: int, *, cost: CostModel, mode: st
                 a += w
             gid += 1
     return Plan(doc_lens_per_rank=[list(x) for x in doc_lens_per_rank], num_servers=S,
-                mode=mode, cost=cost, server_tasks=tasks)
+                mode=mode, cost=cost, server_tasks=tasks, keep_activations=keep_activations)
 
 
 def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
-                token_cap: int | None = None) -> Plan:
+                token_cap: int | None = None,
+                keep_activations: bool = PlanConfig.keep_activations) -> Plan:
     """Re-pack whole documents across ranks to balance attention work (inplace only).
 
     Documents, longest first, go to the rank with the least attention work among those whose
@@ -84,7 +96,8 @@ def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
     if none has room, to the rank with the fewest tokens. The re-packing happens at data loading,
     so the returned plan describes the *re-packed* batch (its ``doc_lens_per_rank`` differ from the
     input) and moves no attention bytes; what it costs instead is unequal tokens per rank, i.e.
-    unequal linear work and activation memory.
+    unequal linear work and activation memory. ``keep_activations``: as :func:`scheduler.plan_batch`
+    (see the module doc; here it changes only :meth:`~scheduler.tasks.Plan.held_bytes`).
 
     Raises:
         ValueError: as :func:`scheduler.plan_batch`, or ``token_cap`` not positive.
@@ -99,7 +112,8 @@ def wlb_packing(doc_lens_per_rank, num_servers: int, *, cost: CostModel,
     bins = capped_lpt(docs, [l * (l + 1) // 2 for l in docs], R, cap)  # work: attention pairs
     packed = [[docs[g] for g in b] for b in bins]
     tasks = [[CATask(r, i, 0, l, 0, l) for i, l in enumerate(lens)] for r, lens in enumerate(packed)]
-    return Plan(doc_lens_per_rank=packed, num_servers=R, mode="inplace", cost=cost, server_tasks=tasks)
+    return Plan(doc_lens_per_rank=packed, num_servers=R, mode="inplace", cost=cost, server_tasks=tasks,
+                keep_activations=keep_activations)
 
 
 def capped_lpt(sizes: Sequence[int], costs: Sequence[float], num_bins: int,

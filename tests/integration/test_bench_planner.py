@@ -5,7 +5,8 @@ import json
 
 from scripts import load_script
 
-from scheduler import plan_batch
+from scheduler import PlanConfig, plan_batch
+from scheduler.baselines import per_doc_cp
 from scheduler.cost import RoundKind
 from distca_sim.workloads import sample_batch
 
@@ -51,6 +52,17 @@ def test_quick_run_writes_expected_rows(tmp_path, capsys):
             assert r["total_vs_per_doc_cp"] == 1.0
         if r["system"] in ("no_balance", "wlb_packing"):
             assert r["total_bytes"] == 0
+    # "vs CP" divides plan_batch's bytes by per_doc_cp's: both plans kept, as plan_batch's default
+    assert result["keep_activations"] is PlanConfig.keep_activations is bench.KEEP_ACTIVATIONS
+    assert {r["keep_activations"] for r in rows} == {PlanConfig.keep_activations}
+    batch = sample_batch("pretrain", 8, 131072, seed=0, step=0)
+    by = {r["system"]: r for r in rows if (r["trace"], r["servers"], r["tokens_per_rank"]) == ("pretrain", 8, 131072)}
+    for name, plan in (("plan_batch eps=0", plan_batch(batch, 8, cost=bench.COST, epsilon=0.0, min_shard=128)),
+                       ("per_doc_cp", per_doc_cp(batch, 8, cost=bench.COST, keep_activations=True))):
+        comm = plan.comm_bytes()
+        assert by[name]["total_bytes"] == comm["forward"]["total"] + comm["backward"]["total"], name
+    assert by["plan_batch eps=0"]["total_vs_per_doc_cp"] == (by["plan_batch eps=0"]["total_bytes"]
+                                                             / by["per_doc_cp"]["total_bytes"])
 
     # the planning-time targets, each beside no_balance (the verdict depends on the machine)
     targets = result["targets"]

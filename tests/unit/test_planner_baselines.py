@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from test_planner import (COST, FPP, batches, check_comm, check_coverage, event, examples,
                           rank_flops, step_bytes, total_flops)
 
-from scheduler import plan_batch
+from scheduler import PlanConfig, plan_batch
 from scheduler.baselines import no_balance, per_doc_cp, wlb_packing
+from scheduler.cost import KEPT_TENSORS, RoundKind
 
 
 # ---- baselines -----------------------------------------------------------------------------------
@@ -77,6 +78,40 @@ def test_per_doc_cp_balances_long_documents():
             assert len({(t.src_rank, t.doc_index) for t in tasks}) == sum(map(len, lens))
 
 
+@pytest.mark.parametrize("mode", ["inplace", "dedicated"])
+def test_baselines_keep_activations(mode):
+    # A baseline made with keep_activations=True counts the kept bytes (Plan.comm_bytes): the same
+    # tasks and forward round; a backward round that sends dO (no merged O and LSE: every task has
+    # its full key prefix) instead of resending q, k, v, out and lse, and returns the same dQ, dK,
+    # dV. Its default is plan_batch's, so default baselines compare with a default plan_batch plan.
+    lens = [[6000, 300, 17], [900, 1000], [129, 4096, 5]]
+    S = 3 if mode == "inplace" else 4
+    makers = {"no_balance": lambda **kw: no_balance(lens, S, cost=COST, mode=mode, **kw),
+              "per_doc_cp": lambda **kw: per_doc_cp(lens, S, cost=COST, mode=mode, **kw)}
+    if mode == "inplace":
+        makers["wlb_packing"] = lambda **kw: wlb_packing(lens, S, cost=COST, **kw)
+    default = plan_batch(lens, S, cost=COST, mode=mode).keep_activations
+    assert default is PlanConfig.keep_activations
+    for name, make in makers.items():
+        kept, stateless = make(keep_activations=True), make(keep_activations=False)
+        assert make().keep_activations is default, name
+        assert (kept.keep_activations, stateless.keep_activations) == (True, False), name
+        assert kept.server_tasks == stateless.server_tasks, name
+        check_comm(kept)  # row counts recomputed from the tasks, kept tensor set
+        check_comm(stateless)
+        k, s = kept.comm_bytes(), stateless.comm_bytes()
+        assert k["forward"] == s["forward"], name
+        kb, sb = k["backward"], s["backward"]
+        assert set(kb) == {*RoundKind.BACKWARD.tensors_with(True), "total"}, name
+        assert kb["out"] == kb["lse"] == 0, name
+        assert all(kb[n] == sb[n] for n in ("dout", "dq", "dk", "dv")), name
+        assert kb["total"] == sb["total"] - sum(sb[n] for n in KEPT_TENSORS), name
+        assert stateless.held_bytes() == [0] * S and sum(kept.held_bytes()) > 0, name
+        if mode == "dedicated":  # every row moves: dO is one Q-sized row per token
+            assert kb["dout"] == sum(map(sum, lens)) * COST.bytes_per_token("dout"), name
+            assert kb["total"] < sb["total"], name
+
+
 def test_wlb_packing_hand_cases():
     # equal documents: re-packing keeps every rank at the cap and balances exactly
     lens = [[1000, 1000], [1000, 1000], [1000, 1000]]
@@ -99,7 +134,9 @@ def test_wlb_packing_hand_cases():
 
 
 # ---- comparative -------------------------------------------------------------------------------------
-def test_skewed_batch_plan_batch_beats_per_doc_cp():
+@pytest.mark.parametrize("keep", [False, True])
+def test_skewed_batch_plan_batch_beats_per_doc_cp(keep):
+    # both plans with the same keep_activations: it changes what the backward round sends
     rng = random.Random(7)
     num_ranks = 8
     lens = [[60_000, 2_000, 1_000, 500, 36]]
@@ -108,8 +145,8 @@ def test_skewed_batch_plan_batch_beats_per_doc_cp():
         while sum(docs) < 60_000:
             docs.append(rng.randint(64, 2_000))
         lens.append(docs)
-    plan = plan_batch(lens, num_ranks, cost=COST, epsilon=0.05)
-    cp = per_doc_cp(lens, num_ranks, cost=COST)
+    plan = plan_batch(lens, num_ranks, cost=COST, epsilon=0.05, keep_activations=keep)
+    cp = per_doc_cp(lens, num_ranks, cost=COST, keep_activations=keep)
     check_coverage(plan)
     assert plan.imbalance()[0] > 3
     assert plan.imbalance()[1] <= 1.05
