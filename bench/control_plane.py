@@ -20,15 +20,17 @@ last part returned; every measured step is a new batch, after one warm-up step.
    intake overlaps them). Target (issue 9): at most 60 ms at 1024 clients, verdicts for the whole
    step and for plan + cut + encode.
 2. ``ray`` (N = 8 ... 64): a job started with :func:`distca_server.launch` (in-place, not
-   detached) on a local Ray instance (2 CPUs unless one is running); the driver registers N
+   detached) on a local Ray instance of its own (2 CPUs; a Ray this process is connected to
+   already, e.g. a test's, is used as it is); the driver registers N
    clients, then per step makes the call ``RayClientRuntime.step_for`` makes,
    ``scheduler.report.remote(encode_report(step, 0, rank, doc_lens, shape, token))``, from N asyncio
    tasks and awaits every answer. Beside each step, in the same run and alternating which goes
    first, N plain ``scheduler.ping.remote()`` calls from N asyncio tasks. Columns: ``step ms`` and
    ``pings ms`` (medians, and bests), ``step/pings`` (the median over steps of each step's time over
    its pings' time: the target, at most 1.5x), ``cpu step/pings`` (CPU seconds of the driver and
-   the scheduler actor's process, ``/proc``, over all steps against over all ping rounds: what a
-   loaded machine's scheduling does not change), and the actor's own ``plan`` and ``cut+enc`` ms
+   the scheduler actor's whole process, every thread, in nanoseconds from the process's CPU-time
+   clock, over all steps against over all ping rounds: what a loaded machine's scheduling does
+   not change), and the actor's own ``plan`` and ``cut+enc`` ms
    of the last step.
 
 Parts travel as msgpack bytes: the benchmark checks that every answer (through Ray, the answer
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import statistics
 import sys
@@ -65,6 +68,7 @@ from scheduler.parts import PlanPart  # noqa: E402
 from distca_sim.workloads import TRACE_NAMES, sample_batch  # noqa: E402
 from bench.planner import COST, MIN_SHARD, render_small  # noqa: E402
 from bench.report import finish  # noqa: E402
+from bench.roundtrip_runtimes import start_local_ray  # noqa: E402
 from distca_cli.connect import worker_pythonpath  # noqa: E402
 
 CLIENTS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -150,29 +154,43 @@ def bench_in_process(trace: str, num_clients: int, steps: int) -> dict:
 
 
 # ---- through Ray ----------------------------------------------------------------------------------
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` has used (Linux ``/proc``; clock
-    ticks, usually 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
+def process_cpu_clock(pid: int) -> int:
+    """The CPU-time clock of process ``pid`` (``clock_getcpuclockid``), for ``time.clock_gettime``.
+
+    Not ``/proc/<pid>/stat``: its utime + stime count clock ticks (10 ms), and a step or a round
+    of pings takes a few ms, so each interval read 0 or 10 ms and the ratio was mostly
+    quantization. Nor the threads' ``schedstat``: a thread that ended between two readings would
+    take its time with it. The process clock counts every thread of the process, ended ones
+    too, in nanoseconds (Linux lets any process read another's)."""
+    clock = ctypes.c_int()
+    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"clock_getcpuclockid({pid}): {os.strerror(err)}")
+    return clock.value
 
 
-async def _gather_ms(calls, actor_pid: int) -> tuple[float, float, list]:
+def process_cpu_s(clock: int) -> float:
+    """CPU seconds (user + system, every thread) of the process whose ``process_cpu_clock`` this is."""
+    return time.clock_gettime(clock)
+
+
+async def _gather_ms(calls, actor_clock: int) -> tuple[float, float, list]:
     """Start every call (a ``.remote()`` ref factory) from its own asyncio task; ms until the last
-    answer, CPU ms the driver and the actor used meanwhile, and the answers."""
+    answer, CPU ms the driver and the actor (``actor_clock``: its ``process_cpu_clock``) used
+    meanwhile, and the answers."""
     async def one(call):
         return await call()
-    cpu0 = time.process_time() + process_cpu_s(actor_pid)
+    cpu0 = time.process_time() + process_cpu_s(actor_clock)
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(call) for call in calls))
     wall = (time.perf_counter() - t0) * 1e3
-    return wall, (time.process_time() + process_cpu_s(actor_pid) - cpu0) * 1e3, answers
+    return wall, (time.process_time() + process_cpu_s(actor_clock) - cpu0) * 1e3, answers
 
 
-async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int, tokens: list[str]) -> dict:
+async def _ray_rounds(scheduler, actor_clock: int, batches, num_clients: int, tokens: list[str]) -> dict:
     runs = {"step": [], "pings": [], "ratio": [], "step_cpu": [], "pings_cpu": []}
     part_bytes = 0
     for step, batch in enumerate(batches):
@@ -180,11 +198,11 @@ async def _ray_rounds(scheduler, actor_pid: int, batches, num_clients: int, toke
                    for r in range(num_clients)]
         pings = [scheduler.ping.remote for _ in range(num_clients)]
         if step % 2:  # alternate which goes first: both see the same machine load
-            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_pid)
-            step_ms, step_cpu, answers = await _gather_ms(reports, actor_pid)
+            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_clock)
+            step_ms, step_cpu, answers = await _gather_ms(reports, actor_clock)
         else:
-            step_ms, step_cpu, answers = await _gather_ms(reports, actor_pid)
-            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_pid)
+            step_ms, step_cpu, answers = await _gather_ms(reports, actor_clock)
+            ping_ms, ping_cpu, _ = await _gather_ms(pings, actor_clock)
         assert all(type(a) is bytes for a in answers), "the answer message must be msgpack bytes"
         part_bytes = check_answers([decode_answer(a) for a in answers], step, num_clients)
         if step > 0:  # step 0 warms up
@@ -208,7 +226,7 @@ def bench_ray(trace: str, num_clients: int, steps: int) -> dict:
             for r in range(num_clients)])]
         pid = ray.get(scheduler.status.remote())["pid"]
         batches = [sample_batch(trace, num_clients, TOKENS, seed=0, step=s) for s in range(steps + 1)]
-        out = asyncio.run(_ray_rounds(scheduler, pid, batches, num_clients, tokens))
+        out = asyncio.run(_ray_rounds(scheduler, process_cpu_clock(pid), batches, num_clients, tokens))
         last = ray.get(scheduler.status.remote())["last"]
     finally:
         shutdown(JOB)
@@ -226,17 +244,6 @@ def bench_ray(trace: str, num_clients: int, steps: int) -> dict:
     row["target_ratio"] = RAY_TARGET_RATIO
     row["meets"] = row["ratio"] <= RAY_TARGET_RATIO
     return row
-
-
-def _start_ray() -> bool:
-    """Start a local Ray instance unless one is running; True if this call started it."""
-    import ray
-    if ray.is_initialized():
-        return False
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}}, namespace="distca",
-             log_to_driver=False)
-    return True
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -320,7 +327,7 @@ def main(argv=None) -> int:
         in_process.append(bench_in_process(args.trace, n, args.steps))
         log(f"in-process {n:5d} clients: {in_process[-1]['step_ms']:.1f} ms")
     if args.ray_clients:
-        started = _start_ray()
+        started = start_local_ray(2, {"PYTHONPATH": worker_pythonpath(ROOT)}, object_store_mib=100)
         try:
             for n in args.ray_clients:
                 ray_rows.append(bench_ray(args.trace, n, args.steps))

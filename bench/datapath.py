@@ -15,8 +15,13 @@ Columns (Q+K+V = the bytes of the three input tensors):
   with a ``TorchDispatchMode`` entered in every worker thread.
 - ``moved``: of those, the bytes the plan moves between participants (``plan.comm_bytes()``,
   forward + backward): the in-process transport's copy, which a network transport does on the wire.
-  One gather and one scatter per byte and direction is the floor of ``copied - moved``: 4.0x for
-  MHA, 5.0x for the default GQA 4:1 shape (O and dO are Q-sized).
+  With kept activations (the default) a round moves Q, K, V out and O, LSE back (forward), dO out
+  and dQ, dK, dV back (backward): 3.35x Q+K+V for the default GQA 4:1 shape (O and dO are
+  Q-sized), 2.68x for MHA. The floor of ``copied - moved`` is one gather and one scatter per moved
+  byte plus the server's one copy of the Q, K, V rows it keeps for the backward (1.0x: the next
+  round overwrites its receive buffer): 4.35x for GQA 4:1, 3.68x for MHA; one dedicated server
+  reaches it. (Stateless plans, ``keep_activations=False``, send Q, K, V and O again with dO:
+  moved and floor 5.0x for GQA, 4.0x for MHA.)
 - ``peak``: the heap's peak growth during the step over the heap before the client was made
   (glibc ``mallinfo2``: arena bytes in use plus mmap-ed bytes, sampled after every tensor operation
   of every thread), as a multiple of Q+K+V: buffers the client keeps between steps count, and so
@@ -28,7 +33,11 @@ Columns (Q+K+V = the bytes of the three input tensors):
   dispatched in every thread but views, reshapes and allocations), the host-time measure that
   carries over to a GPU.
 - ``... before``: the same configuration measured in the same run on an earlier checkout of distca
-  (``--before-tree``), in a fresh process; ``ms vs before`` is the ratio of the times.
+  (``--before-tree``); ``ms vs before`` is the ratio of the times. Both trees are then measured
+  the same way: each configuration in a fresh process per tree (``--worker``), the two back to
+  back, alternating which goes first, so neither tree runs after the earlier configurations'
+  heap and threads, and both see the same machine load. Without ``--before-tree`` every
+  configuration runs in this process.
 
 Usage::
 
@@ -322,12 +331,22 @@ def _run_config(total: int, mode: str, servers: int, heads_kv: int, repeats: int
     return row
 
 
-def run_before(tree: Path, cfg: dict) -> dict:
-    """The same configuration measured on an earlier checkout of distca, in a fresh process."""
-    env = dict(os.environ, DISTCA_TREE=str(tree), PYTHONPATH=str(tree))
+def run_worker(tree: Path, cfg: dict) -> dict:
+    """One configuration measured on the checkout ``tree`` (this one or ``--before-tree``) in a
+    fresh process of this script: started, placed and run alike for either tree."""
+    from distca_cli.connect import worker_pythonpath
+    env = dict(os.environ, DISTCA_TREE=str(tree), PYTHONPATH=worker_pythonpath(tree))
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
                          env=env, capture_output=True, text=True, check=True, cwd=str(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_both(before_tree: Path, cfg: dict, before_first: bool) -> tuple[dict, dict]:
+    """``(this tree's row, the earlier tree's row)`` of one configuration, each in its own fresh
+    process, ``before_first`` saying which runs first."""
+    order = [("before", before_tree), ("current", ROOT)]
+    got = {name: run_worker(tree, cfg) for name, tree in (order if before_first else order[::-1])}
+    return got["current"], got["before"]
 
 
 def main(argv=None) -> int:
@@ -349,8 +368,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "datapath.json")
     args = parser.parse_args(argv)
-    if args.worker is not None:  # one configuration, for --before-tree
-        print(json.dumps(run_config(**json.loads(args.worker))))
+    if args.worker is not None:  # one configuration in a fresh process, for --before-tree
+        print(json.dumps(dict(run_config(**json.loads(args.worker)), process=os.getpid())))
         return 0
     if args.quick:
         args.tokens, args.servers, args.repeats = [4096], [1, 2], 2
@@ -364,12 +383,20 @@ def main(argv=None) -> int:
         modes += [f"{m} {path}" for m in args.modes for path in ("shm", "shm+graphs")]
     configs += [(t, m, s) for t in args.tokens for m in modes for s in args.servers
                 if not (s == 1 and m.endswith("graphs"))]  # one client rank: its rounds are never captured
+    before_tree = None if args.before_tree is None else args.before_tree.resolve()
+    pairs = 0
     for total, mode, servers in sorted(configs):
         cfg = dict(total=total, mode=mode, servers=servers, heads_kv=args.heads_kv, repeats=args.repeats)
-        row = run_config(**cfg)
-        if args.before_tree is not None and mode != "varlen_attention":
-            old = run_before(args.before_tree, cfg)
-            row.update(ms_before=old["ms"], copied_before=old["copied_x_qkv"],
+        if before_tree is None:
+            row = run_config(**cfg)
+        elif mode == "varlen_attention":  # no before: still a fresh process, as this tree's other rows
+            row = run_worker(ROOT, cfg)
+        else:
+            before_first = pairs % 2 == 1
+            pairs += 1
+            row, old = run_both(before_tree, cfg, before_first)
+            row.update(first="before" if before_first else "current", process_before=old["process"],
+                       ms_before=old["ms"], copied_before=old["copied_x_qkv"],
                        peak_before=old["peak_x_qkv"], ms_vs_before=row["ms"] / old["ms"],
                        launches_before=old["launches"],
                        launches_vs_before=row["launches"] / old["launches"] if old["launches"] else None)
@@ -406,13 +433,17 @@ def main(argv=None) -> int:
     headline = [f"worst copies: {worst['copied_x_qkv']:.2f}x Q+K+V (T={worst['tokens']}, {worst['mode']}, "
                 f"S={worst['servers']}); worst peak: {max(r['peak_x_qkv'] for r in runs):.2f}x"]
     compared = [r for r in runs if "ms_vs_before" in r]
+    # None: the earlier tree launched nothing there (no ratio); 0.0 (now none) is a ratio
+    launches = [r["launches_vs_before"] for r in compared if r["launches_vs_before"] is not None]
     if compared:
-        headline.append(f"time vs the earlier data path: {min(r['ms_vs_before'] for r in compared):.2f}"
-                        f"-{max(r['ms_vs_before'] for r in compared):.2f}x; launches: "
-                        f"{min(r['launches_vs_before'] or 1 for r in compared):.2f}"
-                        f"-{max(r['launches_vs_before'] or 1 for r in compared):.2f}x")
+        headline.append(f"time vs the earlier data path (both in fresh processes, alternating): "
+                        f"{min(r['ms_vs_before'] for r in compared):.2f}"
+                        f"-{max(r['ms_vs_before'] for r in compared):.2f}x "
+                        f"(median {statistics.median(r['ms_vs_before'] for r in compared):.2f}); launches: "
+                        + (f"{min(launches):.2f}-{max(launches):.2f}x" if launches else "none before"))
     finish(table, headline, elapsed, args.json,
-           {"label": args.label, "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv,
+           {"label": args.label, "before_tree": None if before_tree is None else str(before_tree),
+            "shape": {"num_heads_q": HQ, "num_heads_kv": args.heads_kv,
                                            "head_dim": D, "dtype": str(DTYPE)}, "rows": rows})
     return 0
 

@@ -4,7 +4,9 @@ paper's Fig. 11, §4.1; issue 22's ``pingpong_vs_signal_only``).
 A layer stand-in per nano-batch: a projection to Q, K, V (``x @ W_qkv``), core attention through
 ``DistCAClient.local`` with P participants over the in-process heap (device-driven exchanges once
 the plan's routes are installed), and an output projection (``o @ W_o``). Two nano-batches per
-layer, ``--layers`` layers, forward only. Three runs on the same inputs:
+layer, ``--layers`` layers, forward only. Three runs on the same inputs, interleaved: each of
+``--repeats`` repeats runs all three, in an order rotated per repeat (after ``--warmup`` rounds of
+the same), so none always runs first or after the same one:
 
 - ``single``: one nano-batch after the other (``attend``): nothing overlaps.
 - ``pingpong``: nano-batch 0's attention runs (``attend_async``) while nano-batch 1 projects, and
@@ -12,6 +14,10 @@ layer, ``--layers`` layers, forward only. Three runs on the same inputs:
 - ``signal-only``: ``pingpong`` with every device-driven transfer cut to 1 byte per peer and segment
   (the transport's ``signal_only`` control: the same plan, signals and waits, almost no bytes).
   Its outputs are garbage and not checked.
+
+The transport's counters are read around every timed run: the script fails unless each timed
+exchange of every run (signal-only's above all: its control acts on device-driven puts only) ran
+device-driven, and checks ping-pong against single again after the timed runs.
 
 ``pingpong / signal-only`` near 1 means the bytes cost nothing that the overlap did not hide
 (target: within 3%). ``single / pingpong`` is what the overlap bought. The guard: ``pingpong``'s
@@ -86,20 +92,53 @@ def run_pingpong(client, layers, xs, lens, args):
     return [x0, x1]
 
 
-def timed(fn, device, warmup: int, repeats: int) -> float:
+RUNS = ("single", "pingpong", "signal-only")
+
+
+def exchange_counts(endpoints) -> list[tuple[int, int]]:
+    """Per endpoint: (exchanges so far, of them device-driven). ``_seq`` numbers every exchange of
+    the group epoch, host-driven and device-driven alike (the transport's own count of them)."""
+    return [(t._seq, t.device_exchanges) for t in endpoints]
+
+
+def timed_runs(variants: dict, endpoints, device, warmup: int, repeats: int) -> dict:
+    """Time every variant (``run -> (fn, signal_only)``) ``repeats`` times, interleaved: repeat i
+    runs them in an order rotated by i, so no variant always runs first or after the same one
+    and all see the same machine load. Per variant: the median time and, per endpoint, the
+    exchanges its timed calls made and how many of them ran device-driven (warm-up excluded)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    def call(run):
+        fn, signal_only = variants[run]
+        for t in endpoints:  # signal_only changes only device-driven puts (routed.py)
+            t.signal_only = signal_only
+        try:
+            return fn()
+        finally:
+            for t in endpoints:
+                t.signal_only = False
+    names = list(variants)
+    for i in range(warmup):
+        for run in names[i % len(names):] + names[:i % len(names)]:
+            call(run)
+    times = {run: [] for run in names}
+    counts = {run: [[0, 0] for _ in endpoints] for run in names}
+    for i in range(repeats):
+        for run in names[i % len(names):] + names[:i % len(names)]:
+            sync()
+            before = exchange_counts(endpoints)
+            t0 = time.perf_counter()
+            call(run)
+            sync()
+            times[run].append(time.perf_counter() - t0)
+            for c, (a, da), (b, db) in zip(counts[run], before, exchange_counts(endpoints)):
+                c[0] += b - a
+                c[1] += db - da
+    return {run: {"s": statistics.median(times[run]), "times_s": times[run],
+                  "exchanges": [c[0] for c in counts[run]], "device_driven": [c[1] for c in counts[run]]}
+            for run in names}
 
 
 def main(argv=None) -> int:
@@ -139,36 +178,49 @@ def main(argv=None) -> int:
         errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, want)]
         if max(errors) > tol:
             raise SystemExit(f"pingpong's outputs differ from single's: relative errors {errors} > {tol}")
-        t_single = timed(lambda: run_single(client, layers, xs, lens, args), device, args.warmup, args.repeats)
-        t_pp = timed(lambda: run_pingpong(client, layers, xs, lens, args), device, args.warmup, args.repeats)
         endpoints = list(client._runtime._group._endpoints.values())
-        device_driven = min(t.device_exchanges for t in endpoints)
-        for t in endpoints:
-            t.signal_only = True
-        try:
-            t_signal = timed(lambda: run_pingpong(client, layers, xs, lens, args), device, args.warmup, args.repeats)
-        finally:
-            for t in endpoints:
-                t.signal_only = False
+        got = timed_runs({"single": (lambda: run_single(client, layers, xs, lens, args), False),
+                          "pingpong": (lambda: run_pingpong(client, layers, xs, lens, args), False),
+                          "signal-only": (lambda: run_pingpong(client, layers, xs, lens, args), True)},
+                         endpoints, device, args.warmup, args.repeats)
+        # The comparison means something only if every timed exchange ran device-driven: the
+        # signal-only control cuts device-driven puts alone, and ping-pong's claim is the overlap
+        # of device-driven exchanges with the other nano-batch's work.
+        for run in RUNS:
+            total, dev = got[run]["exchanges"], got[run]["device_driven"]
+            if min(total) == 0 or dev != total:
+                raise SystemExit(f"{run}: not every timed exchange ran device-driven (per participant, "
+                                 f"device-driven {dev} of {total} exchanges over {args.repeats} runs): "
+                                 f"its time is not the device-driven path's")
+        again = run_pingpong(client, layers, xs, lens, args)  # signal_only was set back everywhere
+        errors += [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(again, want)]
+        if max(errors) > tol:
+            raise SystemExit(f"pingpong's outputs differ from single's after the timed runs: relative errors "
+                             f"{errors} > {tol}")
     elapsed = time.perf_counter() - t_start
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
-    rows = [{"run": "single", "ms": 1e3 * t_single}, {"run": "pingpong", "ms": 1e3 * t_pp},
-            {"run": "signal-only", "ms": 1e3 * t_signal}]
+    rows = [{"run": run, "ms": 1e3 * got[run]["s"], "runs_ms": [1e3 * t for t in got[run]["times_s"]],
+             "exchanges_per_run": got[run]["exchanges"][0] / args.repeats,
+             "device_driven_per_run": got[run]["device_driven"][0] / args.repeats} for run in RUNS]
+    t_single, t_pp, t_signal = (got[run]["s"] for run in RUNS)
+    device_driven = min(got["signal-only"]["device_driven"])
 
     def table() -> None:
-        print("| run | ms per step | vs signal-only |")
-        print("|---|---:|---:|")
+        print("| run | ms per step | vs signal-only | exchanges per participant and step, all device-driven |")
+        print("|---|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['run']} | {r['ms']:.3f} | {r['ms'] / rows[2]['ms']:.3f} |")
+            print(f"| {r['run']} | {r['ms']:.3f} | {r['ms'] / rows[2]['ms']:.3f} | {r['exchanges_per_run']:g} |")
 
     headline = [f"{name}, {args.participants} participants, 2 x {args.tokens:,} tokens, {args.layers} layers: "
                 f"pingpong / signal-only {t_pp / t_signal:.3f} (target <= 1.03); single / pingpong "
                 f"{t_single / t_pp:.3f}; pingpong equals single (max relative error {max(errors):.1e}); "
-                f"{device_driven} device-driven exchanges per participant"]
+                f"every timed exchange device-driven ({args.repeats} interleaved repeats; signal-only "
+                f"{device_driven} per participant)"]
     json_path = args.json or ROOT / "bench" / "results" / ("gpu/pingpong.json" if gpu else "pingpong.json")
     finish(table, headline, elapsed, json_path, {
         "benchmark": "pingpong", "device": name, "participants": args.participants, "tokens": args.tokens,
         "layers": args.layers, "model_dim": args.model_dim, "dtype": str(dtype), "rows": rows,
+        "warmup": args.warmup, "repeats": args.repeats, "order": "interleaved, rotated per repeat",
         "device_driven": device_driven, "max_rel_error": max(errors),
         "summary": {"pingpong_vs_signal_only": t_pp / t_signal}})
     return 0

@@ -72,14 +72,30 @@ for _path in (ROOT, TREE):
     if str(_path) in sys.path:
         sys.path.remove(str(_path))
     sys.path.insert(0, str(_path))
+# The bench helpers are this script's own, whatever tree it measures: ``bench`` is a namespace
+# package, and with TREE first its modules would come from the other checkout (an older
+# roundtrip_runtimes, or none), so pin the package to this tree's directory.
+import bench  # noqa: E402
+bench.__path__ = [str(ROOT / "bench")]
+
+
+def _this_trees_worker_pythonpath():
+    """``distca_cli.connect.worker_pythonpath`` of this tree, loaded from its file: an older TREE's
+    distca_cli may not have it, and importing the package would import a distca_server (its
+    ``__init__`` does) from whichever tree comes first. ``connect.py`` imports only the standard
+    library at its top."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_roundtrip_cli_connect", ROOT / "distca_cli" / "connect.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.worker_pythonpath
 
 import torch  # noqa: E402
 
 from bench.report import finish  # noqa: E402
-from distca_cli.connect import worker_pythonpath  # noqa: E402
 from bench.roundtrip_runtimes import (DTYPE, EPSILON, KINDS, MIN_SHARD, PHASES, SHAPE,  # noqa: E402
                                       TRACE, LocalRunner, RayRunner, mean_over_steps, ship_by_value,
-                                      step_batch)
+                                      start_local_ray, step_batch)
 
 CONFIGS = (("inplace", 2, 0), ("inplace", 3, 0), ("inplace", 4, 0),
            ("dedicated", 2, 1), ("dedicated", 2, 2))  # (mode, clients, dedicated servers)
@@ -281,18 +297,6 @@ def parse_args(argv):
     return args
 
 
-def _start_ray(threads: int) -> bool:
-    """Start a local Ray instance unless one is running; True if this call started it."""
-    import ray
-    if ray.is_initialized():
-        return False
-    env = {"PYTHONPATH": worker_pythonpath(TREE, ROOT), "OMP_NUM_THREADS": str(threads)}
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False,
-             object_store_memory=200 * 2**20, runtime_env={"env_vars": env},
-             namespace="distca", log_to_driver=False)
-    return True
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
@@ -306,7 +310,8 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     try:
-        started = _start_ray(args.threads)
+        started = start_local_ray(os.cpu_count() or 2, object_store_mib=200, env_vars={
+            "PYTHONPATH": _this_trees_worker_pythonpath()(TREE, ROOT), "OMP_NUM_THREADS": str(args.threads)})
         ship_by_value()  # BenchClient goes to the workers with its module's code
         for mode, clients, servers in args.configs:
             t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The two runtimes ``bench/roundtrip.py`` measures, one step at a time: the Ray job with its client
 actors (:class:`RayRunner`, :class:`BenchClient`) and the in-process baseline
-(:class:`LocalRunner`); the workload both get and the per-round summary of a step's timings.
+(:class:`LocalRunner`); the workload both get and the per-round summary of a step's timings. Also
+the Ray start every Ray benchmark shares (:func:`start_local_ray`).
 
 :class:`BenchClient` runs in the Ray workers: :func:`ship_by_value` sends it there with this module's
 code, so the workers need not import ``bench/``."""
@@ -133,6 +134,25 @@ def ship_by_value() -> None:
     """Ship :class:`BenchClient` and what it uses from this module to the Ray workers by value."""
     import ray
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None,
+                    object_store_mib: int | None = None) -> bool:
+    """Start this benchmark's own local Ray instance unless this process is connected to one
+    already (a test's, or the caller's); True if this call started it, so the caller shuts it down.
+
+    ``address="local"``: a benchmark measures on an instance it controls (its CPUs, its workers'
+    ``env_vars``), never on a cluster that happens to run here. Without it ``ray.init`` joins a
+    running cluster (``RAY_ADDRESS``, or a ``ray start`` on this machine) and refuses ``num_cpus``
+    there ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")."""
+    import ray
+    if ray.is_initialized():
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             object_store_memory=None if object_store_mib is None else object_store_mib * 2**20,
+             runtime_env={"env_vars": env_vars} if env_vars else None, namespace="distca",
+             log_to_driver=False)
+    return True
 
 
 # ---- aggregation -----------------------------------------------------------------------------------

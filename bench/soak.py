@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.report import finish  # noqa: E402
+from bench.roundtrip_runtimes import start_local_ray  # noqa: E402
 from distca_cli.connect import worker_pythonpath  # noqa: E402
 
 NAME = "soak"
@@ -355,17 +356,16 @@ def parse_args(argv):
 
 
 def _start_ray() -> bool:
-    """Start a local Ray instance unless one is running; True if this call started it."""
+    """Start this benchmark's own local Ray instance unless this process is connected to one
+    (:func:`~bench.roundtrip_runtimes.start_local_ray`); True if this call started it."""
     import ray
     if ray.is_initialized():
         return False
     module = sys.modules.get(__name__)
     if __name__ != "__main__" and module is not None:  # imported (e.g. by a test): ship SoakClient by value
         ray.cloudpickle.register_pickle_by_value(module)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT), "OMP_NUM_THREADS": "1"}},
-             namespace="distca", log_to_driver=False)
-    return True
+    return start_local_ray(2, {"PYTHONPATH": worker_pythonpath(ROOT), "OMP_NUM_THREADS": "1"},
+                           object_store_mib=100)
 
 
 def main(argv=None) -> int:

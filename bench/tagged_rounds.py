@@ -185,10 +185,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from roundtrip_runtimes import ship_by_value
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=max(4, 2 * max(args.clients) + 2), include_dashboard=False, log_to_driver=False)
+    from roundtrip_runtimes import ship_by_value, start_local_ray
+    started = start_local_ray(max(4, 2 * max(args.clients) + 2))
     try:
         ship_by_value()
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

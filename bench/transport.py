@@ -20,7 +20,10 @@ its offsets and the host waits for every signal), device-driven (a route, instal
 exchanges: :mod:`distca_server.transport.routed`; on the CPU its "stream" is a thread) and graphed
 (the device-driven exchange captured once and replayed: :mod:`distca_server.transport.exchange_graph`).
 Every exchange's received bytes are compared: device-driven and graphed against host-driven always,
-and against the baseline where it is an all-to-all (not ``copy``). Besides each exchange's time, the
+and against the baseline where it is an all-to-all (not ``copy``). Every timed device-driven and
+graphed exchange must have run device-driven (the transport's ``device_exchanges``, read after the
+warm-up, equals the row's timed count on every participant); a row where one did not is named in
+the headline and the script exits 1, like a row whose bytes differ. Besides each exchange's time, the
 host's part is reported: how long ``exchange`` (or ``replay``) holds the caller before it returns.
 
 Per size: ``--warmup`` exchanges, then ``--iters`` timed ones (fewer for large sizes: at least 3,
@@ -110,9 +113,11 @@ def _time_exchanges(transport, send, ss, recv_of, rs, iters: int, warmup: int, c
     return _time_calls(lambda: transport.exchange([send], [ss], [recv_of()], [rs], **route), iters, warmup, cuda)[0]
 
 
-def _time_calls(issue, iters: int, warmup: int, cuda: bool) -> tuple[float, float]:
+def _time_calls(issue, iters: int, warmup: int, cuda: bool, timed_start=None) -> tuple[float, float]:
     """Medians of ``issue().wait()`` (GPU: the caller's stream synchronized) and of ``issue()``
     alone (the host's part: how long the caller is held before it may queue more work).
+    ``timed_start``: called once after the warm-up, before the first timed call (to read a
+    counter over the timed calls alone).
 
     Only the caller's current stream is synchronized, never the device: ``wait()`` made that stream
     wait for the exchange, which is all it must see. A device-wide synchronize would also wait for
@@ -124,6 +129,8 @@ def _time_calls(issue, iters: int, warmup: int, cuda: bool) -> tuple[float, floa
     for i in range(warmup + iters):
         if cuda:
             torch.cuda.current_stream().synchronize()
+        if i == warmup and timed_start is not None:
+            timed_start()
         t0 = time.perf_counter()
         handle = issue()
         t1 = time.perf_counter()
@@ -194,11 +201,18 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         n = max(3, min(iters, (2 * GiB) // max(size, 1)))
         recv_base = torch.empty(sum(rs), dtype=torch.uint8, device=device)
         route = {"route": ("bench", size)}
-        before = sym.device_exchanges
+        # The timed exchanges alone, each of which must have run device-driven (the warm-up's
+        # last ones may already have: they are not counted, nor allowed to make up for a timed
+        # one that was host-driven).
+        counted = {"from": 0}
+
+        def mark():
+            counted["from"] = sym.device_exchanges
         # warmup >= 2: a route's first exchanges grow its buffer and install it
         t_routed, issue_routed = _time_calls(
-            lambda: sym.exchange([send], [ss], [sym.buffer("bench", sum(rs))], [rs], **route), n, max(2, warmup), cuda)
-        device_driven = sym.device_exchanges - before  # at least the timed ones, once installed
+            lambda: sym.exchange([send], [ss], [sym.buffer("bench", sum(rs))], [rs], **route), n, max(2, warmup), cuda,
+            timed_start=mark)
+        device_driven = sym.device_exchanges - counted["from"]
         t_sym = _time_exchanges(sym, send, ss, lambda: sym.buffer("bench", sum(rs)), rs, n, warmup, cuda)
         t_base = _time_exchanges(base, send, ss, lambda: recv_base, rs, n, warmup, cuda)
         # Every way delivered the same bytes.
@@ -209,14 +223,16 @@ def _measure(rank: int, P: int, sym, base, baseline: str, sizes: list[int], iter
         base.exchange([send], [ss], [recv_base], [rs]).wait()
         row = {"size": size, "sent": sum(ss), "iters": n, "sym_s": t_sym, "routed_s": t_routed,
                "graph_s": None, "issue_routed_s": issue_routed, "issue_graph_s": None, "base_s": t_base,
-               "device_driven": device_driven,
+               "device_driven": device_driven, "graph_device_driven": None,
                "equal": bool(torch.equal(routed, a)) and (baseline == "copy" or bool(torch.equal(a, recv_base)))}
         rows.append(row)
         if graph:  # last: the same exchange captured (exchange_graph), one replay per exchange
             host_driven = a.clone()
             try:
                 captured = sym.graph(lambda: sym.exchange([send], [ss], [a], [rs], **route))
-                row["graph_s"], row["issue_graph_s"] = _time_calls(captured.replay, n, warmup, cuda)
+                # a replay counts the device-driven exchanges it holds: one each here
+                row["graph_s"], row["issue_graph_s"] = _time_calls(captured.replay, n, warmup, cuda, timed_start=mark)
+                row["graph_device_driven"] = sym.device_exchanges - counted["from"]
                 row["equal"] = row["equal"] and bool(torch.equal(a, host_driven))
             except Exception as exc:  # noqa: BLE001 - reported; the rows measured so far stand
                 row["graph_error"] = f"{type(exc).__name__}: {exc}"
@@ -315,7 +331,9 @@ def _rows(P: int, sizes: list[int], per_rank: dict) -> list[dict]:
                      "issue_routed_us": 1e6 * max(m["issue_routed_s"] for m in mine),
                      "issue_graph_us": None if graphed is None else 1e6 * max(m["issue_graph_s"] for m in mine),
                      "graph_errors": sorted({m["graph_error"] for m in mine if "graph_error" in m}),
+                     # the fewest timed exchanges any participant ran device-driven (of iters)
                      "device_driven": min(m["device_driven"] for m in mine),
+                     "graph_device_driven": None if graphed is None else min(m["graph_device_driven"] for m in mine),
                      "equal": all(m["equal"] for m in mine)})
     return rows
 
@@ -387,8 +405,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"latency at {fmt_size(sizes[0])} (device-driven, host-driven, {baseline}): "
                 + ", ".join(f"P={r['procs']} {r['routed_ms']:.3f}, {r['sym_ms']:.3f}, {r['base_ms']:.3f} ms"
                             for r in small)]
-    if any(r["device_driven"] < iters for r in rows):
-        headline.append("NOTE: some device-driven timings include host-driven exchanges (route not installed)")
+    # Each row's own timed count (iters is capped per size), every participant's exchanges of it.
+    host_driven = [f"P={r['procs']} {fmt_size(r['size'])} ({r['device_driven']} of {r['iters']}"
+                   + ("" if r["graph_device_driven"] in (None, r["iters"]) else
+                      f"; graphed {r['graph_device_driven']} of {r['iters']}") + ")"
+                   for r in rows if r["device_driven"] != r["iters"]
+                   or r["graph_device_driven"] not in (None, r["iters"])]
+    if host_driven:
+        headline.append("NOT DEVICE-DRIVEN: timed exchanges that did not all run device-driven (route not "
+                        "installed), so those rows' device-driven and graphed times are not what they claim: "
+                        + ", ".join(host_driven))
     if not all(r["equal"] for r in rows):
         headline.append("MISMATCH: the two transports delivered different bytes")
     errors = sorted({e for r in rows for e in r["graph_errors"]})
@@ -409,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "transport", "transport": args.transport, "baseline": baseline, "device": device,
         "procs": procs, "sizes": sizes, "iters": iters, "warmup": args.warmup, "rows": rows,
         "summary": summary})
-    if not all(r["equal"] for r in rows):
+    if not all(r["equal"] for r in rows) or host_driven:
         sys.exit(1)
 
 

@@ -3,7 +3,11 @@ clients and the Ray scheduler actor at 8 clients beside 8 pings; every part chec
 bytes, the JSON complete. Timing verdicts are printed, not asserted: they belong to the benchmark."""
 
 import json
+import os
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -13,8 +17,38 @@ ray = pytest.importorskip("ray")
 
 MODULE = "bench_control_plane"
 
+# A driver's own instance, not `ray start`: that would make every later plain ray.init() on this
+# machine (other tests, other sessions) join it.
+_CLUSTER = """import sys, ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 2**20)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
 
-def test_quick_run_writes_expected_rows(tmp_path, capsys):
+
+@pytest.fixture
+def running_cluster(monkeypatch):
+    """Another Ray instance running on this machine and named by ``RAY_ADDRESS``, as on a node of a
+    cluster: a plain ``ray.init(num_cpus=...)`` joins it and raises."""
+    proc = subprocess.Popen([sys.executable, "-c", _CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, "the other Ray instance did not start"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        yield address
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_quick_run_writes_expected_rows(tmp_path, capsys, running_cluster):
+    """Beside a running cluster (``RAY_ADDRESS``): the benchmark starts and measures its own Ray
+    (``start_local_ray``: ``address="local"``), leaving the other alone."""
     out = tmp_path / "cp.json"
     assert run_ray_script("bench/control_plane.py", MODULE, ["--quick", "--json", str(out)]) == (0, False)
     printed = capsys.readouterr().out
@@ -50,5 +84,34 @@ def test_check_answers_refuses_what_is_not_msgpack_bytes():
             bench.check_answers([{"part": bytearray(b"\x80"), "group": {}}], 0, 1)
         with pytest.raises(AssertionError, match="rank 0"):
             bench.check_answers([{"error": "DistCAError", "message": "x"}], 0, 1)
+    finally:
+        sys.modules.pop(MODULE, None)
+
+
+def test_process_cpu_clock_counts_every_thread_in_nanoseconds():
+    """The actor's CPU time: the whole process's, ended threads included, finer than the 10 ms
+    clock ticks of /proc/<pid>/stat (which made a few-ms step read 0 or 10 ms)."""
+    bench = load_script("bench/control_plane.py", MODULE)
+    try:
+        clock = bench.process_cpu_clock(os.getpid())
+        # this whole process, read the way time.process_time() reads it (ticks would be up to 10 ms off)
+        assert abs(bench.process_cpu_s(clock) - time.process_time()) < 2e-3
+        before = bench.process_cpu_s(clock)
+
+        def spin():
+            end = time.thread_time() + 0.03
+            while time.thread_time() < end:
+                pass
+        worker = threading.Thread(target=spin)
+        worker.start()
+        worker.join()
+        used = bench.process_cpu_s(clock) - before
+        assert 0.03 <= used < 1.0  # the ended thread's CPU time is still the process's
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        try:
+            assert bench.process_cpu_s(bench.process_cpu_clock(child.pid)) > 0  # another process's
+        finally:
+            child.stdin.close()
+            child.wait(timeout=30)
     finally:
         sys.modules.pop(MODULE, None)

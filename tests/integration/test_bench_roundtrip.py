@@ -44,3 +44,15 @@ def test_quick_run_writes_timed_rows(tmp_path, capsys):
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
         assert r["same_client_bytes"]  # both runtimes ran the same plans
         assert r["participants"] == (2 if r["mode"] == "inplace" else 3)
+
+
+def test_ray_benchmarks_start_their_own_ray_through_one_helper():
+    """Each Ray benchmark starts Ray only through ``start_local_ray`` (``address="local"``: its own
+    instance, never a running cluster it would join, where ``num_cpus`` is refused);
+    test_bench_control_plane.py runs one beside a running cluster."""
+    from scripts import ROOT
+    helper = (ROOT / "bench" / "roundtrip_runtimes.py").read_text()
+    assert helper.count("ray.init(") == 1 and 'ray.init(address="local"' in helper
+    for script in ("roundtrip.py", "control_plane.py", "soak.py", "tagged_rounds.py"):
+        text = (ROOT / "bench" / script).read_text()
+        assert "ray.init(" not in text and "start_local_ray(" in text, script
