@@ -40,7 +40,7 @@ words with a device-to-host copy on a separate stream, so a dead peer costs a ti
 stream. Only point-to-point RMA is used: several PEs may share one GPU without MPS. NVSHMEM then
 runs in *limited MPG* mode, where some host calls (collectives, teams, the ``*_wait_until_on_stream``
 waits) print and ``exit(-1)``; none of them is called here (see :mod:`.nvshmem_stream`). Which mode
-ran (``nvshmemx_init_status``) is :attr:`NvshmemRuntime.init_status`, and :func:`describe` reports it.
+ran (``nvshmemx_init_status``) is :attr:`NvshmemRuntime.init_status`, and :meth:`NvshmemRuntime.describe` reports it.
 
 Streams: the heap makes its own (communication, poll, abort signals, force) once, with
 ``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` (:class:`~.memop_stream.StreamDriver`), never torch's pool
@@ -377,8 +377,8 @@ class NvshmemHeap:
 
 class Nvshmem4py:
     """The NVSHMEM calls an :class:`NvshmemRuntime` makes, through nvshmem4py (each runs on the
-    host thread). Tests of the lifecycle pass a fake with the same three methods (``unique_id``,
-    ``start``, ``finalize``); ``configure`` is optional."""
+    host thread). Tests of the lifecycle pass a fake with the same four methods (``configure``,
+    ``unique_id``, ``start``, ``finalize``)."""
 
     def configure(self, world_size: int, heap_bytes: int) -> None:
         """NVSHMEM's environment, before its first call in the process: :func:`set_symmetric_size`."""
@@ -528,9 +528,7 @@ class NvshmemRuntime:
         if self.state == "running":
             value = {"uid": self.uid, "heap_bytes": self.heap_bytes, "reuse": True}
         else:
-            configure = getattr(self.driver, "configure", None)
-            if configure is not None:  # before the unique id: NVSHMEM reads its environment at its first call
-                configure(world_size, heap_bytes)
+            self.driver.configure(world_size, heap_bytes)  # before the unique id: NVSHMEM reads its environment then
             try:
                 uid = self.host.call(self.driver.unique_id, what="get_unique_id")
             except ImportError:
@@ -615,11 +613,6 @@ def runtime() -> NvshmemRuntime:
         return _RUNTIME
 
 
-def describe() -> dict:
-    """:meth:`NvshmemRuntime.describe` of the process's :func:`runtime`."""
-    return runtime().describe()
-
-
 def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Callable[[dict], None],
                  lookup: Callable[[], object], heap_bytes: int = DEFAULT_HEAP_BYTES,
                  device: torch.device | str = "cuda", epoch: int = 0) -> SymmetricTransport:
@@ -644,5 +637,5 @@ def join_nvshmem(*, rank: int, world_size: int, timeout_s: float, publish: Calla
 
 
 __all__ = ["DEFAULT_HEAP_BYTES", "LIMITED_MPG", "HostBoundHeap", "HostThread", "Nvshmem4py", "NvshmemHeap",
-           "NvshmemRuntime", "available", "describe", "init_status_name", "join_nvshmem", "runtime",
+           "NvshmemRuntime", "available", "init_status_name", "join_nvshmem", "runtime",
            "set_symmetric_size", "symmetric_size", "unique_id"]

@@ -378,6 +378,9 @@ class FakeDriver:
         self.handles: list = []
         self.block_finalize: threading.Event | None = None
 
+    def configure(self, world_size, heap_bytes):  # NVSHMEM's environment: nothing to set here
+        pass
+
     def unique_id(self) -> bytes:
         self.log.append(("unique_id", threading.get_ident()))
         handle = create_heap(self.world_size, self.file_bytes)
