@@ -42,7 +42,8 @@
 #              stage wrote it): each server's measured kernel time, max/mean. BACKENDS_LIMIT
 #              (default 200 s), BACKENDS_ARGS appended
 #   ntests     the nvshmem-marked tests (the exchange against LocalTransport, attend over NVSHMEM
-#              against the float64 reference, a dead or departed PE)
+#              against the float64 reference, a dead or departed PE, two group epochs on one
+#              NVSHMEM world and heap)
 #   transport  bench/transport.py --transport nvshmem: host-driven and device-driven exchanges
 #              (against NCCL, or a device copy on one GPU)
 #   inproc     bench/transport.py --transport local --device cuda: 2 and 4 participants of one
@@ -355,7 +356,7 @@ for s in "$@"; do
             stage backends "${BACKENDS_LIMIT:-200}" "$PY" bench/gpu_backends.py --json "$RES/backends.json" "${prof[@]}" \
                 ${BACKENDS_ARGS:-} ;;
         ntests) stage ntests 180 "${PYTEST[@]}" -m nvshmem tests/unit/test_transport_nvshmem.py \
-                    tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py ;;
+                    tests/unit/test_attend_transport.py tests/unit/test_nvshmem_stream.py tests/unit/test_nvshmem_epochs.py ;;
         # shellcheck disable=SC2086
         transport) stage transport "${TRANSPORT_LIMIT:-150}" "$PY" bench/transport.py --transport nvshmem --procs 2 4 \
                        --max-size 1GiB --graph off --json "$RES/transport_nvshmem.json" ${TRANSPORT_ARGS:-} ;;
