@@ -30,6 +30,8 @@ not a recompile (docs/api.md). ``register_local`` attention is eager only.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -157,8 +159,8 @@ def attention_forward(attend, module: torch.nn.Module, query: torch.Tensor,
         doc_lens = torch.ops.distca.hf_document_lengths(position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                                         attention_mask, batch, seq, module.training)
     else:
-        doc_lens = document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k,
-                                    attention_mask, training=module.training)
+        doc_lens = _layer_document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k,
+                                           attention_mask, module.training)
     # [B, H, S, D] -> [B·S, H, D]: a view when the projections' [B, S, H, D] memory is intact,
     # which is what transformers' attention modules produce (view + transpose + RoPE).
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3])
@@ -223,6 +225,32 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
             f"document: [0, {seq}])")
     idx = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist() + [total]
     return [b - a for a, b in zip(idx, idx[1:])]
+
+
+_LAST = threading.local()  # per thread: each training thread runs its own forwards
+
+
+def _layer_document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask,
+                            training) -> list[int]:
+    """:func:`document_lengths`, computed once per forward: every layer of a model gets the same
+    ``position_ids`` / ``cu_seq_lens`` / mask tensors, and reading a CUDA tensor's values on the
+    host waits for the device, which is queued behind the previous layer's exchange: a host that
+    must only enqueue would stall at every layer. The last call's lengths are reused while the
+    same tensor objects (held by weak reference: a freed tensor never matches) at the same
+    in-place version come again, with the same grid and mode. Same errors as
+    :func:`document_lengths` (a refused call is not kept)."""
+    tensors = (position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask)
+    if any(t is not None and (not isinstance(t, torch.Tensor) or t.is_inference()) for t in tensors):
+        # lists carry no version, inference tensors keep none: nothing to key on
+        return document_lengths(batch, seq, *tensors, training=training)
+    key = (batch, seq, bool(training)) + tuple(None if t is None else t._version for t in tensors)
+    last = getattr(_LAST, "entry", None)
+    if last is not None and last[0] == key and all(
+            (t is None and r is None) or (r is not None and r() is t) for t, r in zip(tensors, last[1])):
+        return list(last[2])
+    doc_lens = document_lengths(batch, seq, *tensors, training=training)
+    _LAST.entry = (key, tuple(None if t is None else weakref.ref(t) for t in tensors), tuple(doc_lens))
+    return doc_lens
 
 
 @torch.library.custom_op("distca::hf_document_lengths", mutates_args=())

@@ -247,3 +247,39 @@ def test_attention_runs_in_the_autocast_dtype_under_autocast():
     assert q.grad is not None and q.grad.dtype == torch.float32
     hf.attention_forward(spy, Module(), q, k, v, None, position_ids=pos)
     assert seen[-1] == (torch.float32,) * 3  # no autocast: untouched
+
+
+@pytest.mark.parametrize("with_cu", [False, True])
+def test_document_lengths_are_read_once_per_forward(monkeypatch, with_cu):
+    """Every layer gets the same position_ids / cu_seq_lens tensors: their values are read on the
+    host once per forward (on a GPU each read waits for the previous layer's exchange), and read
+    again when the tensors change, in place or for new ones."""
+    seen = []
+    real = hf.document_lengths
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "document_lengths", counting)
+    hf.register(DistCAClient.local(2, config=PlanConfig(min_shard=4)))
+    model = _model("llama", "distca", _reference("llama")[0])
+    batch = _packed_batch(with_cu=with_cu)
+    first = model(**batch).logits
+    assert len(seen) == 1 and TINY["num_hidden_layers"] > 1
+    model(**batch)
+    assert len(seen) == 1  # the same tensors, unchanged
+    # In place: the documents' lengths change (two documents swap places), the tensors do not.
+    swapped = DOC_LENS[1:2] + DOC_LENS[:1] + DOC_LENS[2:]
+    if with_cu:
+        batch["cu_seq_lens_q"].copy_(torch.tensor([0] + swapped).cumsum(0).to(batch["cu_seq_lens_q"].dtype))
+        batch["cu_seq_lens_k"].copy_(batch["cu_seq_lens_q"])
+    else:
+        batch["position_ids"].copy_(torch.cat([torch.arange(n) for n in swapped])[None])
+    model(**batch)
+    assert len(seen) == 2
+    assert hf._layer_document_lengths(1, sum(DOC_LENS), batch.get("position_ids"), batch.get("cu_seq_lens_q"),
+                                      batch.get("cu_seq_lens_k"), None, True) == swapped
+    fresh = _packed_batch(with_cu=with_cu)  # equal values, new tensors
+    assert torch.equal(model(**fresh).logits, first)
+    assert len(seen) == 3
