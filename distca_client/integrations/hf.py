@@ -30,8 +30,6 @@ not a recompile (docs/api.md). ``register_local`` attention is eager only.
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Optional
 
 import torch
@@ -40,6 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from distca_client import op as _op  # noqa: F401  (registers the distca operators)
 from distca_client.client import DistCAClient
+from distca_client.integrations.per_forward import LastLengths
 from distca_client.functional import varlen_attention
 from distca_server.kernels import check_backend_name
 
@@ -227,30 +226,16 @@ def document_lengths(batch: int, seq: int, position_ids: torch.Tensor | None,
     return [b - a for a, b in zip(idx, idx[1:])]
 
 
-_LAST = threading.local()  # per thread: each training thread runs its own forwards
+_LAST_LENGTHS = LastLengths()
 
 
 def _layer_document_lengths(batch, seq, position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask,
                             training) -> list[int]:
-    """:func:`document_lengths`, computed once per forward: every layer of a model gets the same
-    ``position_ids`` / ``cu_seq_lens`` / mask tensors, and reading a CUDA tensor's values on the
-    host waits for the device, which is queued behind the previous layer's exchange: a host that
-    must only enqueue would stall at every layer. The last call's lengths are reused while the
-    same tensor objects (held by weak reference: a freed tensor never matches) at the same
-    in-place version come again, with the same grid and mode. Same errors as
-    :func:`document_lengths` (a refused call is not kept)."""
+    """:func:`document_lengths`, read on the host once per forward (:mod:`.per_forward`): every
+    layer gets the same tensors. Same errors as :func:`document_lengths`."""
     tensors = (position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask)
-    if any(t is not None and (not isinstance(t, torch.Tensor) or t.is_inference()) for t in tensors):
-        # lists carry no version, inference tensors keep none: nothing to key on
-        return document_lengths(batch, seq, *tensors, training=training)
-    key = (batch, seq, bool(training)) + tuple(None if t is None else t._version for t in tensors)
-    last = getattr(_LAST, "entry", None)
-    if last is not None and last[0] == key and all(
-            (t is None and r is None) or (r is not None and r() is t) for t, r in zip(tensors, last[1])):
-        return list(last[2])
-    doc_lens = document_lengths(batch, seq, *tensors, training=training)
-    _LAST.entry = (key, tuple(None if t is None else weakref.ref(t) for t in tensors), tuple(doc_lens))
-    return doc_lens
+    return _LAST_LENGTHS.get(tensors, (batch, seq, bool(training)),
+                             lambda: document_lengths(batch, seq, *tensors, training=training))
 
 
 @torch.library.custom_op("distca::hf_document_lengths", mutates_args=())

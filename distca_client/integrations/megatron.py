@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from distca_client.client import DistCAClient
+from distca_client.integrations.per_forward import LastLengths
 from scheduler.checks import is_int
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -114,7 +115,10 @@ class DistCACoreAttention(MegatronModule):
             if self.window is not None and attention_mask is None:
                 doc_lens = [s] * b  # DotProductAttention builds a windowed layer's mask itself
             else:
-                doc_lens = sbhd_doc_lens(attention_mask, attn_mask_type or self.attn_mask_type, s, b)
+                mask_type = attn_mask_type or self.attn_mask_type
+                # read on the host once per forward: every layer gets the same mask (.per_forward)
+                doc_lens = _LAST_LENGTHS.get((attention_mask,), ("sbhd", mask_type, s, b),
+                                             lambda: sbhd_doc_lens(attention_mask, mask_type, s, b))
             if self.window is not None and len(doc_lens) != b:
                 raise ValueError(f"DistCACoreAttention: layer {self.layer_number} has window_size="
                                  f"{self.config.window_size}, where Megatron's DotProductAttention "
@@ -124,7 +128,10 @@ class DistCACoreAttention(MegatronModule):
             q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value))
             out = self._attend(q, k, v, doc_lens)
             return out.view(b, s, -1).transpose(0, 1).contiguous()
-        doc_lens = thd_doc_lens(packed_seq_params, query.shape[0])
+        p, t = packed_seq_params, query.shape[0]
+        doc_lens = _LAST_LENGTHS.get(
+            tuple(getattr(p, n, None) for n in _THD_FIELDS), ("thd", getattr(p, "qkv_format", None), t),
+            lambda: thd_doc_lens(p, t))
         q, k, v = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
         return self._attend(q, k, v, doc_lens).reshape(q.shape[0], -1)
 
@@ -211,6 +218,11 @@ def _spans(flags: torch.Tensor) -> str:
         else:
             runs.append([p, p])
     return ", ".join(f"{a}-{z}" if z > a else f"{a}" for a, z in runs) or "none"
+
+
+_LAST_LENGTHS = LastLengths()
+# The packed_seq_params fields thd_doc_lens reads: its answer is reused while they are the same tensors
+_THD_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 def thd_doc_lens(packed_seq_params, total_tokens: int) -> list[int]:

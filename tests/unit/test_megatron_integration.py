@@ -261,3 +261,32 @@ def test_settings_and_masks_it_cannot_serve_are_refused():
     left_padded[..., :2] = True
     with pytest.raises(ValueError, match="ignores attention_mask"):
         windowed(q, k, v, left_padded)
+
+
+def test_document_lengths_are_read_once_per_forward(monkeypatch):
+    """Every layer gets the same packed_seq_params / mask tensors: their values are read on the host
+    once (a GPU read waits for the device), again when they change in place or are new tensors."""
+    from distca_client.integrations import megatron as adapter
+    calls = []
+    for name in ("thd_doc_lens", "sbhd_doc_lens"):
+        real = getattr(adapter, name)
+        monkeypatch.setattr(adapter, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    client = DistCAClient.local(2, config=PlanConfig(min_shard=4))
+    layers = [DistCACoreAttention(_config(), n, AttnMaskType.causal, "self", client=client) for n in (1, 2)]
+    q, k, v, _ = _qkvd(sum(DOC_LENS))
+    cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    params = _packed_params(cu)
+    for layer in layers:
+        layer(q, k, v, None, packed_seq_params=params)
+    assert calls == ["thd_doc_lens"]
+    cu[1:].copy_(torch.tensor(DOC_LENS[::-1]).cumsum(0))  # in place: other documents
+    out = layers[0](q, k, v, None, packed_seq_params=params)
+    assert calls == ["thd_doc_lens"] * 2 and sum(client.last_plan.doc_lens_per_rank, []) == DOC_LENS[::-1]
+    s, b = 9, 3
+    qs, ks, vs = (t[:s * b].reshape(s, b, *t.shape[1:]) for t in (q, k, v))
+    mask = _causal(s)
+    for layer in layers:
+        layer(qs, ks, vs, mask)
+    layers[0](qs, ks, vs, mask.clone())  # equal values, a new tensor
+    assert calls[2:] == ["sbhd_doc_lens"] * 2
+    assert out.shape == (sum(DOC_LENS), HEADS * HEAD_DIM)
