@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 
 import torch
 
@@ -172,6 +174,34 @@ def round_counts(client) -> tuple[int, int] | None:
     if getattr(member, "transport", None) is None:
         return None
     return member.rounds_done, member.rounds_done - member.tagged_rounds
+
+
+# The environment a GPU run's workers need, unless the caller set it (bench/gpu_session.sh sets the
+# same): several PEs on one GPU run NVSHMEM in its limited multi-process-per-GPU mode, where the
+# heap's NVLS (multicast) set-up calls a barrier that exits the process, and distca uses no
+# multicast; a participant's held stream waits need hardware queues of their own
+# (distca_server/transport/memop_stream.py warns below 5).
+GPU_WORKER_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+
+
+def worker_env(cfg) -> dict[str, str]:
+    """Environment variables for the job's Ray workers: :data:`GPU_WORKER_ENV` on a CUDA run (the
+    caller's own values win), nothing on the CPU."""
+    if cfg.device != "cuda":
+        return {}
+    return {name: os.environ.get(name, value) for name, value in GPU_WORKER_ENV.items()}
+
+
+def run_facts(device: torch.device) -> dict:
+    """What really ran, for the run's metrics: ``kernel``, the attention backend ``"auto"`` picks
+    on ``device`` (distca's servers and local attention both take it, so both runs use the same
+    kernel), and ``nvshmem_init_status`` (NVSHMEM's init status by name, e.g. ``STATUS_LIMITED_MPG``)
+    once this process started NVSHMEM, else None. Starts nothing."""
+    from distca_server.kernels import get_backend
+    nvshmem = sys.modules.get("distca_server.transport.nvshmem")  # loaded only by an NVSHMEM run
+    rt = getattr(nvshmem, "_RUNTIME", None)
+    return {"kernel": get_backend("auto", device).name,
+            "nvshmem_init_status": getattr(rt, "init_status", None)}
 
 
 def device_name() -> str:

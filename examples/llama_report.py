@@ -160,6 +160,12 @@ def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> d
         out[f"train_steps_{attention}"] = len(m["steps"])
         out[f"train_wall_s_{attention}"] = m["wall_s"]
         out[f"train_losses_{attention}"] = [r["loss"] for r in m["steps"]]
+        # What really ran (rank 0's records): a pass must be tied to the transport and kernel
+        for key, field in (("transport_used", "transport_used"), ("kernel", "kernel"),
+                           ("nvshmem_init_status", "nvshmem_init_status")):
+            seen = sorted({r[field] for r in m["steps"] if r.get(field) is not None})
+            if seen:
+                out[f"train_{key}_{attention}"] = seen
         heads = [(r.get("rounds"), r.get("header_rounds")) for r in warm_steps(m)]
         if heads and all(n is not None for pair in heads for n in pair):  # distca: rank 0's, warm steps
             out[f"train_rounds_per_step_{attention}"] = float(np.mean([n for n, _ in heads]))
@@ -168,7 +174,26 @@ def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> d
         out.update({f"train_loss_max_rel_diff_{agreement['first']}_steps": agreement["max_rel_first"],
                     "train_loss_rtol": agreement["rtol"], "train_loss_agree": agreement["agree"],
                     "train_loss_max_abs_diff_all_steps": agreement["max_abs_all"]})
+    if {"distca", "local"} <= set(by):
+        out.update(first_step_differences(by["distca"], by["local"]))
     return out
+
+
+def first_step_differences(distca: dict, local: dict) -> dict:
+    """Relative differences of the two runs' first common step, where both start from the same
+    weights and data, so only attention's rounding separates them (later steps add the optimizer's
+    compounding): ``train_step0_loss_rel_diff`` and ``train_step0_grad_norm_rel_diff`` (the
+    gradient norm before clipping; it sees every layer's attention backward), None where a run
+    lacks the field. A tighter check than the 10-step loss agreement, once a device's natural
+    noise is known. Empty when the runs share no step."""
+    steps = {r["step"]: r for r in local["steps"]}
+    common = [(r, steps[r["step"]]) for r in distca["steps"] if r["step"] in steps]
+    if not common:
+        return {}
+    a, b = common[0]
+    rel = lambda x, y: None if x is None or y is None else abs(x - y) / max(abs(y), 1e-30)  # noqa: E731
+    return {"train_step0_step": a["step"], "train_step0_loss_rel_diff": rel(a.get("loss"), b.get("loss")),
+            "train_step0_grad_norm_rel_diff": rel(a.get("grad_norm"), b.get("grad_norm"))}
 
 
 def _where(cfg: dict) -> str:

@@ -260,6 +260,7 @@ def train_loop(config: dict) -> None:
             record = step_record(cfg, step, job, [c[1] for c in chunks], ranks, grad_norm.item(),
                                  time.perf_counter() - t0)
             record["transport_used"] = llama_device.transport_used(client)  # rank 0's
+            record.update(llama_device.run_facts(device))  # rank 0's kernel and NVSHMEM status
             record["rounds"], record["header_rounds"] = _round_deltas(counts0, counts1)  # rank 0's
             history.append(record)
             if progress is not None:

@@ -73,17 +73,19 @@ def _cluster_running() -> bool:
     return recorded is not None and recorded in find_gcs_addresses()
 
 
-def _ensure_ray(num_gpus: int | None = None) -> bool:
+def _ensure_ray(num_gpus: int | None = None, env: dict[str, str] | None = None) -> bool:
     """Join the running Ray cluster (:func:`_cluster_running`), or start a local Ray instance,
     unless Ray is up in this process (a test's, or the caller's); True if this call did either
     (the caller then shuts it down: a cluster's driver disconnects, the cluster stays).
-    ``num_gpus``: the GPUs a local instance offers (None: Ray's own count)."""
+    ``num_gpus``: the GPUs a local instance offers (None: Ray's own count); ``env``: more
+    environment variables for every worker (:func:`llama_device.worker_env`)."""
     if ray.is_initialized():
         return False
     # log_to_driver=False: Train's controller and workers log to Ray's session files, so the
     # terminal shows the progress bar and the step lines only.
+    env_vars = {**(env or {}), "PYTHONPATH": worker_pythonpath(ROOT)}  # workers import distca from here
     common = dict(namespace="distca", log_to_driver=False, logging_level=logging.WARNING,
-                  runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(ROOT)}})  # workers import distca from here
+                  runtime_env={"env_vars": env_vars})
     if _cluster_running():
         # "auto": RAY_ADDRESS, else the recorded cluster; unlike that address given explicitly, it
         # sends the token Ray keeps for a cluster started here. No resources: the cluster has its
@@ -207,7 +209,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     corpus = load_corpus(cfg.data)
     job = f"llama-{cfg.name}" if cfg.attention == "distca" else None
 
-    started_ray = _ensure_ray(_gpus_here(cfg))
+    started_ray = _ensure_ray(_gpus_here(cfg), llama_device.worker_env(cfg))
     _ship_code_to_workers()
     launched, steps = None, None
     wall0 = time.perf_counter()
@@ -355,7 +357,7 @@ def main(argv=None, *, progress: bool = True) -> dict:
     configs = [cfg] + ([replace(cfg, name=cfg.name + "-local", attention="local")] if compare else [])
     for c in configs:  # every run's, before the first trains (each train() checks its own again)
         check_start(c)
-    started_ray = _ensure_ray(_gpus_here(cfg))  # one Ray instance for both runs
+    started_ray = _ensure_ray(_gpus_here(cfg), llama_device.worker_env(cfg))  # one Ray instance for both runs
     try:
         results = {}
         for c in configs:

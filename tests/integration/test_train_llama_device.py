@@ -109,6 +109,12 @@ def test_the_gpu_path_on_the_cpu_over_shared_memory(cpu_runs):
     assert {(s["rounds"], s["header_rounds"]) for s in local["steps"]} == {(None, None)}
     assert summary["train_rounds_per_step_distca"] == 4 and 2 <= summary["train_header_rounds_per_step_distca"] < 4
     assert "train_header_rounds_per_step_local" not in summary
+    # what ran, as a GPU session reads it: the transport, the kernel both runs took, and step 0's
+    # differences (same weights and data: only attention's rounding apart)
+    assert summary["train_transport_used_distca"] == ["RoutedTransport/ShmHeap"]
+    assert summary["train_kernel_distca"] == summary["train_kernel_local"] == ["torch_cpu"]
+    assert "train_nvshmem_init_status_distca" not in summary
+    assert summary["train_step0_loss_rel_diff"] <= 1e-5 and summary["train_step0_grad_norm_rel_diff"] <= 1e-4
     assert all(s["plans_match_ranks"] for s in distca["steps"])
     # the same training as local attention, to float32 rounding
     for a, b in zip(distca["steps"], local["steps"], strict=True):

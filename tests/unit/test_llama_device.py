@@ -129,3 +129,34 @@ def test_train_summary_has_the_issue_keys():
         llama_report.train_summary([local, local], None, device="cpu")
     with pytest.raises(ValueError, match="no runs"):
         llama_report.train_summary([], None, device="cpu")
+
+
+def test_train_summary_says_what_ran_and_how_the_first_step_differs():
+    losses = [5.5 - 0.1 * i for i in range(4)]
+    distca = _run("distca", [x * (1 + 2e-3) for x in losses], [1.0] * 4)
+    local = _run("local", losses, [1.0] * 4)
+    for i, (a, b) in enumerate(zip(distca["steps"], local["steps"])):
+        a.update(grad_norm=2.0 * (1 + 4e-3), kernel="cudnn", nvshmem_init_status="STATUS_LIMITED_MPG",
+                 transport_used="RoutedTransport/HeapLease" if i else "RoutedTransport/NvshmemHeap")
+        b.update(grad_norm=2.0, kernel="cudnn", nvshmem_init_status=None, transport_used=None)
+    s = llama_report.train_summary([distca, local], None, device="NVIDIA H200")
+    assert s["train_transport_used_distca"] == ["RoutedTransport/HeapLease", "RoutedTransport/NvshmemHeap"]
+    assert s["train_kernel_distca"] == s["train_kernel_local"] == ["cudnn"]
+    assert s["train_nvshmem_init_status_distca"] == ["STATUS_LIMITED_MPG"]
+    assert "train_transport_used_local" not in s and "train_nvshmem_init_status_local" not in s
+    assert s["train_step0_loss_rel_diff"] == pytest.approx(2e-3)
+    assert s["train_step0_grad_norm_rel_diff"] == pytest.approx(4e-3) and s["train_step0_step"] == 0
+    del local["steps"][0]["grad_norm"]
+    assert llama_report.train_summary([distca, local], None, device="cpu")["train_step0_grad_norm_rel_diff"] is None
+
+
+def test_gpu_workers_get_the_sessions_environment_unless_set(monkeypatch):
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16")
+    assert llama_device.worker_env(GPU) == {"NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "16"}
+    assert llama_device.worker_env(TrainConfig()) == {}  # the CPU demo: nothing
+
+
+def test_run_facts_name_the_kernel_and_no_nvshmem_on_the_cpu():
+    facts = llama_device.run_facts(torch.device("cpu"))
+    assert facts == {"kernel": "torch_cpu", "nvshmem_init_status": None}
