@@ -2,7 +2,8 @@
 
 One script a GPU session runs blind (``bench/gpu_session.sh``); ``--device cpu --quick`` runs the
 same code on the CPU backend in seconds (tests/integration/test_bench_gpu_kernels.py). It imports
-no Ray. Three sections (``--sections``, default all):
+no Ray. Three sections (``--sections``, default all), run in this order: ``shards``, ``profile``
+(whose tables the session's ``backends`` stage reads), then the costly ``overhead``:
 
 ``shards`` — the paper's Fig. 5 claim (DistCA §3: shards of >= 128 tokens keep the kernel's full
     speed). ``--docs`` documents of ``--doc-len`` tokens are cut into shards of ``s`` tokens
@@ -15,11 +16,14 @@ no Ray. Three sections (``--sections``, default all):
     backward 2.5×) over the median time; ``ratio`` = shard TFLOP/s / whole-document TFLOP/s
     (target >= 0.95 at >= 128 tokens). Shards are taken in head–tail pairs ``(i, n-1-i)``:
     every pair holds the same pairs and the same ``(n + 1)·s`` KV rows, so when all shards' KV
-    copies would not fit in ``--max-kv-rows`` (default: 60% of free GPU memory), an evenly
-    spaced subset of pairs is an exact sample of the work (the JSON says how many ran).
-    Correctness guard, before any timing: the shard call's O, LSE and dQ equal the whole call's on
-    the same rows, and (all pairs present) its dK, dV summed back per document equal the whole
-    call's; a mismatch raises, so no number of a wrong kernel is written.
+    copies would not fit in ``--max-kv-rows`` (default: 60% of the GPU memory a call can get:
+    free plus what PyTorch's allocator caches unused), an evenly spaced subset of pairs is an
+    exact sample of the work (the JSON says how many ran). Correctness guard, before any timing
+    and with the outputs' freed blocks poisoned (NaN): every size's shard call's O, LSE and dQ
+    equal the whole call's on the same rows, and (all pairs present) its dK, dV summed back per
+    document equal the whole call's; a mismatch raises, so no number of a wrong kernel is
+    written. Then each size's forward and backward alternate in rounds; ``fwd_ms`` is the median,
+    ``fwd_ms_min`` / ``fwd_ms_max`` the spread (``bwd_`` likewise).
 
 ``overhead`` — ``DistCAClient.local(config=JobConfig(servers=P, backend=..., plan=PlanConfig()))``
     ``attend`` forward + backward against the direct backend call (forward + backward) on the same
@@ -44,12 +48,18 @@ no Ray. Three sections (``--sections``, default all):
     ``q_len > kv_len`` (never real tasks) repeat the ``(kv_len, kv_len)`` entry, whose causal work
     is the same. Guard: at the points with ``q_len·kv_len <= 2^22`` the call's first task equals
     distca's reference backend. Written as ``<json stem>_profile/<model>-tp<tp>/{forward,backward}.json`` for
-    ``distca simulate --attn-profile DIR``.
+    ``distca simulate --attn-profile DIR``. Each point's first forward and backward call is timed
+    apart (``meta.first_call_ms``; the row's ``first_call_s`` and ``first_call_extra_s``, the
+    latter over the median calls: what building a kernel for a new shape cost, e.g. cudnn's graph
+    per shape bucket), and ``graph_builds`` counts the graphs a backend that counts them built.
 
 Timing: CUDA events around the call after ``--warmup`` runs, median of ``--repeats`` (overhead:
 host clock after ``torch.cuda.synchronize``); CPU: ``time.perf_counter``. Inputs are fresh
 ``randn`` (never zeros). Default JSON: ``bench/results/gpu/<device-name-slug>/kernels.json`` on
 CUDA, ``bench/results/kernels_cpu.json`` on CPU; a PNG of TFLOP/s against shard size beside it.
+The JSON is rewritten after every row and section with ``"partial": true`` (and, after SIGTERM,
+``"interrupted"``), so a run the session's ``timeout`` stops keeps what it finished; the last
+write, at the end, has no ``partial``.
 
 Usage::
 
@@ -61,8 +71,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
+import signal
 import statistics
 import sys
 import time
@@ -87,7 +99,9 @@ from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 from bench.report import finish  # noqa: E402
 
-SECTIONS = ("shards", "overhead", "profile")
+# profile before overhead: the backends stage reads the tables profile writes, and overhead is the
+# costly one, so a run stopped at the stage's limit should lose overhead's rows, not the tables
+SECTIONS = ("shards", "profile", "overhead")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # ‖a − b‖ / ‖b‖ allowed between two calls that compute the same attention with different tilings:
 # both round the same exact result once to the dtype (bf16: 2^-8 per element; fp16: 2^-11).
@@ -103,8 +117,9 @@ QUICK = dict(shape=(2, 1, 32), docs=2, doc_len=512, shard_sizes=[128, 256],
 
 # ---- timing --------------------------------------------------------------------------------------
 class Timer:
-    """Median seconds of a zero-argument callable: CUDA events (or, ``host=True``, the host clock
-    after synchronising) on CUDA, ``perf_counter`` on CPU; ``warmup`` untimed runs first."""
+    """Seconds of zero-argument callables: CUDA events (or, ``host=True``, the host clock after
+    synchronising) on CUDA, ``perf_counter`` on CPU; ``warmup`` untimed runs (or rounds) first,
+    then ``repeats`` timed ones."""
 
     def __init__(self, device: torch.device, warmup: int, repeats: int):
         self.device, self.warmup, self.repeats = device, warmup, repeats
@@ -113,26 +128,50 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def one_s(self, fn, host: bool = False) -> float:
+        """Seconds of one call of ``fn`` (the device idle before it)."""
+        if self.device.type == "cuda" and not host:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        return time.perf_counter() - t0
+
+    def first_s(self, fn):
+        """``(seconds, fn())`` of a first call, host clock around it, synchronised: what a first
+        call costs beyond the kernel (a cuDNN graph build, a compile) shows here."""
+        self._sync()
+        t0 = time.perf_counter()
+        value = fn()
+        self._sync()
+        return time.perf_counter() - t0, value
+
     def median_s(self, fn, host: bool = False) -> float:
         for _ in range(self.warmup):
             fn()
         self._sync()
-        times = []
+        return statistics.median(self.one_s(fn, host) for _ in range(self.repeats))
+
+    def rounds_s(self, fns: dict) -> dict[str, list[float]]:
+        """``{name: [seconds of each timed round]}`` of ``fns`` ({name: callable}) run in rounds,
+        each round one call of every callable in order (A B A B ...): ``warmup`` untimed rounds,
+        then ``repeats`` timed ones. Alternating rounds spread a clock or thermal drift over all
+        callables alike, where one callable's repeats after another's would hand it to one of them."""
+        for _ in range(self.warmup):
+            for fn in fns.values():
+                fn()
+        self._sync()
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(self.repeats):
-            if self.device.type == "cuda" and not host:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                self._sync()
-                t0 = time.perf_counter()
-                fn()
-                self._sync()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            for name, fn in fns.items():
+                times[name].append(self.one_s(fn))
+        return times
 
     def host_s(self, fn) -> float:
         """Median seconds from calling ``fn`` to its return, the device synchronised before and
@@ -149,6 +188,13 @@ class Timer:
         return statistics.median(times)
 
 
+def spread_ms(prefix: str, seconds: list[float]) -> dict:
+    """``{prefix_ms: median, prefix_ms_min, prefix_ms_max}`` in milliseconds of timed rounds: the
+    median is the number, min and max the spread (two backends closer than it are a tie)."""
+    return {f"{prefix}_ms": statistics.median(seconds) * 1e3, f"{prefix}_ms_min": min(seconds) * 1e3,
+            f"{prefix}_ms_max": max(seconds) * 1e3}
+
+
 def guard(name: str, err: float, tol: float, checks: list) -> None:
     """Record a correctness check; raise at once when it fails (or is NaN)."""
     ok = math.isfinite(err) and err <= tol
@@ -156,6 +202,17 @@ def guard(name: str, err: float, tol: float, checks: list) -> None:
     if not ok:
         raise RuntimeError(f"correctness guard failed: {name}: error {err:.3e} > tol {tol:.1e}; "
                            f"refusing to time a kernel that computes the wrong attention")
+
+
+def poison_freed(device: torch.device, likes: list[tuple], copies: int = 2) -> None:
+    """Fill ``copies`` blocks of each ``(shape, dtype)`` in ``likes`` with NaN, then free them,
+    before a guarded call. PyTorch's caching allocator hands a freed block to the next request of
+    its size, so a backend output the kernel never writes would otherwise read whatever the last
+    tensor of that size held: often another backend's correct result, which passes the guard. Two
+    copies: a call's outputs come in pairs of one size (out and dQ like Q, dK and dV like K)."""
+    blocks = [torch.full(shape, math.nan, dtype=dtype, device=device) for shape, dtype in likes
+              for _ in range(copies)]
+    del blocks
 
 
 def cu_seqlens(lens, device) -> torch.Tensor:
@@ -169,16 +226,28 @@ def randn(rows: int, heads: int, dim: int, dtype, gen) -> torch.Tensor:
     return torch.randn(rows, heads, dim, generator=gen, device=gen.device, dtype=dtype)
 
 
+def usable_bytes(free: int, reserved: int, allocated: int) -> int:
+    """Bytes a new allocation can get: the driver's free bytes (``torch.cuda.mem_get_info``) plus
+    the bytes PyTorch's caching allocator reserves and no tensor holds (``memory_reserved −
+    memory_allocated``), which it releases and retries with before it fails. Counting only the
+    first, a section sized itself after an earlier one's freed tensors without them (H200:
+    128-token shards ran 3.36M KV rows, every later size about 660K)."""
+    return free + reserved - allocated
+
+
 def kv_row_limit(args, hq: int, hkv: int, dim: int) -> float:
-    """KV rows one call may hold: ``--max-kv-rows``, else 60% of the GPU's free memory over the
-    bytes a backward call needs per KV row (k, v, dk, dv, and the GQA-expanded dK/dV of H_q heads
-    that FlashAttention-2's varlen backward allocates); no limit on the CPU."""
+    """KV rows one call may hold: ``--max-kv-rows``, else 60% of the GPU's usable memory
+    (:func:`usable_bytes`) over the bytes a backward call needs per KV row (k, v, dk, dv, and the
+    GQA-expanded dK/dV of H_q heads that FlashAttention-2's varlen backward allocates); no limit on
+    the CPU."""
     if args.max_kv_rows is not None:
         return args.max_kv_rows
     if args.device.type != "cuda":
         return math.inf
     row_bytes = args.dtype.itemsize * dim * (4 * hkv + 2 * hq)
-    return 0.6 * torch.cuda.mem_get_info(args.device)[0] / row_bytes
+    free = usable_bytes(torch.cuda.mem_get_info(args.device)[0], torch.cuda.memory_reserved(args.device),
+                        torch.cuda.memory_allocated(args.device))
+    return 0.6 * free / row_bytes
 
 
 # ---- section 1: fused shards ---------------------------------------------------------------------
@@ -196,7 +265,56 @@ def shard_tasks(num_docs: int, doc_len: int, s: int, max_kv_rows: float) -> tupl
     return tasks, len(pairs)
 
 
-def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
+def shard_inputs(q, k, v, dout, doc_len: int, tasks: list):
+    """One fused call's inputs for ``tasks`` (each shard's query rows and its copied KV prefix, as a
+    server receives them): ``(qi, ki, cu_q, cu_k, max_k, (q, k, v, dout) rows)``."""
+    dev = q.device
+    qi = torch.cat([torch.arange(d * doc_len + a, d * doc_len + b) for d, a, b in tasks]).to(dev)
+    ki = torch.cat([torch.arange(d * doc_len, d * doc_len + b) for d, _, b in tasks]).to(dev)
+    cq, ck = cu_seqlens([b - a for _, a, b in tasks], dev), cu_seqlens([b for _, _, b in tasks], dev)
+    return qi, ki, cq, ck, max(b for _, _, b in tasks), (q[qi], k[ki], v[ki], dout[qi])
+
+
+def _output_likes(q, k) -> list[tuple]:
+    """(shape, dtype) of a call's outputs, for :func:`poison_freed`: out and dQ like q, dK and dV
+    like k, the float32 LSE [rows, H_q]."""
+    return [(q.shape, q.dtype), (k.shape, k.dtype), (q.shape[:2], torch.float32)]
+
+
+def _guard_shards(args, cfg, b, inputs, layouts, checks, label: str) -> None:
+    """The shard calls of ``b`` against its whole-document call (module doc), poisoned outputs."""
+    dtype, (hq, hkv, dim) = args.dtype, cfg["shape"]
+    q, k, v, dout, cu, doc_len = inputs
+    scale = dim ** -0.5
+    poison_freed(args.device, _output_likes(q, k))
+    out, lse = b.forward(q, k, v, cu, cu, doc_len, doc_len, scale)
+    poison_freed(args.device, _output_likes(q, k))
+    dq, dk, dv = b.backward(dout, q, k, v, out, lse, cu, cu, doc_len, doc_len, scale)
+    for s, (tasks, pairs_all) in layouts.items():
+        qi, ki, cq, ck, mk, (qs, ks, vs, dos) = shard_inputs(q, k, v, dout, doc_len, tasks)
+        poison_freed(args.device, _output_likes(qs, ks))
+        o_s, l_s = b.forward(qs, ks, vs, cq, ck, s, mk, scale)
+        poison_freed(args.device, _output_likes(qs, ks))
+        dq_s, dk_s, dv_s = b.backward(dos, qs, ks, vs, o_s, l_s, cq, ck, s, mk, scale)
+        guard(f"{label} {s}: out", relative_error(o_s, out[qi]), REL_TOL[dtype], checks)
+        guard(f"{label} {s}: lse", float((l_s - lse[qi]).abs().max()), LSE_TOL[dtype], checks)
+        guard(f"{label} {s}: dq", relative_error(dq_s, dq[qi]), REL_TOL[dtype], checks)
+        if 2 * pairs_all == len(tasks):  # every shard present: dK, dV add up to the documents'
+            guard(f"{label} {s}: dk", relative_error(torch.zeros_like(dk, dtype=torch.float32).index_add_(
+                0, ki, dk_s.float()), dk), REL_TOL[dtype], checks)
+            guard(f"{label} {s}: dv", relative_error(torch.zeros_like(dv, dtype=torch.float32).index_add_(
+                0, ki, dv_s.float()), dv), REL_TOL[dtype], checks)
+        # freed before the next size's copies: each size may take 60% of the memory
+        del qs, ks, vs, dos, o_s, l_s, dq_s, dk_s, dv_s
+
+
+def bench_shards(args, cfg, backends: list, timer, checks, on_row=None, errors=None) -> list[dict]:
+    """The fused-shard rows (module doc) of each of ``backends``: first every backend's guard (all
+    shard sizes, before any timing), then each size timed in rounds alternating over the backends
+    that passed (:meth:`Timer.rounds_s`). Times in ms (median, min, max of the rounds), TFLOP/s
+    from the median. ``on_row(row)`` gets each row as soon as it is timed. A backend that fails its
+    guard or raises: with ``errors`` ({where: message}) it is recorded there and not timed, without
+    it the exception propagates (no number of a wrong kernel)."""
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     cost = CostModel(hq, hkv, dim, dtype_bytes=dtype.itemsize)
     scale = dim ** -0.5
@@ -204,40 +322,70 @@ def bench_shards(args, cfg, backend, timer, checks) -> list[dict]:
     docs, doc_len = cfg["docs"], cfg["doc_len"]
     q, k, v, dout = (randn(docs * doc_len, h, dim, dtype, gen) for h in (hq, hkv, hkv, hq))
     cu = cu_seqlens([doc_len] * docs, dev)
-    out, lse = backend.forward(q, k, v, cu, cu, doc_len, doc_len, scale)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, cu, cu, doc_len, doc_len, scale)
-    whole_f = docs * cost.doc_flops(doc_len)
-    t_f = timer.median_s(lambda: backend.forward(q, k, v, cu, cu, doc_len, doc_len, scale))
-    t_b = timer.median_s(lambda: backend.backward(dout, q, k, v, out, lse, cu, cu, doc_len, doc_len, scale))
-    whole = {"fwd_tflops": whole_f / t_f / 1e12, "bwd_tflops": 2.5 * whole_f / t_b / 1e12}
-    rows = [dict(shard="whole", tasks=docs, pairs_run=None, fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
-                 fwd_ratio=1.0, bwd_ratio=1.0, kv_rows=docs * doc_len, **whole)]
-    for s in cfg["shard_sizes"]:
-        tasks, pairs_all = shard_tasks(docs, doc_len, s, kv_row_limit(args, hq, hkv, dim))
-        qi = torch.cat([torch.arange(d * doc_len + a, d * doc_len + b) for d, a, b in tasks]).to(dev)
-        ki = torch.cat([torch.arange(d * doc_len, d * doc_len + b) for d, _, b in tasks]).to(dev)
-        cq, ck = cu_seqlens([b - a for _, a, b in tasks], dev), cu_seqlens([b for _, _, b in tasks], dev)
-        mk = max(b for _, _, b in tasks)
-        qs, ks, vs, dos = q[qi], k[ki], v[ki], dout[qi]
-        o_s, l_s = backend.forward(qs, ks, vs, cq, ck, s, mk, scale)
-        dq_s, dk_s, dv_s = backend.backward(dos, qs, ks, vs, o_s, l_s, cq, ck, s, mk, scale)
-        guard(f"shards {s}: out", relative_error(o_s, out[qi]), REL_TOL[dtype], checks)
-        guard(f"shards {s}: lse", float((l_s - lse[qi]).abs().max()), LSE_TOL[dtype], checks)
-        guard(f"shards {s}: dq", relative_error(dq_s, dq[qi]), REL_TOL[dtype], checks)
-        if 2 * pairs_all == len(tasks):  # every shard present: dK, dV add up to the documents'
-            guard(f"shards {s}: dk", relative_error(torch.zeros_like(dk, dtype=torch.float32).index_add_(
-                0, ki, dk_s.float()), dk), REL_TOL[dtype], checks)
-            guard(f"shards {s}: dv", relative_error(torch.zeros_like(dv, dtype=torch.float32).index_add_(
-                0, ki, dv_s.float()), dv), REL_TOL[dtype], checks)
-        flops = sum(cost.task_flops(a, b, 0, b) for _, a, b in tasks)
-        t_f = timer.median_s(lambda: backend.forward(qs, ks, vs, cq, ck, s, mk, scale))
-        t_b = timer.median_s(lambda: backend.backward(dos, qs, ks, vs, o_s, l_s, cq, ck, s, mk, scale))
-        f, b = flops / t_f / 1e12, 2.5 * flops / t_b / 1e12
-        rows.append(dict(shard=s, tasks=len(tasks), pairs_run=len(tasks) // 2, pairs_all=pairs_all,
-                         kv_rows=int(ki.numel()), fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3, fwd_tflops=f,
-                         bwd_tflops=b, fwd_ratio=f / whole["fwd_tflops"], bwd_ratio=b / whole["bwd_tflops"]))
-        del qs, ks, vs, dos, o_s, l_s, dq_s, dk_s, dv_s
+    limit = kv_row_limit(args, hq, hkv, dim)  # once: the guard and the timing run the same calls
+    layouts = {s: shard_tasks(docs, doc_len, s, limit) for s in cfg["shard_sizes"]}
+    passed = []
+    for b in backends:  # labels as one backend's run always named them; with several, the backend too
+        try:
+            _guard_shards(args, cfg, b, (q, k, v, dout, cu, doc_len), layouts, checks,
+                          "shards" if len(backends) == 1 else f"shards {b.name}")
+            passed.append(b)
+        except Exception as exc:  # noqa: BLE001 - one backend's failure costs the others nothing
+            if errors is None:
+                raise
+            traceback.print_exc()
+            errors[f"shards {b.name}"] = f"{type(exc).__name__}: {exc}"
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    rows, whole = [], {}
+    if not passed:
+        return rows
+    for shard, layout in [("whole", None), *layouts.items()]:
+        if layout is None:
+            call = (q, k, v, dout, cu, cu, doc_len, doc_len)
+            flops, info = docs * cost.doc_flops(doc_len), dict(tasks=docs, pairs_run=None, kv_rows=docs * doc_len)
+        else:  # this size's prefix copies, made here: one size's at a time
+            tasks, pairs_all = layout
+            _, ki, cq, ck, mk, copies = shard_inputs(q, k, v, dout, doc_len, tasks)
+            call, copies = (*copies, cq, ck, shard, mk), None
+            flops = sum(cost.task_flops(a, b, 0, b) for _, a, b in tasks)
+            info = dict(tasks=len(tasks), pairs_run=len(tasks) // 2, pairs_all=pairs_all, kv_rows=int(ki.numel()))
+        try:
+            times = _alternate(timer, passed, call, scale)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the next size may fit
+            if errors is None:
+                raise
+            traceback.print_exc()
+            errors[f"shards {shard}"] = f"{type(exc).__name__}: {exc}"
+            if layout is None:  # no whole-document rate: no ratio for any size
+                return rows
+            continue
+        finally:
+            call = None  # freed before the next size's copies are made
+        for b in passed:
+            row = dict(backend=b.name, shard=shard, **info, **spread_ms("fwd", times[f"{b.name} fwd"]),
+                       **spread_ms("bwd", times[f"{b.name} bwd"]))
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9  # FLOPs / (ms · 1e-3) / 1e12
+            row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] / 1e9
+            base = whole.setdefault(b.name, row)  # the whole-document row is each backend's first
+            row["fwd_ratio"] = row["fwd_tflops"] / base["fwd_tflops"]
+            row["bwd_ratio"] = row["bwd_tflops"] / base["bwd_tflops"]
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
+
+
+def _alternate(timer, backends, call, scale) -> dict[str, list[float]]:
+    """Seconds of each backend's forward and backward of one call ``(q, k, v, dout, cu_q, cu_k,
+    max_q, max_k)``, in rounds alternating over ``backends`` (``"<name> fwd"`` / ``"<name> bwd"``)."""
+    q, k, v, dout, cq, ck, mq, mk = call
+    fns = {}
+    for b in backends:
+        out, lse = b.forward(q, k, v, cq, ck, mq, mk, scale)  # this backend's own, for its backward
+        fns[f"{b.name} fwd"] = lambda b=b: b.forward(q, k, v, cq, ck, mq, mk, scale)
+        fns[f"{b.name} bwd"] = lambda b=b, o=out, l=lse: b.backward(dout, q, k, v, o, l, cq, ck, mq, mk, scale)
+    return timer.rounds_s(fns)
 
 
 # ---- section 2: distca's overhead ------------------------------------------------------------------
@@ -247,14 +395,15 @@ as CUDA graphs after their warm-up (``JobConfig(cuda_graphs=True)``; on the CPU 
 ``heap``), on the three smallest batches (the host time per layer is read at 8K)."""
 
 
-def bench_overhead(args, cfg, backend, timer, checks) -> list[dict]:
+def bench_overhead(args, cfg, backend, timer, checks, on_row=None) -> list[dict]:
+    """One row per (run, batch) of :data:`OVERHEAD_RUNS` (module doc), ``on_row(row)`` at each."""
     rows = []
     for participants, exchange in OVERHEAD_RUNS:
-        rows += _overhead_run(args, cfg, backend, timer, checks, participants, exchange)
+        rows += _overhead_run(args, cfg, backend, timer, checks, participants, exchange, on_row)
     return rows
 
 
-def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str) -> list[dict]:
+def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange: str, on_row=None) -> list[dict]:
     dev, dtype, (hq, hkv, dim) = args.device, args.dtype, cfg["shape"]
     scale, rows = dim ** -0.5, []
     all_tokens = cfg["tokens"][:3] if exchange == "graphs" else cfg["tokens"]
@@ -297,6 +446,8 @@ def _overhead_run(args, cfg, backend, timer, checks, participants: int, exchange
                              direct_ms=t_direct * 1e3, distca_ms=t_distca * 1e3, overhead=t_distca / t_direct - 1,
                              host_ms=t_host * 1e3, replays=0 if graphs is None else graphs.replays,
                              graphs_off=None if graphs is None else graphs.disabled))
+            if on_row is not None:
+                on_row(rows[-1])
     finally:
         client.close()
     return rows
@@ -329,7 +480,8 @@ def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: st
     scale, gen = dim ** -0.5, torch.Generator(dev).manual_seed(1)
     qg, kg = cfg["q_grid"], cfg["kv_grid"]
     lat = {"forward": {}, "backward": {}}
-    copies, limit = {}, kv_row_limit(args, hq, hkv, dim)
+    copies, first_ms, limit = {}, {}, kv_row_limit(args, hq, hkv, dim)
+    builds = getattr(backend, "graph_builds", None)  # the cudnn backend counts the graphs it builds
     for ql in qg:
         for kl in kg:
             if ql > kl:
@@ -338,7 +490,10 @@ def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: st
             q, dout = (randn(n * ql, hq, dim, dtype, gen) for _ in range(2))
             k, v = (randn(n * kl, hkv, dim, dtype, gen) for _ in range(2))
             cq, ck = cu_seqlens([ql] * n, dev), cu_seqlens([kl] * n, dev)
-            out, lse = backend.forward(q, k, v, cq, ck, ql, kl, scale)
+            # a first call may build a kernel for its shape (cuDNN: a graph per bucket): timed apart
+            first_f, (out, lse) = timer.first_s(lambda: backend.forward(q, k, v, cq, ck, ql, kl, scale))
+            first_b, _ = timer.first_s(lambda: backend.backward(dout, q, k, v, out, lse, cq, ck, ql, kl, scale))
+            first_ms[f"{ql}x{kl}"] = [first_f * 1e3, first_b * 1e3]
             if ql * kl <= REFERENCE_PAIRS:  # the first copy against the plain-torch reference math
                 ref, _ = BACKENDS["reference"].forward(q[:ql], k[:kl], v[:kl], cq[:2], ck[:2], ql, kl, scale)
                 guard(f"profile {label} {ql}x{kl}: out", relative_error(out[:ql], ref), REL_TOL[dtype], checks)
@@ -350,7 +505,8 @@ def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: st
             del q, k, v, dout, out, lse
     meta = dict(source="measured", bench="bench/gpu_kernels.py", model=label, cost=cost.to_dict(),
                 backend=backend.name, device=args.device_name, dtype=str(dtype).removeprefix("torch."),
-                torch=torch.__version__, copies_per_call=copies,
+                torch=torch.__version__, copies_per_call=copies, first_call_ms=first_ms,
+                graph_builds=None if builds is None else backend.graph_builds - builds,
                 method="one varlen call over N copies of the task; latency = median call time / N; "
                        "q_len > kv_len entries repeat (kv_len, kv_len)")
     tables = []
@@ -360,7 +516,11 @@ def profile_tables(args, cfg, backend, timer, checks, cost: CostModel, label: st
     return tables[0], tables[1]
 
 
-def bench_profile(args, cfg, backend, timer, checks) -> list[dict]:
+def bench_profile(args, cfg, backend, timer, checks, on_row=None) -> list[dict]:
+    """One row per ``--profile-models`` entry (its tables written first), ``on_row(row)`` at each:
+    the corner's TFLOP/s, the smallest entry in µs, ``graph_builds`` (the backend's count, None
+    where it keeps none) and ``first_call_s`` / ``first_call_extra_s``: seconds of every point's
+    first forward + backward call, and their excess over the median calls (kernel or graph builds)."""
     rows = []
     for spec in args.profile_models:
         name, _, tp = spec.partition(":")
@@ -379,8 +539,24 @@ def bench_profile(args, cfg, backend, timer, checks) -> list[dict]:
                          corner=[big_q, big_kv],
                          corner_fwd_tflops=flops / fwd.latency(big_q, big_kv) / 1e12,
                          corner_bwd_tflops=2.5 * flops / bwd.latency(big_q, big_kv) / 1e12,
-                         smallest_fwd_us=fwd.latency(fwd.q_lens[0], fwd.kv_lens[0]) * 1e6))
+                         smallest_fwd_us=fwd.latency(fwd.q_lens[0], fwd.kv_lens[0]) * 1e6,
+                         graph_builds=fwd.meta["graph_builds"], **first_call_seconds(fwd, bwd)))
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
+
+
+def first_call_seconds(fwd: ProfileTable, bwd: ProfileTable) -> dict:
+    """``first_call_s``: the first forward + backward calls of every measured point (``meta
+    first_call_ms``), and ``first_call_extra_s``: their excess over the same calls' medians
+    (entry × copies), what building kernels or graphs for new shapes cost."""
+    first = extra = 0.0
+    for point, (f_ms, b_ms) in fwd.meta["first_call_ms"].items():
+        ql, kl = map(int, point.split("x"))
+        n = fwd.meta["copies_per_call"][point]
+        first += (f_ms + b_ms) / 1e3
+        extra += (f_ms + b_ms) / 1e3 - n * (fwd.latency(ql, kl) + bwd.latency(ql, kl))
+    return dict(first_call_s=first, first_call_extra_s=extra)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -431,10 +607,16 @@ def headline(result) -> list[str]:
                          f"{100 * worst['overhead']:.2f}% ({worst['tokens']:,} tokens; target <= 3%); host time "
                          f"per layer (forward + backward) {min(r['host_ms'] for r in runs):.3f}–"
                          f"{max(r['host_ms'] for r in runs):.3f} ms")
+    for r in result.get("profile", []):
+        builds = "" if r["graph_builds"] is None else f"{r['graph_builds']} graph builds, "
+        lines.append(f"profile {r['model']}: {r['points']} points, {builds}first calls {r['first_call_s']:.2f} s "
+                     f"({r['first_call_extra_s']:.2f} s over their medians)")
     failed = [c["check"] for c in result["checks"] if not c["ok"]]
     lines.append(f"correctness guard: {len(result['checks']) - len(failed)} of {len(result['checks'])} "
                  f"checks passed" + (f"; FAILED: {failed}" if failed else ""))
     lines += [f"section {name} FAILED: {err}" for name, err in result["errors"].items()]
+    if "interrupted" in result:
+        lines.append(f"INTERRUPTED: {result['interrupted']}")
     return lines
 
 
@@ -468,7 +650,55 @@ def gpu_bench_parser(doc: str, sections: tuple) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv):
+def write_partial(path: Path, result: dict) -> None:
+    """``result`` so far, marked ``partial: true``, written to ``path`` through a temporary file
+    renamed over it, so that a kill mid-write (``timeout -k 5`` sends SIGKILL 5 s after SIGTERM)
+    leaves the last complete version, never half a JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(result, partial=True), indent=1))
+    tmp.replace(path)
+
+
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # the shell's status of a process killed by the signal
+
+
+def run_sections(sections: list[str], runs: dict, result: dict, path: Path, device: torch.device) -> None:
+    """``runs[name](on_row)`` for each of ``sections`` in order, ``result[name]`` its return value.
+    The JSON at ``path`` is rewritten (:func:`write_partial`) after each row ``on_row`` gets
+    (``result[name]`` grows row by row) and each section. A section that raises (a failed guard
+    too) loses its rows, its error goes to ``result["errors"]``, and the next one runs. SIGTERM
+    (the stage's ``timeout``) becomes SystemExit: the JSON is written once more, with
+    ``interrupted`` naming the section, and the exit goes on (status 143)."""
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    current = None
+    try:
+        for current in sections:
+            print(f"-- {current}", flush=True)
+
+            def on_row(row, name=current):
+                result.setdefault(name, []).append(row)
+                write_partial(path, result)
+            try:  # one section's failure (a failed guard too) must not cost the others' numbers
+                result[current] = runs[current](on_row)
+            except Exception as exc:  # noqa: BLE001  (reported, and the exit status is 1)
+                traceback.print_exc()
+                result.pop(current, None)
+                result["errors"][current] = f"{type(exc).__name__}: {exc}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            write_partial(path, result)
+    except BaseException as exc:  # SIGTERM's SystemExit, Ctrl-C: keep what finished, then go on
+        result["interrupted"] = f"{type(exc).__name__} during section {current}"
+        write_partial(path, result)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every ``--flag`` the module doc names is one of its options (a test checks)."""
     p = gpu_bench_parser(__doc__, SECTIONS)
     p.add_argument("--backend", default="auto", help="distca backend name, e.g. cudnn or torch_varlen "
                                                      "(auto: cudnn, flash_attn or torch_varlen on CUDA, "
@@ -477,7 +707,12 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=None, help="untimed runs (default 3, quick 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median (default 10, quick 5)")
     p.add_argument("--max-kv-rows", type=int, default=None,
-                   help="cap on the KV rows of one call (default: 60%% of free GPU memory; CPU: none)")
+                   help="cap on the KV rows of one call (default: 60%% of usable GPU memory; CPU: none)")
+    p.add_argument("--docs", type=int, default=None, help="shards: documents (default 4, quick 2)")
+    p.add_argument("--doc-len", type=int, default=None,
+                   help="shards: tokens per document, an even number of every shard size (default 32768, quick 512)")
+    p.add_argument("--profile-rows", type=int, default=None,
+                   help="profile: query rows one call fills, N·q_len (default 16384, quick 128)")
     p.add_argument("--profile-models", nargs="+", default=None,
                    help="MODEL:TP shapes of the ProfileTable (default llama3-8b:8 llama-34b:8; quick: llama3-8b:8)")
     p.add_argument("--threads", type=int, default=None,
@@ -489,13 +724,20 @@ def parse_args(argv):
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     p.add_argument("--no-png", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in ("docs", "doc_len", "profile_rows"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
     args.device = torch.device(args.device)
     cuda = args.device.type == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -518,23 +760,13 @@ def main(argv=None) -> int:
                   quick=args.quick, sections=args.sections, cpu_threads=torch.get_num_threads(), warmup=args.warmup, repeats=args.repeats,
                   max_kv_rows=args.max_kv_rows,
                   shape=dict(zip(("num_heads_q", "num_heads_kv", "head_dim"), cfg["shape"])),
-                  docs=cfg["docs"], doc_len=cfg["doc_len"], checks=checks)
+                  docs=cfg["docs"], doc_len=cfg["doc_len"], checks=checks, errors={})
     print(f"{args.device_name}: backend {backend.name}, {result['dtype']}, torch {torch.__version__}", flush=True)
-    errors = result["errors"] = {}
-    runs = {"shards": lambda: bench_shards(args, cfg, backend, timer, checks),
-            "overhead": lambda: bench_overhead(args, cfg, backend, timer, checks),
-            "profile": lambda: bench_profile(args, cfg, backend, timer, checks)}
-    for section in SECTIONS:
-        if section not in args.sections:
-            continue
-        print(f"-- {section}", flush=True)
-        try:  # one section's failure (a failed guard too) must not cost the others' numbers
-            result[section] = runs[section]()
-        except Exception as exc:  # noqa: BLE001  (reported, and the exit status is 1)
-            traceback.print_exc()
-            errors[section] = f"{type(exc).__name__}: {exc}"
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
+    runs = {"shards": lambda on_row: bench_shards(args, cfg, [backend], timer, checks, on_row),
+            "overhead": lambda on_row: bench_overhead(args, cfg, backend, timer, checks, on_row),
+            "profile": lambda on_row: bench_profile(args, cfg, backend, timer, checks, on_row)}
+    run_sections([s for s in SECTIONS if s in args.sections], runs, result, args.json, args.device)
+    errors = result["errors"]
     finish(lambda: show(result), headline(result), time.perf_counter() - t_start, args.json, result)
     if "shards" in result and not args.no_png:
         png = args.png or args.json.with_suffix(".png")

@@ -25,8 +25,10 @@
 # from the script's start, wheels' install included): a stage starts only with >= 30 s of the
 # budget left, and runs under the smaller of its limit and what is left, so the script ends by
 # itself, with everything packed, before the call's limit. Default order (the issues' priority:
-# the device-driven exchange and the whole job first, then the kernels' numbers, then the rest):
-#   env mps inproc transport train kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
+# the device-driven exchange and the whole job first, then the kernels' numbers, then the rest;
+# the whole job before the multi-process exchange, which would otherwise leave it ~100 s of its
+# 240 s if both exchange stages ran to their limits):
+#   env mps inproc train transport kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
 #
 # Stages (each under its own time limit; one failing does not stop the next):
 #   mps        whether the CUDA MPS control daemon starts here (nvidia-cuda-mps-control -d) and a
@@ -35,7 +37,9 @@
 #   ktests     the gpu-marked tests: kernels (torch_varlen / flash_attn against the references),
 #              rounds on the GPU (lock-step local participants; stream ordering of rounds), stream
 #              memory operations and captured exchanges (CUDA graphs) of in-process participants
-#   kernels    bench/gpu_kernels.py (fused shards, distca overhead, a measured ProfileTable)
+#   kernels    bench/gpu_kernels.py (fused shards, a measured ProfileTable, then distca overhead: the
+#              backends stage reads the tables; the JSON is rewritten after every row, so a stage
+#              stopped at its limit keeps what finished)
 #   backends   bench/gpu_backends.py (issue 21): every backend here against torch's FA2 (TFLOP/s,
 #              32/8/128 and 64/8/128, 8K-128K), each one's fused shards, and DistCAClient.local(4)
 #              planned by the FLOP and the time planner (this session's table when the kernels
@@ -80,7 +84,9 @@
 # transport_local.json, transport_local_graph.json, transport_nvshmem_graph.json,
 # tagged_rounds.json, dead_peer_nvshmem.json, pingpong.json, host_path.json, host_path_cuda.json, train.json (loss agreement, step time
 # and tokens/s of both runs: train_loss_max_rel_diff_10_steps, train_tokens_per_s_distca,
-# train_tokens_per_s_local, ...), train_loss.png, train_ray_logs.txt / tagged_ray_logs.txt (the tails
+# train_tokens_per_s_local, the transport, kernel and NVSHMEM status that ran, step 0's loss and
+# gradient-norm differences, ...), train_metrics_{distca,local}.json (every step's record),
+# train_loss.png, train_ray_logs.txt / tagged_ray_logs.txt (the tails
 # of Ray's own logs, only when that stage failed), and at the end summary.json
 # (bench/gpu_summary.py). The device tool brings back 8 files at most per call, so after every
 # stage $RES is packed into $OUT/results.tar (a call cut short still brings back every finished
@@ -297,12 +303,17 @@ train_run() {
     rc=$?
     [ "$rc" -eq 0 ] || ray_logs train
     cp "$runs/demo-gpu/loss.png" "$RES/train_loss.png" 2>/dev/null
+    # every step's record of both runs (transport, kernel, NVSHMEM status, phase times per step)
+    cp "$runs/demo-gpu/metrics.json" "$RES/train_metrics_distca.json" 2>/dev/null
+    cp "$runs/demo-gpu-local/metrics.json" "$RES/train_metrics_local.json" 2>/dev/null
     [ -f "$RES/train.json" ] && "$PY" -c '
 import json, sys
 s = json.load(open(sys.argv[1]))
 keys = [k for k in s if k.startswith(("train_loss_max_rel", "train_tokens_per_s", "train_step_time_s",
-                                       "train_loss_rtol", "train_rounds_per_step", "train_header_rounds"))]
-print("train:", "; ".join(f"{k} {s[k]:.4g}" for k in keys), "; agree", s.get("train_loss_agree"))' "$RES/train.json"
+                                       "train_loss_rtol", "train_rounds_per_step", "train_header_rounds",
+                                       "train_step0_", "train_transport_used", "train_kernel", "train_nvshmem"))]
+show = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+print("train:", "; ".join(f"{k} {show(s[k])}" for k in keys), "; agree", s.get("train_loss_agree"))' "$RES/train.json"
     return $rc
 }
 
@@ -334,7 +345,7 @@ tagged_run() {
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --tb=short)
-[ $# -gt 0 ] || set -- env mps inproc transport train kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
+[ $# -gt 0 ] || set -- env mps inproc train transport kernels host backends ktests pingpong dead graphs ngraphs tagged ntests
 for s in "$@"; do
     case "$s" in
         mps) stage mps 90 mps_check ;;
