@@ -68,9 +68,9 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.gpu_kernels import (DTYPES, FULL, LSE_TOL, QUICK, REL_TOL, Timer, bench_shards,  # noqa: E402
-                               cu_seqlens, device_slug, gpu_bench_parser, guard, poison_freed, randn, run_sections,
-                               spread_ms)
+from bench.gpu_kernels import (DTYPES, FULL, LSE_TOL, QUICK, REL_TOL, bench_shards, cu_seqlens,  # noqa: E402
+                               device_slug, gpu_bench_parser, guard, randn)
+from bench.gpu_timing import Timer, poison_freed, run_sections, spread_ms  # noqa: E402
 from bench.report import finish  # noqa: E402
 from distca_client import DistCAClient  # noqa: E402
 from distca_server.executor import ServerExecutor  # noqa: E402

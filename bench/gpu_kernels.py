@@ -71,11 +71,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
-import signal
-import statistics
 import sys
 import time
 import traceback
@@ -97,6 +94,7 @@ from distca_sim.simulate import format_table  # noqa: E402
 from distca_sim.workloads import sample_batch  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
+from bench.gpu_timing import Timer, kv_row_limit, poison_freed, run_sections, spread_ms  # noqa: E402
 from bench.report import finish  # noqa: E402
 
 # profile before overhead: the backends stage reads the tables profile writes, and overhead is the
@@ -115,86 +113,7 @@ QUICK = dict(shape=(2, 1, 32), docs=2, doc_len=512, shard_sizes=[128, 256],
              tokens=[512, 1024], q_grid=[128], kv_grid=[128, 256], profile_rows=128)
 
 
-# ---- timing --------------------------------------------------------------------------------------
-class Timer:
-    """Seconds of zero-argument callables: CUDA events (or, ``host=True``, the host clock after
-    synchronising) on CUDA, ``perf_counter`` on CPU; ``warmup`` untimed runs (or rounds) first,
-    then ``repeats`` timed ones."""
-
-    def __init__(self, device: torch.device, warmup: int, repeats: int):
-        self.device, self.warmup, self.repeats = device, warmup, repeats
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def one_s(self, fn, host: bool = False) -> float:
-        """Seconds of one call of ``fn`` (the device idle before it)."""
-        if self.device.type == "cuda" and not host:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        self._sync()
-        t0 = time.perf_counter()
-        fn()
-        self._sync()
-        return time.perf_counter() - t0
-
-    def first_s(self, fn):
-        """``(seconds, fn())`` of a first call, host clock around it, synchronised: what a first
-        call costs beyond the kernel (a cuDNN graph build, a compile) shows here."""
-        self._sync()
-        t0 = time.perf_counter()
-        value = fn()
-        self._sync()
-        return time.perf_counter() - t0, value
-
-    def median_s(self, fn, host: bool = False) -> float:
-        for _ in range(self.warmup):
-            fn()
-        self._sync()
-        return statistics.median(self.one_s(fn, host) for _ in range(self.repeats))
-
-    def rounds_s(self, fns: dict) -> dict[str, list[float]]:
-        """``{name: [seconds of each timed round]}`` of ``fns`` ({name: callable}) run in rounds,
-        each round one call of every callable in order (A B A B ...): ``warmup`` untimed rounds,
-        then ``repeats`` timed ones. Alternating rounds spread a clock or thermal drift over all
-        callables alike, where one callable's repeats after another's would hand it to one of them."""
-        for _ in range(self.warmup):
-            for fn in fns.values():
-                fn()
-        self._sync()
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(self.repeats):
-            for name, fn in fns.items():
-                times[name].append(self.one_s(fn))
-        return times
-
-    def host_s(self, fn) -> float:
-        """Median seconds from calling ``fn`` to its return, the device synchronised before and
-        after but not inside: the host's own time (on a GPU, launches and Python)."""
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            self._sync()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            self._sync()
-        return statistics.median(times)
-
-
-def spread_ms(prefix: str, seconds: list[float]) -> dict:
-    """``{prefix_ms: median, prefix_ms_min, prefix_ms_max}`` in milliseconds of timed rounds: the
-    median is the number, min and max the spread (two backends closer than it are a tie)."""
-    return {f"{prefix}_ms": statistics.median(seconds) * 1e3, f"{prefix}_ms_min": min(seconds) * 1e3,
-            f"{prefix}_ms_max": max(seconds) * 1e3}
-
-
+# ---- guards and inputs ---------------------------------------------------------------------------
 def guard(name: str, err: float, tol: float, checks: list) -> None:
     """Record a correctness check; raise at once when it fails (or is NaN)."""
     ok = math.isfinite(err) and err <= tol
@@ -202,17 +121,6 @@ def guard(name: str, err: float, tol: float, checks: list) -> None:
     if not ok:
         raise RuntimeError(f"correctness guard failed: {name}: error {err:.3e} > tol {tol:.1e}; "
                            f"refusing to time a kernel that computes the wrong attention")
-
-
-def poison_freed(device: torch.device, likes: list[tuple], copies: int = 2) -> None:
-    """Fill ``copies`` blocks of each ``(shape, dtype)`` in ``likes`` with NaN, then free them,
-    before a guarded call. PyTorch's caching allocator hands a freed block to the next request of
-    its size, so a backend output the kernel never writes would otherwise read whatever the last
-    tensor of that size held: often another backend's correct result, which passes the guard. Two
-    copies: a call's outputs come in pairs of one size (out and dQ like Q, dK and dV like K)."""
-    blocks = [torch.full(shape, math.nan, dtype=dtype, device=device) for shape, dtype in likes
-              for _ in range(copies)]
-    del blocks
 
 
 def cu_seqlens(lens, device) -> torch.Tensor:
@@ -224,30 +132,6 @@ def cu_seqlens(lens, device) -> torch.Tensor:
 def randn(rows: int, heads: int, dim: int, dtype, gen) -> torch.Tensor:
     """Fresh normal rows [rows, heads, dim], made on the generator's device (GBs on the GPU)."""
     return torch.randn(rows, heads, dim, generator=gen, device=gen.device, dtype=dtype)
-
-
-def usable_bytes(free: int, reserved: int, allocated: int) -> int:
-    """Bytes a new allocation can get: the driver's free bytes (``torch.cuda.mem_get_info``) plus
-    the bytes PyTorch's caching allocator reserves and no tensor holds (``memory_reserved −
-    memory_allocated``), which it releases and retries with before it fails. Counting only the
-    first, a section sized itself after an earlier one's freed tensors without them (H200:
-    128-token shards ran 3.36M KV rows, every later size about 660K)."""
-    return free + reserved - allocated
-
-
-def kv_row_limit(args, hq: int, hkv: int, dim: int) -> float:
-    """KV rows one call may hold: ``--max-kv-rows``, else 60% of the GPU's usable memory
-    (:func:`usable_bytes`) over the bytes a backward call needs per KV row (k, v, dk, dv, and the
-    GQA-expanded dK/dV of H_q heads that FlashAttention-2's varlen backward allocates); no limit on
-    the CPU."""
-    if args.max_kv_rows is not None:
-        return args.max_kv_rows
-    if args.device.type != "cuda":
-        return math.inf
-    row_bytes = args.dtype.itemsize * dim * (4 * hkv + 2 * hq)
-    free = usable_bytes(torch.cuda.mem_get_info(args.device)[0], torch.cuda.memory_reserved(args.device),
-                        torch.cuda.memory_allocated(args.device))
-    return 0.6 * free / row_bytes
 
 
 # ---- section 1: fused shards ---------------------------------------------------------------------
@@ -648,53 +532,6 @@ def gpu_bench_parser(doc: str, sections: tuple) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test): seconds")
     p.add_argument("--sections", nargs="+", choices=sections, default=list(sections))
     return p
-
-
-def write_partial(path: Path, result: dict) -> None:
-    """``result`` so far, marked ``partial: true``, written to ``path`` through a temporary file
-    renamed over it, so that a kill mid-write (``timeout -k 5`` sends SIGKILL 5 s after SIGTERM)
-    leaves the last complete version, never half a JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(result, partial=True), indent=1))
-    tmp.replace(path)
-
-
-def _sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # the shell's status of a process killed by the signal
-
-
-def run_sections(sections: list[str], runs: dict, result: dict, path: Path, device: torch.device) -> None:
-    """``runs[name](on_row)`` for each of ``sections`` in order, ``result[name]`` its return value.
-    The JSON at ``path`` is rewritten (:func:`write_partial`) after each row ``on_row`` gets
-    (``result[name]`` grows row by row) and each section. A section that raises (a failed guard
-    too) loses its rows, its error goes to ``result["errors"]``, and the next one runs. SIGTERM
-    (the stage's ``timeout``) becomes SystemExit: the JSON is written once more, with
-    ``interrupted`` naming the section, and the exit goes on (status 143)."""
-    previous = signal.signal(signal.SIGTERM, _sigterm)
-    current = None
-    try:
-        for current in sections:
-            print(f"-- {current}", flush=True)
-
-            def on_row(row, name=current):
-                result.setdefault(name, []).append(row)
-                write_partial(path, result)
-            try:  # one section's failure (a failed guard too) must not cost the others' numbers
-                result[current] = runs[current](on_row)
-            except Exception as exc:  # noqa: BLE001  (reported, and the exit status is 1)
-                traceback.print_exc()
-                result.pop(current, None)
-                result["errors"][current] = f"{type(exc).__name__}: {exc}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            write_partial(path, result)
-    except BaseException as exc:  # SIGTERM's SystemExit, Ctrl-C: keep what finished, then go on
-        result["interrupted"] = f"{type(exc).__name__} during section {current}"
-        write_partial(path, result)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@ import torch
 
 from scripts import load_script
 
+from bench.gpu_timing import Timer
+
 MODULE = "bench_gpu_backends"
 
 
@@ -83,7 +85,7 @@ def test_a_backend_that_computes_the_wrong_attention_is_reported_not_timed(bench
     args.device, args.dtype = torch.device("cpu"), torch.float32
     base = get_backend("torch_cpu", "cpu")
     checks, errors = [], {}
-    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Wrong(base)], bench.Timer(args.device, 0, 1), checks,
+    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Wrong(base)], Timer(args.device, 0, 1), checks,
                              errors)
     assert {r["backend"] for r in rows} == {"torch_cpu"}
     assert len(errors) == 2 and all("correctness guard failed" in e and "out" in e for e in errors.values())
@@ -109,7 +111,7 @@ def test_an_output_the_kernel_never_writes_is_refused(bench):
     args.device, args.dtype = torch.device("cpu"), torch.float32
     base = get_backend("torch_cpu", "cpu")
     checks, errors = [], {}
-    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Lazy(base)], bench.Timer(args.device, 0, 1), checks,
+    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Lazy(base)], Timer(args.device, 0, 1), checks,
                              errors)
     assert {r["backend"] for r in rows} == {"torch_cpu"}
     assert set(errors) == {f"speed lazy 2/1/32 L={L}" for L in (256, 1024)}
@@ -136,7 +138,7 @@ def test_every_backend_the_baseline_too_is_checked_against_float64(bench):
     args.device, args.dtype = torch.device("cpu"), torch.float32
     checks, errors = [], {}
     rows = bench.bench_speed(args, bench.QUICK_RUN, [Slightly(get_backend("torch_cpu", "cpu"))],
-                             bench.Timer(args.device, 0, 1), checks, errors)
+                             Timer(args.device, 0, 1), checks, errors)
     assert rows == [] and set(errors) == {f"speed slightly 2/1/32 L={L}" for L in (256, 1024)}
     assert all("sampled out" in e for e in errors.values())
 
@@ -163,7 +165,7 @@ def test_speed_guards_every_backend_then_alternates_rounds(bench):
     base, log = get_backend("torch_cpu", "cpu"), []
     run = dict(bench.QUICK_RUN, lengths=[256])
     rows = bench.bench_speed(args, run, [Renamed(base, "a", log), Renamed(base, "b", log)],
-                             bench.Timer(args.device, 1, 3), [], {})
+                             Timer(args.device, 1, 3), [], {})
     assert [r["backend"] for r in rows] == ["a", "b"]
     # both guards (a forward and a backward each), then 1 untimed and 3 timed rounds, A B A B:
     # never one backend's repeats after the other's
@@ -222,7 +224,7 @@ def test_table_warning_names_both_kernels(bench):
 
 def test_an_interrupted_run_keeps_the_finished_sections(bench, tmp_path, monkeypatch):
     def stopped(*a, **kw):
-        raise SystemExit(143)  # what SIGTERM becomes (gpu_kernels.run_sections)
+        raise SystemExit(143)  # what SIGTERM becomes (gpu_timing.run_sections)
     monkeypatch.setattr(bench, "bench_plan", stopped)
     path = tmp_path / "b.json"
     with pytest.raises(SystemExit):

@@ -18,6 +18,7 @@ import torch
 
 from scripts import ROOT, load_script
 
+from bench.gpu_timing import Timer, kv_row_limit, poison_freed, spread_ms, usable_bytes
 from distca_sim.hardware import load_attention_profile
 from scheduler.cost import CostModel, causal_pairs
 
@@ -135,7 +136,7 @@ def test_a_wrong_kernel_is_refused_not_timed(bench, tmp_path, capsys, monkeypatc
 
 def test_the_bench_imports_no_ray():
     # The GPU machine has no Ray: importing it must not be needed (sys.modules[...] = None makes
-    # any import of it fail).
+    # any import of it fail), nor by bench/gpu_timing.py, which it imports.
     code = ("import sys; sys.modules['ray'] = None; sys.argv = ['x', '--help']; "
             "import runpy; runpy.run_path('bench/gpu_kernels.py', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -178,9 +179,9 @@ def test_profile_runs_before_overhead(bench):
     assert bench.SECTIONS.index("profile") < bench.SECTIONS.index("overhead")
 
 
-def test_usable_memory_counts_the_allocators_cached_blocks(bench, monkeypatch):
+def test_usable_memory_counts_the_allocators_cached_blocks(monkeypatch):
     gib = 1 << 30
-    assert bench.usable_bytes(free=10 * gib, reserved=50 * gib, allocated=20 * gib) == 40 * gib
+    assert usable_bytes(free=10 * gib, reserved=50 * gib, allocated=20 * gib) == 40 * gib
     # the committed H200 run's case: after a large section freed its tensors, the driver sees
     # little free memory, but the allocator holds the rest unused
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib, 141 * gib))
@@ -188,18 +189,18 @@ def test_usable_memory_counts_the_allocators_cached_blocks(bench, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
     args = types.SimpleNamespace(max_kv_rows=None, device=torch.device("cuda"), dtype=torch.bfloat16)
     row_bytes = 2 * 128 * (4 * 8 + 2 * 32)
-    assert bench.kv_row_limit(args, 32, 8, 128) == pytest.approx(0.6 * 94 * gib / row_bytes)
+    assert kv_row_limit(args, 32, 8, 128) == pytest.approx(0.6 * 94 * gib / row_bytes)
     args.max_kv_rows = 1000
-    assert bench.kv_row_limit(args, 32, 8, 128) == 1000
+    assert kv_row_limit(args, 32, 8, 128) == 1000
 
 
-def test_rounds_alternate_over_the_callables(bench):
+def test_rounds_alternate_over_the_callables():
     calls = []
-    timer = bench.Timer(torch.device("cpu"), warmup=1, repeats=2)
+    timer = Timer(torch.device("cpu"), warmup=1, repeats=2)
     times = timer.rounds_s({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
     assert calls == ["a", "b"] * 3  # one untimed round, then two timed ones, A B A B
     assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}
-    assert bench.spread_ms("fwd", [0.003, 0.001, 0.002]) == pytest.approx(
+    assert spread_ms("fwd", [0.003, 0.001, 0.002]) == pytest.approx(
         {"fwd_ms": 2.0, "fwd_ms_min": 1.0, "fwd_ms_max": 3.0})
 
 
@@ -274,14 +275,10 @@ def test_sigterm_keeps_every_finished_row(tmp_path):
 def test_poisoned_blocks_are_what_the_allocator_hands_out_next():
     # CUDA's caching allocator gives a freed block to the next request of its size: after
     # poison_freed that block holds NaN, not the result it held, so an unwritten output shows
-    module = load_script("bench/gpu_kernels.py", MODULE)
-    try:
-        shape = (4096, 8, 128)
-        correct = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        ptr = correct.data_ptr()
-        del correct
-        module.poison_freed(torch.device("cuda"), [(shape, torch.bfloat16)])
-        unwritten = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
-        assert unwritten.data_ptr() == ptr and torch.isnan(unwritten).all()
-    finally:
-        sys.modules.pop(MODULE, None)
+    shape = (4096, 8, 128)
+    correct = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    ptr = correct.data_ptr()
+    del correct
+    poison_freed(torch.device("cuda"), [(shape, torch.bfloat16)])
+    unwritten = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    assert unwritten.data_ptr() == ptr and torch.isnan(unwritten).all()
