@@ -79,18 +79,6 @@ class Wrong:
         return self.base.backward(*a, **kw)
 
 
-def test_a_backend_that_computes_the_wrong_attention_is_reported_not_timed(bench):
-    from distca_server.kernels import get_backend
-    args = bench.parse_args(["--device", "cpu", "--quick"])
-    args.device, args.dtype = torch.device("cpu"), torch.float32
-    base = get_backend("torch_cpu", "cpu")
-    checks, errors = [], {}
-    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Wrong(base)], Timer(args.device, 0, 1), checks,
-                             errors)
-    assert {r["backend"] for r in rows} == {"torch_cpu"}
-    assert len(errors) == 2 and all("correctness guard failed" in e and "out" in e for e in errors.values())
-
-
 class Lazy(Wrong):
     """torch_cpu whose forward never writes its output: whatever the block it gets held (the last
     tensor of that size, often the previous backend's correct out) must not pass. On CUDA the
@@ -105,14 +93,25 @@ class Lazy(Wrong):
         return torch.empty_like(q), lse
 
 
-def test_an_output_the_kernel_never_writes_is_refused(bench):
+def _guarded_speed(bench, bad):
+    """bench_speed over torch_cpu and ``bad`` (made from it): the rows timed and the errors."""
     from distca_server.kernels import get_backend
     args = bench.parse_args(["--device", "cpu", "--quick"])
     args.device, args.dtype = torch.device("cpu"), torch.float32
     base = get_backend("torch_cpu", "cpu")
-    checks, errors = [], {}
-    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, Lazy(base)], Timer(args.device, 0, 1), checks,
-                             errors)
+    errors = {}
+    rows = bench.bench_speed(args, bench.QUICK_RUN, [base, bad(base)], Timer(args.device, 0, 1), [], errors)
+    return rows, errors
+
+
+def test_a_backend_that_computes_the_wrong_attention_is_reported_not_timed(bench):
+    rows, errors = _guarded_speed(bench, Wrong)
+    assert {r["backend"] for r in rows} == {"torch_cpu"}
+    assert len(errors) == 2 and all("correctness guard failed" in e and "out" in e for e in errors.values())
+
+
+def test_an_output_the_kernel_never_writes_is_refused(bench):
+    rows, errors = _guarded_speed(bench, Lazy)
     assert {r["backend"] for r in rows} == {"torch_cpu"}
     assert set(errors) == {f"speed lazy 2/1/32 L={L}" for L in (256, 1024)}
     # the sampled rows against float64 or the whole out against the baseline's: on the CPU the
