@@ -161,11 +161,10 @@ def train_summary(runs: list[dict], agreement: dict | None, *, device: str) -> d
         out[f"train_wall_s_{attention}"] = m["wall_s"]
         out[f"train_losses_{attention}"] = [r["loss"] for r in m["steps"]]
         # What really ran (rank 0's records): a pass must be tied to the transport and kernel
-        for key, field in (("transport_used", "transport_used"), ("kernel", "kernel"),
-                           ("nvshmem_init_status", "nvshmem_init_status")):
+        for field in ("transport_used", "kernel", "nvshmem_init_status"):
             seen = sorted({r[field] for r in m["steps"] if r.get(field) is not None})
             if seen:
-                out[f"train_{key}_{attention}"] = seen
+                out[f"train_{field}_{attention}"] = seen
         heads = [(r.get("rounds"), r.get("header_rounds")) for r in warm_steps(m)]
         if heads and all(n is not None for pair in heads for n in pair):  # distca: rank 0's, warm steps
             out[f"train_rounds_per_step_{attention}"] = float(np.mean([n for n, _ in heads]))
