@@ -236,7 +236,9 @@ def test_profile_records_graph_builds_and_first_calls(bench, tmp_path, monkeypat
     (row,) = json.loads(out.read_text())["profile"]
     assert row["graph_builds"] == 4  # 2 points, a forward and a backward graph each
     assert row["first_call_s"] >= 4 * CountingKernel.BUILD_S
-    assert 4 * CountingKernel.BUILD_S <= row["first_call_extra_s"] < row["first_call_s"]
+    # extra = first calls - their medians: the builds' sleeps, less however much a median call
+    # outlasts a first one (noise on a loaded machine, never near 0.1 s at these sizes)
+    assert 2 * CountingKernel.BUILD_S <= row["first_call_extra_s"] < row["first_call_s"]
     fwd, _ = load_attention_profile(row["dir"], CostModel.from_wire(
         [row["cost"][k] for k in ("num_heads_q", "num_heads_kv", "head_dim", "dtype_bytes")]))
     assert set(fwd.meta["first_call_ms"]) == set(fwd.meta["copies_per_call"]) == {"128x128", "128x256"}
