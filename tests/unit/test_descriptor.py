@@ -318,10 +318,11 @@ def test_decode_is_vectorised_over_ranks():
     assert plan.server_loads() == small.server_loads()
     # a bad length on the last rank is found and named as quickly
     put(obj, "doc_lens", [300, 5, 41, 0])
-    start = time.perf_counter()
+    data = pack(obj)
+    start = time.process_time()  # CPU time, as above: a busy machine cannot fail it
     with pytest.raises(ValueError, match=r"rank 999999: document lengths must be positive ints, got \[0\]"):
-        Plan.from_msgpack(pack(obj))
-    assert time.perf_counter() - start < 1.0
+        Plan.from_msgpack(data)
+    assert time.process_time() - start < 1.0
 
 
 def test_long_documents_round_trip_with_exact_loads():

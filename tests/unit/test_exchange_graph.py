@@ -32,7 +32,12 @@ from test_transport_routed import heap  # noqa: F401 - the fixture
 from test_transport_routed import (SLACK_S, installed, payload, play, recv_splits, route_data, routed_group,
                                    run_dying_group)
 from gpu_subprocess import run_fresh
-from test_transport_symmetric import in_threads
+from test_transport_symmetric import in_threads, reporting
+
+# The transports' deadline where a test means a replay to fail: generous, since the setup (routes
+# installed, the graph captured, earlier replays) must succeed on a loaded machine; the short
+# deadline goes to the replay meant to fail only (ExchangeGraph.replay(timeout_s)).
+SETUP_TIMEOUT_S = 60
 
 
 def expected(splits, me: int, step: int) -> list[torch.Tensor]:
@@ -148,12 +153,12 @@ def unrouted_exchange(t, splits, step: int) -> None:
 
 def test_a_silent_peer_fails_a_replay_naming_it_and_the_next_replay_at_once(heap):
     P, timeout = 3, 1.0
-    with routed_group(heap, P, timeout) as ts:
+    with routed_group(heap, P, SETUP_TIMEOUT_S) as ts:
         statics, graphs = capture(ts, [("a", [[[64] * P] for _ in range(P)])])
 
         def live(r):
             t0 = time.monotonic()
-            handle = graphs[r].replay()
+            handle = graphs[r].replay(timeout_s=timeout)
             with pytest.raises(DistCAError) as err:
                 handle.wait()
             elapsed = time.monotonic() - t0
@@ -170,12 +175,13 @@ def test_replays_queued_back_to_back_all_end_when_a_peer_is_silent(heap):
     second replay's reset of the first set's words comes after the first replay ended), and none
     is left unresolved."""
     P, timeout = 3, 1.0
-    with routed_group(heap, P, timeout) as ts:
+    with routed_group(heap, P, SETUP_TIMEOUT_S) as ts:
         statics, graphs = capture(ts, [("a", [[[64] * P] for _ in range(P)]), ("b", route_data(3, P))])
 
         def live(r):
             t0 = time.monotonic()
-            handles = [graphs[r].replay(), graphs[r].replay()]  # both sets queued, nothing waited
+            # both sets queued, nothing waited
+            handles = [graphs[r].replay(timeout_s=timeout), graphs[r].replay(timeout_s=timeout)]
             for h in handles:
                 with pytest.raises(DistCAError):
                     h.wait()
@@ -190,12 +196,12 @@ def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay
     h = heap(P)
     heaps = [ReusableHeap(ShmHeap(h, r)) for r in range(P)]
     ex = [("a", route_data(4, P))]
-    old = [RoutedTransport(heaps[r].lease(1), timeout_s=0.5, epoch=1) for r in range(P)]
+    old = [RoutedTransport(heaps[r].lease(1), timeout_s=SETUP_TIMEOUT_S, epoch=1) for r in range(P)]
     _, graphs = capture(old, ex)
     in_threads(P, lambda r: graphs[r].replay().wait())  # both sets' words now hold epoch 1's values
     in_threads(P, lambda r: graphs[r].replay().wait())
     with pytest.raises(DistCAError):  # participant 1 stays away: participant 0's words are forced
-        graphs[0].replay().wait()
+        graphs[0].replay(timeout_s=0.5).wait()
     for t in old:
         t.close()
     new = [RoutedTransport(heaps[r].lease(2), timeout_s=60, epoch=2) for r in range(P)]
@@ -211,24 +217,27 @@ def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay
 
 # ---- a peer process that dies between replays ------------------------------------------------------
 def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
-    t = RoutedTransport(ShmHeap(handle, rank), timeout_s=timeout)
-    splits = [[[4096] * P] for _ in range(P)]
-    rs = recv_splits(splits, rank)
-    send = payload(rank, splits, 0)
-    for _ in range(2):  # grow, install
-        recv = [t.buffer("recv", sum(rs[0]))]
-        t.exchange(send, splits[rank], recv, rs, route="r").wait()
-    graph = t.graph(lambda: t.exchange(send, splits[rank], recv, rs, route="r"))
-    for _ in range(3):  # both sets, then the first again
-        graph.replay().wait()
-    if rank == P - 1:
-        os._exit(0)  # dies with the graph captured, before the next replay
-    t0 = time.monotonic()
-    try:
-        graph.replay().wait()
-        results.put((rank, "ok", time.monotonic() - t0))
-    except DistCAError as exc:
-        results.put((rank, str(exc), time.monotonic() - t0))
+    with reporting(rank, results):  # a failure anywhere (setup included) reaches the parent
+        # The setup runs under a generous deadline (the processes may start seconds apart on a
+        # loaded machine); ``timeout`` is the deadline of the replay meant to fail only.
+        t = RoutedTransport(ShmHeap(handle, rank), timeout_s=SETUP_TIMEOUT_S)
+        splits = [[[4096] * P] for _ in range(P)]
+        rs = recv_splits(splits, rank)
+        send = payload(rank, splits, 0)
+        for _ in range(2):  # grow, install
+            recv = [t.buffer("recv", sum(rs[0]))]
+            t.exchange(send, splits[rank], recv, rs, route="r").wait()
+        graph = t.graph(lambda: t.exchange(send, splits[rank], recv, rs, route="r"))
+        for _ in range(3):  # both sets, then the first again
+            graph.replay().wait()
+        if rank == P - 1:
+            os._exit(0)  # dies with the graph captured, before the next replay
+        t0 = time.monotonic()
+        try:
+            graph.replay(timeout_s=timeout).wait()
+            results.put((rank, "ok", time.monotonic() - t0))
+        except DistCAError as exc:
+            results.put((rank, str(exc), time.monotonic() - t0))
 
 
 def test_peer_process_that_dies_fails_the_others_replays_within_the_deadline():

@@ -17,9 +17,10 @@ from distca_server.transport.shm import create_heap
 from test_transport_symmetric import in_threads
 
 
-def _relay(root_values: dict, epoch: int, wait_s: float = 5.0):
+def _relay(root_values: dict, epoch: int, wait_s: float = 60.0):
     """``(publish, lookup)`` of a bootstrap relay through ``root_values[epoch]`` (the scheduler's
-    part, without Ray)."""
+    part, without Ray). ``wait_s``: generous by default, for joins that must succeed on a loaded
+    machine."""
     published = threading.Event()
 
     def publish(value):
@@ -33,10 +34,11 @@ def _relay(root_values: dict, epoch: int, wait_s: float = 5.0):
 
 
 def _join_all(kind: str, P: int, job: str, epoch: int, root_values: dict):
-    """Every rank joins in its own thread; rank 0 publishes into ``root_values[epoch]``."""
+    """Every rank joins in its own thread; rank 0 publishes into ``root_values[epoch]``. The join
+    (and the transports' deadline) is generous: these joins must succeed on a loaded machine."""
     publish, lookup = _relay(root_values, epoch)
     return in_threads(P, lambda r: join_epoch(kind, job=job, epoch=epoch, rank=r, world_size=P,
-                                              host="127.0.0.1", timeout_s=5.0, device=torch.device("cpu"),
+                                              host="127.0.0.1", timeout_s=60.0, device=torch.device("cpu"),
                                               publish=publish, lookup=lookup))
 
 

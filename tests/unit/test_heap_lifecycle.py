@@ -514,7 +514,7 @@ def test_a_failed_start_is_final_and_a_stuck_finalize_is_bounded():
         driver.block_finalize = threading.Event()  # a dead peer: the barrier never completes
         start = time.monotonic()
         assert rt.finalize(timeout_s=0.3) is False
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 10  # bounded by its timeout (the barrier never completes)
         assert rt.state == "finalized" and rt.host.stuck == "finalize"
         driver.block_finalize.set()
     finally:
@@ -581,11 +581,11 @@ def test_a_shm_group_epoch_sizes_its_heap_with_rank_0s_heap_bytes():
         published.set()
 
     def lookup():
-        assert published.wait(5)
+        assert published.wait(60)  # generous: the join succeeds, however loaded the machine
         return values[0]
     mine = {0: 2 << 20, 1: None}  # rank 1 (a dedicated server) does not know the job's setting
     groups = in_threads(P, lambda r: join_epoch("shm", job="heap-bytes", epoch=0, rank=r, world_size=P,
-                                                host="127.0.0.1", timeout_s=5.0, device=torch.device("cpu"),
+                                                host="127.0.0.1", timeout_s=60.0, device=torch.device("cpu"),
                                                 publish=publish, lookup=lookup, heap_bytes=mine[r]))
     try:
         assert values[0]["heap_bytes"] == 2 << 20

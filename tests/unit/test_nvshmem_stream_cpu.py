@@ -158,7 +158,8 @@ def test_signal_now_goes_out_on_the_abort_stream_from_the_host_thread_past_a_hel
     try:
         t0 = time.monotonic()
         lease.signal_now(0, 7, 123)
-        assert time.monotonic() - t0 < 1.0  # queued, not waited for
+        # queued, not waited for: waiting would block until the gate opens below (slack: a loaded CI)
+        assert time.monotonic() - t0 < 30
     finally:
         gate.set()
     _flush(host)

@@ -69,7 +69,7 @@ def test_missing_participant_raises_distca_error_within_timeout():
     start = time.monotonic()
     _, errors = _in_threads(3, participant)
     elapsed = time.monotonic() - start
-    assert elapsed < 5
+    assert elapsed < 15  # about the 0.5 s timeout (slack: a loaded CI machine)
     for i in (0, 1):
         assert isinstance(errors[i], DistCAError)
         assert "[2]" in str(errors[i]) and "0.5 s" in str(errors[i])
@@ -85,7 +85,7 @@ def test_failed_participant_aborts_peers_at_once():
         return all_to_all(group.endpoint(i), torch.zeros(0, dtype=torch.uint8), [0] * 3, [0] * 3)
     start = time.monotonic()
     _, errors = _in_threads(3, participant)
-    assert time.monotonic() - start < 5  # not the 30 s timeout
+    assert time.monotonic() - start < 15  # at once, not at the 30 s timeout (slack: a loaded CI machine)
     for i in (0, 2):
         assert isinstance(errors[i], DistCAError) and "participant 1 failed: kernel exploded" in str(errors[i])
 
@@ -116,7 +116,7 @@ def test_bad_arguments_and_close_fail_the_peers_at_once():
             return all_to_all(group.endpoint(i), send, [1, 1, 2] if i == 1 else [1, 1, 1], [1, 1, 1])
         start = time.monotonic()
         _, errors = _in_threads(3, participant)
-        assert time.monotonic() - start < 5, how
+        assert time.monotonic() - start < 15, how  # at once, well before the 30 s timeout
         if how == "bad splits":
             assert isinstance(errors[1], ValueError) and "sum to 4" in str(errors[1])
         for i in (0, 2):
@@ -136,7 +136,8 @@ def test_bad_splits_raise_value_error(send, send_splits, recv_splits, fragment):
 
 
 def test_runtime_reraises_root_cause_and_recovers():
-    runtime = LocalRuntime(num_servers=3, num_ranks=3, plan=PlanConfig(), backend="auto", timeout_s=20)
+    # 60 s: the root cause must arrive well before the group's timeout (the bound below is 15 s)
+    runtime = LocalRuntime(num_servers=3, num_ranks=3, plan=PlanConfig(), backend="auto", timeout_s=60)
     empty = torch.zeros(0, dtype=torch.uint8)
 
     def good(t):  # a round generator (Participant.forward_steps and the like)
@@ -149,7 +150,7 @@ def test_runtime_reraises_root_cause_and_recovers():
     start = time.monotonic()
     with pytest.raises(ValueError, match="malformed"):
         runtime.run([good, bad, good])
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # at once, not at the timeout (slack: a loaded CI machine)
     assert runtime.run([good, good, good]) == [0, 1, 2]  # a fresh group after the broken one
     runtime.close()
     with pytest.raises(DistCAError, match="closed"):

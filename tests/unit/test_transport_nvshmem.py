@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_transport_symmetric import TIMEOUT_S, expected_digests, play
+from test_transport_symmetric import DIES_TIMEOUT_S, TIMEOUT_S, expected_digests, play
 
 pytestmark = pytest.mark.nvshmem  # skipped without nvshmem4py and a CUDA device (tests/conftest.py)
 
@@ -115,7 +115,8 @@ def test_nvshmem_dead_pe_fails_the_others_within_the_timeout():
     for r in (0, 1):
         kind, msg = got[r]["outcome"]
         assert kind == "DistCAError", got[r]
-        assert got[r]["elapsed"] < TIMEOUT_S + 1.0
+        # issue 22's target: within the failing exchange's deadline + 1 s (an unloaded GPU machine)
+        assert got[r]["elapsed"] < DIES_TIMEOUT_S + 1.0
 
 
 def test_nvshmem_closed_pe_fails_the_others_at_once():

@@ -31,10 +31,9 @@ from distca_server.transport.shm import ShmHeap, create_heap, destroy_heap
 from distca_server.transport.symmetric import ReusableHeap, SymmetricTransport
 from distca_server.transport.symmetric_words import (ABORT, GEN_SHIFT, MISMATCH, PEER_FAILED, abort_low,
                                                     signal_words)
-from test_transport_symmetric import in_threads  # the helpers those tests share
+from test_transport_symmetric import SLACK_S, collect, in_threads, reporting  # the helpers those tests share
 
 SIZES = [0, 0, 1, 3, 64, 255, 1000, 4096]
-SLACK_S = 10.0  # what a loaded CI machine may add to a bound; the bound is the point, not its tightness
 
 
 def route_data(seed: int, P: int, scale: int = 1):
@@ -70,13 +69,14 @@ def schedule(P: int, steps: int, seed: int):
     return plan
 
 
-def play(transport, plan, key_of=lambda name: f"recv-{name}"):
-    """Run ``plan`` on one endpoint; returns the received bytes of every exchange."""
+def play(transport, plan, key_of=lambda name: f"recv-{name}", timeout_s: float | None = None):
+    """Run ``plan`` on one endpoint; returns the received bytes of every exchange. ``timeout_s``:
+    each exchange's deadline (default the transport's)."""
     me, out = transport.rank, []
     for step, (name, splits) in enumerate(plan):
         rs = recv_splits(splits, me)
         recv = [transport.buffer(f"{key_of(name)}-{s}", sum(x)) for s, x in enumerate(rs)]
-        handle = transport.exchange(payload(me, splits, step), splits[me], recv, rs,
+        handle = transport.exchange(payload(me, splits, step), splits[me], recv, rs, timeout_s=timeout_s,
                                     route=None if name is None else ("test", name))
         handle.wait()
         out.append([x.clone() for x in recv])
@@ -169,7 +169,9 @@ def test_an_installed_route_returns_before_any_peer_enters(heap):
 
 def test_silent_peer_fails_the_others_after_the_deadline_naming_it(heap):
     P, timeout = 3, 1.0
-    with routed_group(heap, P, timeout) as ts:
+    # The setup exchanges (installed) must succeed on a loaded machine: the transports' deadline is
+    # generous, and the short one goes to the exchange meant to fail only.
+    with routed_group(heap, P, 60) as ts:
         splits = installed(ts)
 
         def live(r):
@@ -178,7 +180,8 @@ def test_silent_peer_fails_the_others_after_the_deadline_naming_it(heap):
             t0 = time.monotonic()
             before = ts[r].device_exchanges
             # device-driven: it returns (a host-driven exchange would wait here and raise itself)
-            handle = ts[r].exchange(payload(r, splits, 9), splits[r], recv, rs, route=("test", "r"))
+            handle = ts[r].exchange(payload(r, splits, 9), splits[r], recv, rs, timeout_s=timeout,
+                                    route=("test", "r"))
             assert ts[r].device_exchanges == before + 1
             with pytest.raises(DistCAError) as err:
                 handle.wait()
@@ -318,10 +321,11 @@ def test_next_group_epoch_over_the_same_heap_is_exact_after_a_failure(heap):
     P, timeout = 2, 0.5
     h = heap(P)
     heaps = [ReusableHeap(ShmHeap(h, r)) for r in range(P)]
-    old = [RoutedTransport(heaps[r].lease(1), timeout_s=timeout, epoch=1) for r in range(P)]
+    # a generous deadline for the setup exchanges (installed); the short one for the one meant to fail
+    old = [RoutedTransport(heaps[r].lease(1), timeout_s=60, epoch=1) for r in range(P)]
     splits = installed(old)
     with pytest.raises(DistCAError):  # participant 1 stays away: participant 0's watchdog fires
-        play(old[0], [("r", splits)])
+        play(old[0], [("r", splits)], timeout_s=timeout)
     for t in old:
         t.close()
     # Epoch 2 reuses the heap: its words hold epoch 1's values (abort values included).
@@ -350,27 +354,31 @@ def test_route_ids_are_the_same_in_every_process():
 
 # ---- a peer process that dies mid-exchange ---------------------------------------------------------
 def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
-    t = RoutedTransport(ShmHeap(handle, rank), timeout_s=timeout)
-    splits = [[[4096] * P] for _ in range(P)]
-    rs = recv_splits(splits, rank)
-    for step in range(3):  # grow, install, then one device-driven exchange
-        recv = [t.buffer("recv", sum(rs[0]))]
-        t.exchange(payload(rank, splits, step), splits[rank], recv, rs, route="r").wait()
-    if rank == P - 1:
-        os._exit(0)  # dies with the route installed, before the next exchange
-    t0 = time.monotonic()
-    try:
-        recv = [t.buffer("recv", sum(rs[0]))]
-        t.exchange(payload(rank, splits, 3), splits[rank], recv, rs, route="r").wait()
-        results.put((rank, "ok", time.monotonic() - t0, t.device_exchanges))
-    except DistCAError as exc:
-        results.put((rank, str(exc), time.monotonic() - t0, t.device_exchanges))
+    with reporting(rank, results):  # a failure anywhere (setup included) reaches the parent
+        # The setup exchanges run under a generous deadline: the processes may start seconds apart
+        # on a loaded machine. ``timeout`` is the deadline of the exchange meant to fail only.
+        t = RoutedTransport(ShmHeap(handle, rank), timeout_s=60)
+        splits = [[[4096] * P] for _ in range(P)]
+        rs = recv_splits(splits, rank)
+        for step in range(3):  # grow, install, then one device-driven exchange
+            recv = [t.buffer("recv", sum(rs[0]))]
+            t.exchange(payload(rank, splits, step), splits[rank], recv, rs, route="r").wait()
+        if rank == P - 1:
+            os._exit(0)  # dies with the route installed, before the next exchange
+        t0 = time.monotonic()
+        try:
+            recv = [t.buffer("recv", sum(rs[0]))]
+            t.exchange(payload(rank, splits, 3), splits[rank], recv, rs, timeout_s=timeout, route="r").wait()
+            results.put((rank, "ok", time.monotonic() - t0, t.device_exchanges))
+        except DistCAError as exc:
+            results.put((rank, str(exc), time.monotonic() - t0, t.device_exchanges))
 
 
 def run_dying_group(worker, module: str, P: int, timeout: float) -> dict:
     """``worker(rank, P, heap handle, timeout, results)`` in ``P`` processes over a fresh
     shared-memory heap (``module``, the worker's, preloaded), the last of which dies; the others'
-    reports ``(rank, *rest)`` as ``{rank: rest}``."""
+    reports ``(rank, *rest)`` as ``{rank: rest}``. A worker that fails (``reporting``) or crashes
+    fails the test at once (``collect``)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", module])
     handle = create_heap(P, heap_bytes=4 << 20)
@@ -379,7 +387,7 @@ def run_dying_group(worker, module: str, P: int, timeout: float) -> dict:
     try:
         for p in procs:
             p.start()
-        return {r: tuple(rest) for r, *rest in (results.get(timeout=120) for _ in range(P - 1))}
+        return {r: tuple(rest) for r, *rest in collect(results, procs, P - 1)}
     finally:
         for p in procs:
             p.join(timeout=30)
