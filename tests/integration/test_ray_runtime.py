@@ -63,6 +63,18 @@ def _client_share(plan, rank):
     return _nonzero(share)
 
 
+def _status_once_served(name, rounds, timeout_s=60.0):
+    """``status(name)`` once each server's ``rounds_served`` equals ``rounds`` (or the deadline
+    passed: the caller's assertion then shows the counts). A server counts a round just after
+    sending its results, so its clients can have them, and return, before the count moves."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = status(name)
+        if [s["rounds_served"] for s in st["servers"]] == rounds or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
 def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
     """One step on every client: each ``last_plan`` is the same whole plan, each client's
     ``traffic()`` is its rows' share of it, and clients plus servers moved ``comm_bytes()``."""
@@ -102,7 +114,7 @@ def test_dedicated_two_clients_two_servers(local_ray):
             results = _step(workers, lens, step)
             assert all(r["ok"] for r in results), results
             assert max(r["error"] for r in results) <= 1e-5
-        st = status("ded")
+        st = _status_once_served("ded", [12, 12])
         assert st["steps_planned"] == 3 and st["last"]["step"] == 2
         assert [s["rounds_served"] for s in st["servers"]] == [12, 12]  # 3 steps x (2 fwd + 2 bwd)
         assert "imbalance" in format_status(st)

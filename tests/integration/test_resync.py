@@ -21,11 +21,13 @@ ray = pytest.importorskip("ray")
 from distca_server import launch, shutdown, status  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
+from timing import missed_deadline, retry_missed  # noqa: E402
 
 T = 4.0  # the job's timeout: room for a busy 2-core machine, short enough for several faults
 NAME = "resync"
 LENS = [[100, 28], [50, 7, 60]]
 AFTER = 3  # lock-step iterations run after each fault, every one of which must succeed
+MISSES = 2  # of those, iterations that may miss a deadline (a loaded machine) and are run again
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +61,19 @@ def _warm_up(job, tries=5):
 
 
 def _every_later_step_runs(job):
-    """``AFTER`` lock-step iterations after a fault all run, exact. Only on a machine so loaded
-    that a healthy step misses its deadline may the first of them fail (that miss costs that
-    iteration alone): before the step protocol, every iteration after these faults failed."""
-    for i in range(AFTER):
+    """``AFTER`` lock-step iterations after a fault all run, exact. An iteration that failed only
+    by missing a deadline (a healthy step can, on a loaded machine; the miss costs that iteration
+    alone) is run again, at most ``MISSES`` times in all: before the step protocol, every
+    iteration after these faults failed, so ``AFTER`` exact ones are still required."""
+    ran = missed = 0
+    while ran < AFTER:
         results = _iteration(job)
-        if i == 0 and not all(r["ok"] for r in results) and os.getloadavg()[0] > (os.cpu_count() or 1):
+        if missed < MISSES and missed_deadline(results):
+            missed += 1
             continue
-        assert all(r["ok"] for r in results), (i, results)
+        assert all(r["ok"] for r in results), (ran, missed, results)
         assert max(r["error"] for r in results) <= 1e-5
+        ran += 1
 
 
 def test_a_killed_client_replaced_mid_step_meets_its_peer_at_once(job):
@@ -106,7 +112,8 @@ def test_a_replaced_client_that_lives_on_is_refused_and_the_job_runs_exact(job):
     zombie = job["workers"][1]
     job["workers"][1] = job["make_worker"](1)
     ray.get(job["workers"][1].pid.remote(), timeout=300)  # registered: the zombie is replaced
-    for _ in range(2):
+    ran = missed = 0
+    while ran < 2:
         job["seed"][0] += 1
         seed = job["seed"][0]
         refs = [zombie.step.remote(LENS[1], seed + 1000, layers=1)] + [
@@ -115,9 +122,11 @@ def test_a_replaced_client_that_lives_on_is_refused_and_the_job_runs_exact(job):
         assert not refused["ok"] and refused["type"] == "DistCAError", refused
         # refused by the scheduler (not a batch deadline's "did not report"): at once
         assert "another client registered as rank 1 since this one did" in refused["message"], refused
-        if not all(r["ok"] for r in results) and os.getloadavg()[0] > (os.cpu_count() or 1):
+        if missed < MISSES and missed_deadline(results):
+            missed += 1
             continue  # a step missed its deadline on a loaded machine: see _every_later_step_runs
         assert all(r["ok"] and r["error"] <= 1e-5 for r in results), results
+        ran += 1
     ray.kill(zombie, no_restart=True)
     _every_later_step_runs(job)
 
@@ -128,8 +137,9 @@ def test_a_client_closed_mid_step_tells_its_peer_why(job):
     connection, "lost: none"), and the next steps run."""
     job["seed"][0] += 1
     s = job["seed"][0]
-    assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])],
-                                        timeout=300))
+    # a forward round that must run: run again if it only missed a deadline (timing.retry_missed)
+    assert all(r["ok"] for r in retry_missed(lambda: ray.get(
+        [w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])], timeout=300)))
     ray.get(job["workers"][1].reconnect.remote(NAME, T), timeout=300)
     result = ray.get(job["workers"][0].finish.remote(LENS[0], s), timeout=300)
     assert not result["ok"] and result["type"] == "DistCAError", result
@@ -168,7 +178,9 @@ def test_a_scheduler_killed_while_idle_costs_no_step(job):
 def test_a_scheduler_killed_mid_step_costs_that_step_only(job):
     job["seed"][0] += 1
     s = job["seed"][0]
-    assert all(r["ok"] for r in ray.get([w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])]))
+    # a forward round that must run: run again if it only missed a deadline (timing.retry_missed)
+    assert all(r["ok"] for r in retry_missed(lambda: ray.get(
+        [w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])], timeout=300)))
     ray.kill(job["scheduler"], no_restart=False)
     deadline = time.monotonic() + 60  # every client notices through its long-poll (Ray: ~1.7 s)
     while not all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)):

