@@ -10,6 +10,7 @@ subprocess.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ ray = pytest.importorskip("ray")
 
 from distca_cli import main  # noqa: E402
 from scripts import ROOT  # noqa: E402
+from timing import until  # noqa: E402
 
 LENS = [[61, 3, 250], [140, 1, 1, 90]]
 
@@ -41,17 +43,6 @@ def _json_status(capsys, name):
     capsys.readouterr()
     assert main(["status", "--name", name, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
-
-
-def _until(predicate, timeout_s=120.0):
-    """``predicate()`` once true, else its last value after ``timeout_s`` (a generous bound: it
-    returns as soon as the predicate holds, and a loaded machine may take long)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
 
 
 def test_missing_job_is_one_line(local_ray, capsys):
@@ -76,20 +67,20 @@ def test_status_json_watch_live_clients_and_dead_servers(local_ray, capsys):
         results = ray.get([w.step.remote(LENS[r], 0) for r, w in enumerate(workers)], timeout=120)
         assert all(r["ok"] for r in results), results
         # a server counts a round just after sending its results: its clients can return first
-        st = _until(lambda: (s := _json_status(capsys, "cli")) and all(
-            row["rounds_served"] == 4 for row in s["servers"]) and s) or _json_status(capsys, "cli")
+        status_now = functools.partial(_json_status, capsys, "cli")
+        st = until(status_now, ok=lambda s: all(row["rounds_served"] == 4 for row in s["servers"]), poll_s=0.5)
         assert st["clients"] == [0, 1] and st["clients_gone"] == [] and st["steps_planned"] == 1
         for row in st["servers"]:  # one step of 2 layers: 2 forward and 2 backward rounds
             assert row["state"] == "serving" and row["rounds_served"] == 4 and row["bytes_sent"] > 0
             assert row["last_flops"] > 0 and row["last_tasks"] >= 1 and row["last_error"] == ""
 
         ray.kill(workers[1], no_restart=True)  # a training worker dies: status lists live clients only
-        st = _until(lambda: (s := _json_status(capsys, "cli"))["clients_gone"] == [1] and s)
-        assert st and st["clients"] == [0], st
+        st = until(status_now, ok=lambda s: s["clients_gone"] == [1], poll_s=0.5)
+        assert st["clients_gone"] == [1] and st["clients"] == [0], st
         server1 = ray.get_actor("distca-server-cli-1", namespace="distca")
         ray.kill(server1, no_restart=True)  # a server dies: its row keeps no load from the last plan
-        st = _until(lambda: (s := _json_status(capsys, "cli"))["servers"][1]["state"] in ("dead", "unreachable") and s)
-        assert st, "server 1 still shown alive"
+        st = until(status_now, ok=lambda s: s["servers"][1]["state"] in ("dead", "unreachable"), poll_s=0.5)
+        assert st["servers"][1]["state"] in ("dead", "unreachable"), st
         dead = st["servers"][1]
         assert dead["last_flops"] is None and dead["last_tasks"] is None and dead["rounds_served"] is None
         assert st["last"]["server_flops"]  # the plan record itself is kept
@@ -135,8 +126,8 @@ def token_head():
                             start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
-        ready = _until(lambda: head.poll() is not None or
-                       "Ray runtime started" in (temp / "head.log").read_text(errors="replace"), 120)
+        ready = until(lambda: head.poll() is not None or
+                       "Ray runtime started" in (temp / "head.log").read_text(errors="replace"), poll_s=0.5)
         ready = ready and head.poll() is None
         assert ready, (temp / "head.log").read_text(errors="replace")[-2000:]
         yield address, env

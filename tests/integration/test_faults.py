@@ -26,7 +26,7 @@ from scheduler.actor import job_actor_names, scheduler_actor_name  # noqa: E402
 from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.messages import decode_answer, encode_report  # noqa: E402
 from scheduler.parts import PlanPart, plan_identity, plan_parts  # noqa: E402
-from timing import exact_step, kill_server, retry_missed, slack, wait_answers  # noqa: E402
+from timing import exact_step, kill_server, retry_missed, slack, until, wait_answers  # noqa: E402
 
 T = 3.0  # the job's timeout
 GRACE = 0.5
@@ -74,13 +74,9 @@ def _server_failures_since(job, t0, servers=(0, 1), wait_s=60.0):
     """Per server, the times it saw a failure since ``t0`` (waiting up to ``wait_s`` for each of
     ``servers`` to record one: a server records it just after its clients raise, later on a
     loaded machine; the wait ends as soon as they have)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        out = [[t for t in st["failures"] if t >= t0]
-               for st in ray.get([s.stats.remote() for s in job["servers"]], timeout=30)]
-        if all(out[i] for i in servers) or time.monotonic() > deadline:
-            return out
-        time.sleep(0.05)
+    return until(lambda: [[t for t in st["failures"] if t >= t0]
+                          for st in ray.get([s.stats.remote() for s in job["servers"]], timeout=30)],
+                 ok=lambda out: all(out[i] for i in servers), timeout_s=wait_s, poll_s=0.05)
 
 
 def test_healthy_job_is_exact(job):
@@ -304,10 +300,8 @@ def test_a_server_killed_between_forward_and_kept_backward_is_named(job):
     for r in results:
         assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(T), r
         assert "attention server 0" in r["message"], r["message"]
-    deadline = time.monotonic() + 10
-    while ray.get(job["servers"][1].stats.remote(), timeout=30)["held_bytes"]:
-        assert time.monotonic() < deadline, "the surviving server still holds the failed step's rows"
-        time.sleep(0.1)
+    assert not until(lambda: ray.get(job["servers"][1].stats.remote(), timeout=30)["held_bytes"],
+                     ok=lambda held: not held, timeout_s=10), "the surviving server still holds the failed step's rows"
     _exact_next_step(job, servers=(1,))  # while server 0 restarts
     wait_answers(job["servers"][0])
     _exact_next_step(job)
@@ -369,10 +363,8 @@ def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
     before = status(NAME)
     assert all(r["ok"] for r in _run_ok(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
     ray.kill(job["scheduler"], no_restart=False)
-    deadline = time.monotonic() + 30  # every member notices through its long-poll (Ray: ~1.7 s)
-    while not all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # every member notices through its long-poll (Ray: ~1.7 s)
+    assert until(lambda: all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)))
     results = _run(job, [("finish", (LENS[r], s), {}) for r in range(2)])
     for r in results:
         assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(T), r
@@ -380,10 +372,9 @@ def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
     wait_answers(job["scheduler"])
     # Each server registers again once its long-poll notices the restart (~1.7 s; minutes on a
     # loaded machine): a step planned before that runs on the servers registered by then.
-    deadline = time.monotonic() + 300
-    while sorted(s["server"] for s in status(NAME)["servers"]) != [0, 1]:
-        assert time.monotonic() < deadline, status(NAME)
-        time.sleep(0.2)
+    st = until(lambda: status(NAME), ok=lambda st: sorted(s["server"] for s in st["servers"]) == [0, 1],
+               timeout_s=300, poll_s=0.2)
+    assert sorted(s["server"] for s in st["servers"]) == [0, 1], st
     _exact_next_step(job)
     after = status(NAME)
     assert after["epoch"] > before["epoch"] and after["next_step"] > before["next_step"]
@@ -396,10 +387,8 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     servers by name, ``down`` stops them all; ``status`` of a missing job prints one line;
     ``launch`` is all or nothing and works again after ``down``."""
     ray.kill(job["scheduler"], no_restart=True)
-    deadline = time.monotonic() + 30
-    while scheduler_actor_name(NAME) in job_actor_names(NAME):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    assert scheduler_actor_name(NAME) not in until(lambda: job_actor_names(NAME),
+                                                   ok=lambda names: scheduler_actor_name(NAME) not in names)
     st = status(NAME)
     assert st["scheduler"] == "missing" and [s["server"] for s in st["servers"]] == [0, 1]
     assert "scheduler missing" in format_status(st).splitlines()[0]
@@ -418,10 +407,7 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     with pytest.raises(DistCAError, match="did not start within 3 s"):
         launch(name="atomic", config=JobConfig(servers=2, timeout_s=T, start_timeout_s=3), detached=False,
                server_options={"num_cpus": 0, "resources": {"no-such-resource": 1}})
-    deadline = time.monotonic() + 30
-    while job_actor_names("atomic"):  # nothing is left behind
-        assert time.monotonic() < deadline, job_actor_names("atomic")
-        time.sleep(0.1)
+    assert not until(lambda: job_actor_names("atomic"), ok=lambda names: not names)  # nothing is left behind
     again = launch(name="atomic", config=JobConfig(servers=1, timeout_s=T), detached=False,
                    server_options={"num_cpus": 0})
     with pytest.raises(ValueError, match="already running"):

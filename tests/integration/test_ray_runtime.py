@@ -19,6 +19,7 @@ from scheduler.config import JobConfig, PlanConfig  # noqa: E402
 from scheduler.cost import KV_TENSORS, RoundKind  # noqa: E402
 from scheduler.tasks import Plan  # noqa: E402
 from scripts import RUNTIME_ENV  # noqa: E402
+from timing import until  # noqa: E402
 
 TIMEOUT = 10.0
 LENS = [[[61, 3, 250], [140, 1, 1, 90]], [[400], [7, 7, 7, 100]], [[33, 260], [1, 290]]]
@@ -63,16 +64,11 @@ def _client_share(plan, rank):
     return _nonzero(share)
 
 
-def _status_once_served(name, rounds, timeout_s=60.0):
-    """``status(name)`` once each server's ``rounds_served`` equals ``rounds`` (or the deadline
-    passed: the caller's assertion then shows the counts). A server counts a round just after
+def _status_once_served(name, rounds):
+    """``status(name)`` once each server's ``rounds_served`` equals ``rounds`` (or the wait timed
+    out: the caller's assertion then shows the counts). A server counts a round just after
     sending its results, so its clients can have them, and return, before the count moves."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = status(name)
-        if [s["rounds_served"] for s in st["servers"]] == rounds or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
+    return until(lambda: status(name), ok=lambda st: [s["rounds_served"] for s in st["servers"]] == rounds)
 
 
 def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
@@ -92,12 +88,10 @@ def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
     for r, res in enumerate(results):
         assert (res["rank"], res["participant"]) == (r, r)
         assert _nonzero(res["traffic"]) == _client_share(plan, r), r
-    deadline = time.monotonic() + 30  # a server counts a round just after sending its results
-    after = server_stats()
-    while any(a["rounds_served"] < b["rounds_served"] + 2 for a, b in zip(after, before)):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-        after = server_stats()
+    # a server counts a round just after sending its results
+    after = until(server_stats, ok=lambda now: all(a["rounds_served"] >= b["rounds_served"] + 2
+                                                   for a, b in zip(now, before)))
+    assert all(a["rounds_served"] >= b["rounds_served"] + 2 for a, b in zip(after, before)), (before, after)
     moved = sum_traffic([r["traffic"] for r in results] + [a["traffic"] for a in after]
                         + [{k: {n: -b for n, b in per.items()} for k, per in s["traffic"].items()}
                            for s in before])

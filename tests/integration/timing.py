@@ -53,20 +53,34 @@ def exact_step(workers, lens, seed: int, servers=(), tries: int = 2) -> list[dic
     return results
 
 
+def until(get, *, ok=bool, timeout_s: float = 120.0, poll_s: float = 0.1):
+    """``get()``'s value once ``ok(value)`` holds, else its last value after ``timeout_s`` (the
+    caller asserts on it, so a timeout shows what was seen). The bound is generous because the
+    wait ends as soon as the condition holds, and a loaded machine may take long to get there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if ok(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(poll_s)
+
+
 def kill_server(server) -> None:
     """Kill attention server actor ``server`` (Ray restarts it if the job allows) and wait until
     its process is gone: ``ray.kill`` only asks, and on a loaded machine a round could still run
     on it meanwhile."""
     pid = ray.get(server.stats.remote(), timeout=30)["pid"]
     ray.kill(server, no_restart=False)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        assert time.monotonic() < deadline, f"server process {pid} still lives"
-        time.sleep(0.05)
+    assert not until(lambda: _alive(pid), ok=lambda alive: not alive, timeout_s=30, poll_s=0.05), \
+        f"server process {pid} still lives"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def wait_answers(actor, timeout_s: float = 300.0):
