@@ -36,7 +36,7 @@ from .checks import is_int
 from .config import JobConfig, legacy_fields, legacy_job_config
 from .coordinator import KEEP_EPOCHS, Coordinator
 from .messages import error_answer
-from .outcomes import PlanOutcome
+from .outcomes import PlanOutcome, lost_text
 from .logs import configure_logging
 from .messages import decode_report, encode_answer
 from .metrics import JOB_LABEL, metrics_of
@@ -398,7 +398,7 @@ class SchedulerActor:
             role = "client" if r not in members or members[r].client else "server"
             self.m["distca_lost_participants"].inc(tags={JOB_LABEL: self.name, "role": role})
         log.warning("job %s: group epoch %d failed (%s); lost: %s; next step %d", self.name, epoch,
-                    verdict["cause"][:300], ", ".join(verdict["lost"]) or "none", verdict["next_step"])
+                    verdict["cause"][:300], lost_text(verdict), verdict["next_step"])
 
     # ---- bootstrap ----------------------------------------------------------------------------
     def publish_bootstrap(self, epoch: int, value) -> None:
@@ -422,11 +422,13 @@ class SchedulerActor:
 
     # ---- failures ------------------------------------------------------------------------------
     async def report_failure(self, epoch: int, world_rank: int, step: int, reached: int = 0,
-                             cause: str | None = None, detected: bool = False, in_round: bool = True) -> dict:
+                             cause: str | None = None, detected: bool = False, in_round: bool = True,
+                             waited_s: float | None = None) -> dict:
         """A member of group ``epoch`` checks in to its failure (see :meth:`Coordinator.failure`):
         a round failed for it (``cause``), or it answers the arbitration. Returns the verdict once
         every member has checked in or the grace period ends."""
-        out = self.coord.failure(epoch, world_rank, step, time.monotonic(), reached, cause, detected, in_round)
+        out = self.coord.failure(epoch, world_rank, step, time.monotonic(), reached, cause, detected, in_round,
+                                 waited_s)
         self._wake_resolved()
         if out.opened:  # wake every member's long-poll: they check in at once
             self._arbitration.setdefault(epoch, asyncio.Event()).set()

@@ -11,6 +11,12 @@ member checked in, or when the grace period ends:
   client, is lost too: its peers waited for it in a round it never started ("late");
 - every other member is alive and was where it should be, whatever it reported.
 
+When nobody is lost (every client was in the round that timed out), the verdict still names the
+client slowest to join it, if it joined at least half the first one's wait after it: a round that
+times out with everyone present was one its last arrival reached too late to finish. Members say
+how long they had been in their round when they checked in; the scheduler turns that into a join
+time on its own clock, so no clocks need agree.
+
 The verdict's cause is what the members reported, a member's own finding first (a ``ValueError``
 it raised before moving bytes, e.g. parts that disagree) ahead of what a collective said (a
 timeout, a closed connection), so every participant raises the same message.
@@ -39,25 +45,32 @@ class Arbitration:
         grace_s: the grace period (for messages).
     """
 
-    __slots__ = ("epoch", "members", "deadline", "grace_s", "reached", "waiting", "step", "causes",
+    __slots__ = ("epoch", "members", "deadline", "grace_s", "reached", "waiting", "joined", "step", "causes",
                  "verdict")
 
     def __init__(self, epoch: int, members: dict[int, Member], deadline: float, grace_s: float):
         self.epoch, self.members, self.deadline, self.grace_s = epoch, members, deadline, grace_s
         self.reached: dict[int, int] = {}  # world rank -> rounds of the epoch it reached
         self.waiting: set[int] = set()  # world ranks that checked in from inside a round
+        # world rank -> (round reached, when it joined that round, when it checked in), caller's clock
+        self.joined: dict[int, tuple[int, float, float]] = {}
         self.step = -1  # the latest step a member reported failing in
         self.causes: list[tuple[str, bool]] = []  # (message, the member's own finding), in arrival order
         self.verdict: dict | None = None  # set by the coordinator once decided
 
     def check_in(self, world_rank: int, step: int, reached: int, in_round: bool, cause: str | None,
-                 detected: bool) -> None:
+                 detected: bool, now: float | None = None, waited_s: float | None = None) -> None:
         """Record a member's check-in (repeated ones merge: the most rounds, in a round if any
-        check-in was). A world rank outside the epoch only adds its cause."""
+        check-in was); ``waited_s``: how long it had been in its round (None if in none), at
+        ``now``. A world rank outside the epoch only adds its cause."""
         if world_rank in self.members:
             self.reached[world_rank] = max(self.reached.get(world_rank, 0), int(reached))
             if in_round:
                 self.waiting.add(world_rank)
+                if waited_s is not None and now is not None:
+                    seen = self.joined.get(world_rank)
+                    if seen is None or int(reached) > seen[0]:  # the round it waits in now
+                        self.joined[world_rank] = (int(reached), now - float(waited_s), now)
         self.step = max(self.step, int(step))
         if cause:
             self.causes.append((str(cause), bool(detected)))
@@ -77,6 +90,21 @@ class Arbitration:
             elif r not in self.waiting and self.reached[r] < furthest:
                 out.append((r, f"{member.who}: late, had not started the round its peers waited for"))
         return out
+
+    def slowest(self) -> str:
+        """``"<who>: joined round N of the epoch X s after the first client"``, naming the client
+        that joined the furthest round last, if that was at least half the first one's wait at
+        its check-in after it; else ``""``. Only clients count: a dedicated server waits for the
+        next round from the moment its last one ended."""
+        furthest = max((n for r, n in self.reached.items() if self.members[r].client), default=0)
+        rows = sorted((at, r, checked) for r, (n, at, checked) in self.joined.items()
+                      if self.members[r].client and n == furthest)
+        if len(rows) < 2:
+            return ""
+        (first, _, first_checked), (last, r, _) = rows[0], rows[-1]
+        if last - first < 0.5 * (first_checked - first):
+            return ""
+        return f"{self.members[r].who}: joined round {furthest} of the epoch {last - first:.2f} s after the first client"
 
     def cause(self) -> tuple[str, bool]:
         """The cause every member reads: the first finding of a member's own, else the first

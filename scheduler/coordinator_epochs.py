@@ -157,7 +157,8 @@ class GroupEpochsMixin:
 
     # ---- failures ----------------------------------------------------------------------------
     def failure(self, epoch: int, world_rank: int, step: int, now: float, reached: int = 0,
-                cause: str | None = None, detected: bool = False, in_round: bool = True) -> FailureOutcome:
+                cause: str | None = None, detected: bool = False, in_round: bool = True,
+                waited_s: float | None = None) -> FailureOutcome:
         """World rank ``world_rank`` of group ``epoch`` checks in to a failure of the epoch.
 
         A member checks in when a round failed for it (``cause``: what went wrong; ``detected``:
@@ -165,8 +166,9 @@ class GroupEpochsMixin:
         a collective fail) or, alive and told that the epoch's arbitration opened, with
         ``cause=None``. ``reached`` is how many rounds of the epoch it
         reached (completed, plus the one it is in or waiting for); ``in_round`` whether it is in
-        one (a server waiting for the next round's header is); ``step`` the step it was in (-1 if
-        it does not know, e.g. a server).
+        one (a server waiting for the next round's header is); ``waited_s`` how long it had been
+        in it, seconds (None: not in one, or not known); ``step`` the step it was in (-1 if it does
+        not know, e.g. a server).
 
         The first check-in opens the epoch's arbitration (deadline ``now + failure_grace_s``;
         ``opened``). The verdict is decided in the call where the last member checks in, or by
@@ -176,14 +178,20 @@ class GroupEpochsMixin:
         nobody. Every verdict ends its epoch (the next batch forms a new group), ends the step
         (the job goes on at the step after), and leaves lost servers out of plans until they
         answer a ping again.
+
+        Raises:
+            ValueError: ``step`` out of bounds, or ``waited_s`` negative or not finite.
         """
+        if waited_s is not None and not (isinstance(waited_s, (int, float)) and 0 <= waited_s < float("inf")):
+            raise ValueError(f"world rank {world_rank}'s failure of group epoch {epoch}: waited_s must be a "
+                             f"finite number of seconds >= 0, got {waited_s!r}")
         if step != -1:  # a server does not know the step; a client's is bounded like its reports
             self._check_step(step, f"world rank {world_rank}'s failure of group epoch {epoch}")
         fail = self.failures.get(epoch)
         opened = False
         if fail is None:
             if epoch != self.epoch or epoch not in self.groups or self.members is None:
-                return FailureOutcome({"epoch": epoch, "lost": [], "lost_ranks": [],
+                return FailureOutcome({"epoch": epoch, "lost": [], "lost_ranks": [], "slowest": "",
                                        "next_step": max(self.next_step, self.floor, step + 1),
                                        "cause": f"group epoch {epoch} is over", "detected": False},
                                       now)
@@ -191,7 +199,7 @@ class GroupEpochsMixin:
                                                       self.failure_grace_s)
             opened = True
         if fail.verdict is None:
-            fail.check_in(world_rank, step, reached, in_round, cause, detected)
+            fail.check_in(world_rank, step, reached, in_round, cause, detected, now, waited_s)
             if fail.complete:
                 self._decide(fail)
         return FailureOutcome(fail.verdict, fail.deadline, opened)
@@ -202,7 +210,7 @@ class GroupEpochsMixin:
         nobody."""
         fail = self.failures.get(epoch)
         if fail is None:
-            return {"epoch": epoch, "lost": [], "lost_ranks": [], "next_step": max(self.next_step, self.floor),
+            return {"epoch": epoch, "lost": [], "lost_ranks": [], "slowest": "", "next_step": max(self.next_step, self.floor),
                     "cause": f"group epoch {epoch} is over", "detected": False}
         if fail.verdict is None and now >= fail.deadline:
             self._decide(fail)
@@ -229,6 +237,7 @@ class GroupEpochsMixin:
             self._fail_step(fail.step, error_answer("DistCAError", f"step {fail.step} failed in group "
                                                                     f"epoch {fail.epoch}: {cause}"[:500]))
         fail.verdict = {"epoch": fail.epoch, "lost": [why for _, why in lost], "lost_ranks": [r for r, _ in lost],
+                        "slowest": "" if lost else fail.slowest(),
                         "next_step": max(self.next_step, self.floor), "cause": cause, "detected": detected}
 
     def _describe(self, servers) -> dict[int, Member]:

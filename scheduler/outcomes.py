@@ -106,8 +106,9 @@ class FailureOutcome:
     and call :meth:`Coordinator.close_failure`. ``opened``: this call opened the epoch's
     arbitration: tell every member to check in (:meth:`Coordinator.arbitration`).
 
-    A verdict is ``{"epoch", "lost": [descriptions], "lost_ranks": [world ranks], "next_step",
-    "cause": str, "detected": bool}``: ``cause`` is what the members reported, a participant's own
+    A verdict is ``{"epoch", "lost": [descriptions], "lost_ranks": [world ranks], "slowest": str,
+    "next_step", "cause": str, "detected": bool}``: ``slowest`` names, when nobody is lost, the
+    client that joined the failed round late, else is ``""``; ``cause`` is what the members reported, a participant's own
     finding first; ``detected`` whether it is one (a ``ValueError`` a participant raised before
     moving bytes: parts that disagree, clients that disagree on the round, bad input) rather than
     what a collective reported (a timeout, a closed connection)."""
@@ -115,3 +116,12 @@ class FailureOutcome:
     verdict: dict | None
     deadline: float
     opened: bool = False
+
+
+def lost_text(verdict: dict) -> str:
+    """A verdict's lost members for a message: ``"a; b"``, or ``"none"``, with the client slowest
+    to join the failed round when the verdict names one (see :class:`FailureOutcome`)."""
+    if verdict["lost"]:
+        return "; ".join(verdict["lost"])
+    slowest = verdict.get("slowest")
+    return f"none (slowest to join: {slowest})" if slowest else "none"

@@ -37,6 +37,7 @@ import ray
 import torch
 
 from scheduler.cost import RoundKind
+from scheduler.outcomes import lost_text
 
 from ..errors import DistCAError
 from ..header import RoundHeader, check_claims, claims, common_header, exchange_header
@@ -158,6 +159,7 @@ class GroupMember:
         self.rounds_done = 0  # rounds of the current epoch completed
         self.tagged_rounds = 0  # of those, rounds run without a header exchange (their exchanges carry its tag)
         self.in_round = False  # joining, in a round, or (a server) waiting for the next header
+        self.round_since = 0.0  # when it last entered one (time.monotonic())
         self.scheduler_lost = False  # set when the scheduler died; the owner re-registers, then clears it
         self.scheduler_incarnation: str | None = None  # the scheduler registered with (owner sets it)
         self._watch = watch
@@ -171,6 +173,11 @@ class GroupMember:
     @property
     def joined(self) -> bool:
         return self.transport is not None
+
+    @property
+    def waited_s(self) -> float | None:
+        """Seconds in the current round so far, None if in none."""
+        return time.monotonic() - self.round_since if self.in_round else None
 
     @property
     def reached(self) -> int:
@@ -193,6 +200,7 @@ class GroupMember:
         self.leave()
         self.epoch, self.world_rank, self.world_size = epoch, world_rank, world_size
         self.rounds_done, self.tagged_rounds, self.in_round, self._live = 0, 0, True, epoch
+        self.round_since = time.monotonic()
         if self._watch:
             threading.Thread(target=self._watch_epoch, args=(epoch,), daemon=True,
                              name=f"distca-watch-{self.who}-{epoch}").start()
@@ -282,7 +290,7 @@ class GroupMember:
                               f"start a new step)")
         step = header.step if header is not None else -1
         what = header.describe() if header is not None else "the next round"
-        self.in_round = True
+        self.in_round, self.round_since = True, time.monotonic()
         try:
             if self.tag_rounds and header is not None and num_clients == self.world_size:
                 participant = participant_for(header)
@@ -368,7 +376,8 @@ class GroupMember:
         if verdict is None and not self.scheduler_lost:
             try:
                 verdict = ask(self.scheduler.report_failure.remote(
-                    epoch, world_rank, step, reached, detail, detected, in_round), self.timeout_s)
+                    epoch, world_rank, step, reached, detail, detected, in_round,
+                    self.waited_s if in_round else None), self.timeout_s)
             except SchedulerLost:
                 self._scheduler_gone()
             except DistCAError as exc:  # the scheduler is slow: name it
@@ -382,8 +391,7 @@ class GroupMember:
                                 [], step + 1, detail or "scheduler died", detected)
         self._verdicts[epoch] = verdict
         cause = verdict.get("cause") or detail or ""
-        lost = "; ".join(verdict["lost"]) or "none"
-        return GroupFailure(f"{self.who}: {what} failed; lost: {lost}. Cause: {cause[:400]}",
+        return GroupFailure(f"{self.who}: {what} failed; lost: {lost_text(verdict)}. Cause: {cause[:400]}",
                             list(verdict["lost"]), int(verdict["next_step"]), cause,
                             bool(verdict.get("detected")))
 
@@ -423,7 +431,7 @@ class GroupMember:
         self.abandon(epoch, "the group's arbitration opened")
         try:
             verdict = ask(self.scheduler.report_failure.remote(
-                epoch, self.world_rank, -1, self.reached, None, False, self.in_round), self.timeout_s)
+                epoch, self.world_rank, -1, self.reached, None, False, self.in_round, self.waited_s), self.timeout_s)
         except SchedulerLost:
             self._scheduler_gone()
             raise

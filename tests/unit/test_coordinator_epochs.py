@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES
+from scheduler.outcomes import lost_text
 from test_coordinator import GRACE, LENS, SHAPE, decode, make, run_step  # the shared helpers
 
 
@@ -90,9 +91,9 @@ def test_a_client_registered_again_mid_step_fails_the_step_in_place():
 
 
 # ---- failure arbitration ------------------------------------------------------------------------
-def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=()):
-    return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "next_step": next_step,
-            "cause": cause, "detected": detected}
+def verdict(lost=(), next_step=1, cause="", detected=False, epoch=0, ranks=(), slowest=""):
+    return {"epoch": epoch, "lost": list(lost), "lost_ranks": list(ranks), "slowest": slowest,
+            "next_step": next_step, "cause": cause, "detected": detected}
 
 
 def test_failure_verdict_names_the_silent_member_after_the_grace_period():
@@ -140,6 +141,55 @@ def test_a_late_client_is_named_and_nobody_else():
     assert out.verdict == verdict(["client rank 1 (node node1): late, had not started the round its peers "
                                    "waited for"], ranks=[1], cause="rank 0: all-to-all timed out after 10 s")
     assert c.servers_to_ping() == {0: "alive", 1: "alive"}  # servers that waited stay in the plans
+
+
+def test_nobody_lost_names_the_client_slowest_to_join_the_round():
+    """Every member was in round 5 when it timed out, so nobody is lost; client 1 joined it 9 s
+    after client 0 (each says how long it had waited; the scheduler's clock places the joins):
+    the verdict names it. Servers, waiting since their last round ended, do not count."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=100.0, reached=5, cause="all-to-all timed out after 10 s", waited_s=10.0)
+    c.failure(0, 2, step=-1, now=100.1, reached=5, waited_s=30.0)
+    c.failure(0, 3, step=-1, now=100.1, reached=5, waited_s=30.0)
+    out = c.failure(0, 1, step=0, now=100.2, reached=5, cause="all-to-all timed out", waited_s=1.2)
+    assert out.verdict == verdict(cause="all-to-all timed out after 10 s", slowest=(
+        "client rank 1 (node node1): joined round 5 of the epoch 9.00 s after the first client"))
+    assert lost_text(out.verdict) == ("none (slowest to join: client rank 1 (node node1): joined round 5 "
+                                      "of the epoch 9.00 s after the first client)")
+
+
+@pytest.mark.parametrize("waits", [(10.0, 7.0), (10.0, None), (None, None)])
+def test_no_slowest_client_without_a_late_join(waits):
+    """Joins 3 s apart in a 10 s wait are not late (under half the first one's wait), and a
+    member that does not say how long it waited (or is in no round) places no join."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=50.0, reached=2, cause="timed out", waited_s=waits[0])
+    c.failure(0, 1, step=0, now=50.0, reached=2, waited_s=waits[1])
+    c.failure(0, 2, step=-1, now=50.0, reached=2)
+    out = c.failure(0, 3, step=-1, now=50.0, reached=2)
+    assert out.verdict["slowest"] == "" and lost_text(out.verdict) == "none"
+
+
+def test_a_lost_member_is_named_instead_of_the_slowest():
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=0.0, reached=3, cause="timed out", waited_s=10.0)
+    c.failure(0, 1, step=0, now=0.0, reached=3, waited_s=0.5)
+    c.failure(0, 2, step=-1, now=0.0, reached=3)
+    decided = c.close_failure(0, now=GRACE)
+    assert decided["lost_ranks"] == [3] and decided["slowest"] == ""
+    assert lost_text(decided) == "attention server 1 (node srv1): did not answer within 2 s"
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "3"])
+def test_a_bad_wait_is_refused(bad):
+    c = make()
+    run_step(c, 0)
+    with pytest.raises(ValueError, match="waited_s must be a finite number of seconds >= 0"):
+        c.failure(0, 0, step=0, now=0.0, reached=1, waited_s=bad)
+    assert c.arbitration(0) is None  # refused before it opened anything
 
 
 def test_a_member_that_failed_inside_an_earlier_round_is_not_late():
