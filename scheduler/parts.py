@@ -213,22 +213,18 @@ class PlanPart:
         return part
 
     @classmethod
-    def _cut(cls, plan: Plan, participant: int, step: int, batch: int, client_tasks: np.ndarray,
-             server_tasks: np.ndarray, plan_id: int = 0, shared: dict | None = None) -> "PlanPart":
-        """A part of an already validated ``plan``, built without re-validation.
+    def _cut(cls, shared: dict, participant: int, rank: int | None, server: int | None, doc_lens: list[int],
+             client_tasks: np.ndarray, server_tasks: np.ndarray) -> "PlanPart":
+        """A part of an already validated plan, built without re-validation.
 
-        ``client_tasks``/``server_tasks`` must be the participant's rows of ``plan.task_array`` in
-        its order; only :func:`plan_part` and :func:`plan_parts` call this. ``shared``: the fields
-        every part of the plan has alike (:func:`_shared_fields`), made once by a caller cutting
-        many parts.
+        ``shared``: the fields every part of the plan has alike (:func:`_shared_fields`); the
+        rest are the participant's own: its roles, its rank's document lengths (a list of its
+        own) and its rows of ``plan.task_array``, in that order. Only :func:`plan_part` and
+        :func:`plan_parts` call this.
         """
-        if shared is None:
-            shared = _shared_fields(plan, step, batch, plan_id)
-        rank, server = participant_roles(shared["mode"], shared["num_ranks"], participant)
         part = object.__new__(cls)  # skips __post_init__: the plan's own checks already cover it
         # one update: at 1024 participants a batch cuts 1024 parts, and this is most of each
-        part.__dict__.update(shared, participant=participant, rank=rank, server=server,
-                             doc_lens=list(plan.doc_lens_per_rank[rank]) if rank is not None else [],
+        part.__dict__.update(shared, participant=participant, rank=rank, server=server, doc_lens=doc_lens,
                              client_tasks=client_tasks, server_tasks=server_tasks)
         return part
 
@@ -280,7 +276,9 @@ def plan_part(plan: Plan, participant: int, step: int = 0, batch: int = 0, plan_
     arr = plan.task_array
     client = _read_only(arr[arr[:, 1] == rank]) if rank is not None else _NO_TASKS
     own = _read_only(arr[arr[:, 0] == server]) if server is not None else _NO_TASKS
-    return PlanPart._cut(plan, participant, step, batch, client, own, plan_id)
+    doc_lens = list(plan.doc_lens_per_rank[rank]) if rank is not None else []
+    return PlanPart._cut(_shared_fields(plan, step, batch, plan_id), participant, rank, server, doc_lens,
+                         client, own)
 
 
 def plan_parts(plan: Plan, step: int = 0, batch: int = 0, plan_id: int = 0) -> list[PlanPart]:
@@ -300,15 +298,18 @@ def plan_parts(plan: Plan, step: int = 0, batch: int = 0, plan_id: int = 0) -> l
     plan_id = int_in_range("plan_id", plan_id, 0, PLAN_ID_MAX)
     arr = _read_only(plan.task_array)
     by_server = np.searchsorted(arr[:, 0], np.arange(plan.num_servers + 1)).tolist()
-    by_rank_arr = _read_only(arr[np.argsort(arr[:, 1], kind="stable")])
+    by_rank_arr = _read_only(arr.take(np.argsort(arr[:, 1], kind="stable"), axis=0))  # take: 2x a fancy index
     by_rank = np.searchsorted(by_rank_arr[:, 1], np.arange(plan.num_ranks + 1)).tolist()
-    parts, shared, mode, ranks = [], _shared_fields(plan, step, batch, plan_id), plan.mode, plan.num_ranks
-    for p in range(plan.num_participants):
-        rank, server = participant_roles(mode, ranks, p)
-        client = by_rank_arr[by_rank[rank]:by_rank[rank + 1]] if rank is not None else _NO_TASKS
-        own = arr[by_server[server]:by_server[server + 1]] if server is not None else _NO_TASKS
-        parts.append(PlanPart._cut(plan, p, step, batch, client, own, plan_id, shared))
-    return parts
+    shared, cut = _shared_fields(plan, step, batch, plan_id), PlanPart._cut
+    lens, ranks = plan.doc_lens_per_rank, plan.num_ranks
+    # Roles by mode (participant_roles' rule) in one loop each: at 1024 participants the per-part
+    # Python is most of the cut, so nothing is computed per part that a mode fixes.
+    clients = [by_rank_arr[a:b] for a, b in zip(by_rank, by_rank[1:])]
+    servers = [arr[a:b] for a, b in zip(by_server, by_server[1:])]
+    if plan.mode == "inplace":  # participant p: client rank p and server p
+        return [cut(shared, p, p, p, list(lens[p]), c, s) for p, (c, s) in enumerate(zip(clients, servers))]
+    return ([cut(shared, r, r, None, list(lens[r]), c, _NO_TASKS) for r, c in enumerate(clients)]
+            + [cut(shared, ranks + s, None, s, [], _NO_TASKS, own) for s, own in enumerate(servers)])
 
 
 __all__ = ["PLAN_ID_MAX", "PlanPart", "plan_identity", "plan_part", "plan_parts"]

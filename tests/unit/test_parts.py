@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from scheduler import CostModel, plan_batch
 from scheduler.layout import client_layout, client_layout_from, server_layout, server_layout_from
 from scheduler.parts import PlanPart, plan_part, plan_parts
+from scheduler.tasks import participant_roles
 
 COST = CostModel(4, 2, 16, 2)
 batches = st.lists(st.lists(st.integers(1, 500), max_size=5), min_size=1, max_size=4)
@@ -24,8 +25,11 @@ def test_parts_round_trip_and_give_the_plans_layout(doc_lens, mode, servers, win
     servers = len(doc_lens) if mode == "inplace" else servers
     plan = plan_batch(doc_lens, servers, cost=COST, mode=mode, min_shard=8, window=window)
     parts = plan_parts(plan, step=3, batch=1)
-    assert len(parts) == plan.num_participants
-    for part in parts:
+    assert [part.participant for part in parts] == list(range(plan.num_participants))
+    for part in parts:  # the one-pass cut gives what cutting each part alone gives
+        alone = plan_part(plan, part.participant, step=3, batch=1)
+        assert (part.rank, part.server) == participant_roles(mode, plan.num_ranks, part.participant)
+        assert part.to_msgpack() == alone.to_msgpack() and part.doc_lens is not plan.doc_lens_per_rank[0]
         back = PlanPart.from_msgpack(part.to_msgpack())
         assert (back.step, back.batch, back.rank, back.server) == (3, 1, part.rank, part.server)
         assert back.window == window
