@@ -15,7 +15,8 @@ When nobody is lost (every client was in the round that timed out), the verdict 
 client slowest to join it, if it joined at least half the first one's wait after it: a round that
 times out with everyone present was one its last arrival reached too late to finish. Members say
 how long they had been in their round when they checked in; the scheduler turns that into a join
-time on its own clock, so no clocks need agree.
+time on its own clock, so no clocks need agree. A member's own finding, or a client of that
+round with no join time, names nobody (:meth:`Arbitration.slowest`).
 
 The verdict's cause is what the members reported, a member's own finding first (a ``ValueError``
 it raised before moving bytes, e.g. parts that disagree) ahead of what a collective said (a
@@ -95,10 +96,19 @@ class Arbitration:
         """``"<who>: joined round N of the epoch X s after the first client"``, naming the client
         that joined the furthest round last, if that was at least half the first one's wait at
         its check-in after it; else ``""``. Only clients count: a dedicated server waits for the
-        next round from the moment its last one ended."""
+        next round from the moment its last one ended.
+
+        Nobody is named when a member found the cause itself (its own failure, e.g. parts that
+        disagree, is the reason, not a late arrival), or when a client that reached the furthest
+        round gave no join time in it (it failed outside the round: the last known join is not
+        the last one)."""
+        if self.cause()[1]:
+            return ""
         furthest = max((n for r, n in self.reached.items() if self.members[r].client), default=0)
-        rows = sorted((at, r, checked) for r, (n, at, checked) in self.joined.items()
-                      if self.members[r].client and n == furthest)
+        at_furthest = [r for r, n in self.reached.items() if self.members[r].client and n == furthest]
+        if any(self.joined.get(r, (None,))[0] != furthest for r in at_furthest):
+            return ""
+        rows = sorted((self.joined[r][1], r, self.joined[r][2]) for r in at_furthest)
         if len(rows) < 2:
             return ""
         (first, _, first_checked), (last, r, _) = rows[0], rows[-1]

@@ -199,8 +199,9 @@ class GroupMember:
             return
         self.leave()
         self.epoch, self.world_rank, self.world_size = epoch, world_rank, world_size
-        self.rounds_done, self.tagged_rounds, self.in_round, self._live = 0, 0, True, epoch
+        # round_since before in_round: the watcher thread reads waited_s, never a stale start
         self.round_since = time.monotonic()
+        self.rounds_done, self.tagged_rounds, self.in_round, self._live = 0, 0, True, epoch
         if self._watch:
             threading.Thread(target=self._watch_epoch, args=(epoch,), daemon=True,
                              name=f"distca-watch-{self.who}-{epoch}").start()
@@ -290,7 +291,8 @@ class GroupMember:
                               f"start a new step)")
         step = header.step if header is not None else -1
         what = header.describe() if header is not None else "the next round"
-        self.in_round, self.round_since = True, time.monotonic()
+        self.round_since = time.monotonic()  # before in_round (as in join)
+        self.in_round = True
         try:
             if self.tag_rounds and header is not None and num_clients == self.world_size:
                 participant = participant_for(header)

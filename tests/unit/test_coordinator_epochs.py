@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.arbitration import Arbitration, Member
 from scheduler.coordinator import KEEP_EPOCHS, MAX_BOOTSTRAP_BYTES
 from scheduler.outcomes import lost_text
 from test_coordinator import GRACE, LENS, SHAPE, decode, make, run_step  # the shared helpers
@@ -170,6 +171,31 @@ def test_no_slowest_client_without_a_late_join(waits):
     c.failure(0, 2, step=-1, now=50.0, reached=2)
     out = c.failure(0, 3, step=-1, now=50.0, reached=2)
     assert out.verdict["slowest"] == "" and lost_text(out.verdict) == "none"
+
+
+def test_no_slowest_client_when_a_member_found_the_cause():
+    """Client 0 found the cause itself (its parts disagree) after a short wait: client 1 joining
+    late in that wait is ordinary skew, not the reason the round failed."""
+    c = make()
+    run_step(c, 0)
+    c.failure(0, 0, step=0, now=5.0, reached=2, cause="parts disagree", detected=True, waited_s=0.12)
+    c.failure(0, 1, step=0, now=5.0, reached=2, waited_s=0.03)
+    c.failure(0, 2, step=-1, now=5.0, reached=2)
+    out = c.failure(0, 3, step=-1, now=5.0, reached=2)
+    assert out.verdict == verdict(cause="parts disagree", detected=True)
+
+
+def test_no_slowest_client_when_one_gave_no_join_in_the_round():
+    """Client 1 failed between rounds (its own code raised, out of any round) and gave no join
+    time; clients 0 and 2 waited in the round: client 0, the last one placed, is not named as if it
+    had joined last (client 1 may have been later still)."""
+    members = {r: Member(f"client rank {r}", True, None) for r in range(3)}
+    fail = Arbitration(0, members, deadline=10.0, grace_s=2.0)
+    fail.check_in(2, 0, 3, True, "timed out", False, now=5.0, waited_s=5.0)
+    fail.check_in(0, 0, 3, True, None, False, now=5.0, waited_s=0.1)
+    assert fail.slowest().startswith("client rank 0:")  # the two placed: client 0 joined 4.9 s later
+    fail.check_in(1, 0, 3, False, "boom", False, now=5.0)
+    assert fail.lost() == [] and fail.slowest() == ""
 
 
 def test_a_lost_member_is_named_instead_of_the_slowest():
