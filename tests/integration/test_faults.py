@@ -364,7 +364,8 @@ def test_scheduler_restart_fails_the_step_in_flight_then_runs(job):
     assert all(r["ok"] for r in _run_ok(job, [("forward_only", (LENS[r], s), {}) for r in range(2)]))
     ray.kill(job["scheduler"], no_restart=False)
     # every member notices through its long-poll (Ray: ~1.7 s)
-    assert until(lambda: all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)))
+    assert until(lambda: all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)),
+                 timeout_s=30)
     results = _run(job, [("finish", (LENS[r], s), {}) for r in range(2)])
     for r in results:
         assert not r["ok"] and r["type"] == "DistCAError" and r["seconds"] <= T + slack(T), r
@@ -388,7 +389,8 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     ``launch`` is all or nothing and works again after ``down``."""
     ray.kill(job["scheduler"], no_restart=True)
     assert scheduler_actor_name(NAME) not in until(lambda: job_actor_names(NAME),
-                                                   ok=lambda names: scheduler_actor_name(NAME) not in names)
+                                                   ok=lambda names: scheduler_actor_name(NAME) not in names,
+                                                   timeout_s=30)
     st = status(NAME)
     assert st["scheduler"] == "missing" and [s["server"] for s in st["servers"]] == [0, 1]
     assert "scheduler missing" in format_status(st).splitlines()[0]
@@ -407,7 +409,7 @@ def test_cli_without_a_scheduler_and_atomic_launch(job, capsys):
     with pytest.raises(DistCAError, match="did not start within 3 s"):
         launch(name="atomic", config=JobConfig(servers=2, timeout_s=T, start_timeout_s=3), detached=False,
                server_options={"num_cpus": 0, "resources": {"no-such-resource": 1}})
-    assert not until(lambda: job_actor_names("atomic"), ok=lambda names: not names)  # nothing is left behind
+    assert not until(lambda: job_actor_names("atomic"), ok=lambda names: not names, timeout_s=30)  # nothing is left behind
     again = launch(name="atomic", config=JobConfig(servers=1, timeout_s=T), detached=False,
                    server_options={"num_cpus": 0})
     with pytest.raises(ValueError, match="already running"):

@@ -68,7 +68,8 @@ def _status_once_served(name, rounds):
     """``status(name)`` once each server's ``rounds_served`` equals ``rounds`` (or the wait timed
     out: the caller's assertion then shows the counts). A server counts a round just after
     sending its results, so its clients can have them, and return, before the count moves."""
-    return until(lambda: status(name), ok=lambda st: [s["rounds_served"] for s in st["servers"]] == rounds)
+    return until(lambda: status(name), ok=lambda st: [s["rounds_served"] for s in st["servers"]] == rounds,
+                 timeout_s=60)
 
 
 def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
@@ -90,7 +91,7 @@ def _check_plan_and_traffic(workers, lens_per_rank, seed, servers=()):
         assert _nonzero(res["traffic"]) == _client_share(plan, r), r
     # a server counts a round just after sending its results
     after = until(server_stats, ok=lambda now: all(a["rounds_served"] >= b["rounds_served"] + 2
-                                                   for a, b in zip(now, before)))
+                                                   for a, b in zip(now, before)), timeout_s=30)
     assert all(a["rounds_served"] >= b["rounds_served"] + 2 for a, b in zip(after, before)), (before, after)
     moved = sum_traffic([r["traffic"] for r in results] + [a["traffic"] for a in after]
                         + [{k: {n: -b for n, b in per.items()} for k, per in s["traffic"].items()}

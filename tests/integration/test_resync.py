@@ -183,7 +183,8 @@ def test_a_scheduler_killed_mid_step_costs_that_step_only(job):
         [w.forward_only.remote(LENS[r], s) for r, w in enumerate(job["workers"])], timeout=300)))
     ray.kill(job["scheduler"], no_restart=False)
     # every client notices through its long-poll (Ray: ~1.7 s)
-    assert until(lambda: all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)))
+    assert until(lambda: all(ray.get([w.scheduler_lost.remote() for w in job["workers"]], timeout=30)),
+                 timeout_s=60)
     results = ray.get([w.finish.remote(LENS[r], s) for r, w in enumerate(job["workers"])], timeout=600)
     assert not any(r["ok"] for r in results), results
     _every_later_step_runs(job)
