@@ -231,11 +231,9 @@ class ExchangeGraph:
             if not e.resolved or e.error is not None:  # (most were settled since, and delivered)
                 t._finish(e)
         deadline = time.monotonic() + (t.timeout_s if timeout_s is None else float(timeout_s))
-        with t._lock:
-            t._settle()
-            if t._closed or t._broken is not None:
-                raise DistCAError(f"graph replay on participant {t.rank} of group epoch {t.epoch}: the group is "
-                                  f"{'closed' if t._closed else 'aborted: ' + t._broken}")
+        t._settle()
+        with t._queueing:  # as a device-driven exchange queues (routed.RoutedTransport._queueing)
+            t._refuse_if_gone("graph replay")
             with t._leased:  # a recording's writes are the stream's: a revoked lease refuses them
                 t._stream.begin()  # after the caller's work (the send rows)
                 t._stream.replay(self._recordings[v])
@@ -244,7 +242,8 @@ class ExchangeGraph:
             entries = [_Entry(value, deadline, r, snap, marker, credits, arrivals,
                               label=(_REPLAY_LABEL, j, r.name, n, t.epoch))
                        for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
-            t._inflight.extend(entries)
+            with t._lock:
+                t._inflight.extend(entries)
         self._last[v], self._next = entries, 1 - v
         self.replays += 1
         t._watch().poke()

@@ -135,6 +135,13 @@ class RoutedTransport(SymmetricTransport):
         self._routes: OrderedDict[int, _Route] = OrderedDict()
         self._inflight: list[_Entry] = []
         self._lock = threading.RLock()
+        # Held while an exchange checks the group, queues its work and records it in flight.
+        # close() sets _leaving under it before it stops the stream, so an exchange on another
+        # thread is either seen by close() (and ended) or refused: work queued on a stopped stream
+        # would never run and its wait would last the whole deadline. Not _lock: the stream's
+        # queue may block behind a stuck wait that only the watchdog, which needs _lock, can end.
+        self._queueing = threading.Lock()
+        self._leaving = False
         self._watchdog: Watchdog | None = None
         self._naming: Hashable | None = None  # the route of the host-driven exchange running now
         self._capture = None  # the exchange_graph._Capture recording exchanges now, if any
@@ -233,9 +240,7 @@ class RoutedTransport(SymmetricTransport):
         with self._refusing():
             check_exchange(send, send_splits, recv, recv_splits, P, me)
         self._settle()
-        if self._closed or self._broken is not None:
-            raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "
-                              f"{'closed' if self._closed else 'aborted: ' + self._broken}")
+        self._refuse_if_gone("all-to-all")
         ss = [[int(x) for x in sp] for sp in send_splits]
         rs = [[int(x) for x in sp] for sp in recv_splits]
         if ss != r.send_splits or rs != r.recv_splits or _pointers(recv) != r.recv_ptrs:
@@ -245,6 +250,13 @@ class RoutedTransport(SymmetricTransport):
             self._abort(MISMATCH, f"route {r.name!r} misused")
             raise ValueError(f"participant {me}: an exchange of route {r.name!r} has other {what} than the "
                              f"exchange that installed it")
+
+    def _refuse_if_gone(self, what: str) -> None:
+        """Raise ``DistCAError`` naming ``what`` if this PE closed (or is closing) the group, or the
+        group is aborted; under ``_queueing`` where work is queued next."""
+        if self._leaving or self._closed or self._broken is not None:
+            state = "closed" if self._leaving or self._closed else "aborted: " + self._broken
+            raise DistCAError(f"{what} on participant {self.rank} of group epoch {self.epoch}: the group is {state}")
 
     def _queue(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot, tag: int | None = None):
         """Queue one exchange of route ``r`` on the stream: its words are ``credit_slot(src)`` and
@@ -290,13 +302,15 @@ class RoutedTransport(SymmetricTransport):
         self._seq += 1
         seq = self._base | self._seq
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
-        queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe), lambda pe: self._slot(DATA, pe),
-                             tag)
-        entry = _Entry(seq, deadline, r, *queued,
-                       label=("device-driven exchange {} of route {!r}, group epoch {}", self._seq, r.name, self.epoch),
-                       tag=tag)
-        with self._lock:
-            self._inflight.append(entry)
+        with self._queueing:  # a close() on another thread either sees this entry or is seen here
+            self._refuse_if_gone("all-to-all")
+            queued = self._queue(r, send, recv, seq, lambda pe: self._slot(ANNOUNCE, pe),
+                                 lambda pe: self._slot(DATA, pe), tag)
+            entry = _Entry(seq, deadline, r, *queued,
+                           label=("device-driven exchange {} of route {!r}, group epoch {}", self._seq, r.name,
+                                  self.epoch), tag=tag)
+            with self._lock:
+                self._inflight.append(entry)
         self._watch().poke()
         self.bytes_sent += r.sent
         self.device_exchanges += 1
@@ -473,6 +487,8 @@ class RoutedTransport(SymmetricTransport):
         :meth:`.symmetric.SymmetricTransport.close`."""
         if self._closed:
             return
+        with self._queueing:  # from here no exchange queues work (the stream stops below)
+            self._leaving = True
         for e in self._unresolved():
             if not e.marker.done():
                 # CLOSED, not TIMED_OUT: only the peers waiting on this one fail, and say it left

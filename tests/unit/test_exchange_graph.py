@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -213,6 +214,40 @@ def test_the_next_group_epoch_captures_and_replays_exactly_after_a_failed_replay
             t.close()
         for x in heaps:
             x.close()
+
+
+@pytest.mark.parametrize("how", ["exchange", "replay"])
+def test_work_queued_while_another_thread_closes_the_transport_is_refused_at_once(heap, how):
+    """A PE's thread that queues a device-driven exchange or a replay while another thread closes
+    its transport (the local runtime closes a failed round's group from the caller's thread while
+    a participant's round still runs) is refused with ``DistCAError`` at once. Before, work queued
+    after close() had stopped the stream, but before it marked the transport closed, never ran:
+    its wait lasted the deadline plus twice GRACE_S (a 62 s failure of test_graphed_rounds)."""
+    P = 2
+    with routed_group(heap, P, 5) as ts:
+        statics, graphs = capture(ts, [("a", route_data(5, P))])
+        t, got = ts[1], {}
+        work = (lambda: statics[1].run()[0]) if how == "exchange" else graphs[1].replay
+        stop = t._stream.close
+
+        def queue():
+            try:
+                work().wait()
+                got["error"] = None
+            except DistCAError as exc:
+                got["error"] = str(exc)
+
+        def stop_then_queue():  # the window: the stream has stopped, the transport is not closed yet
+            stop()
+            th = threading.Thread(target=queue)
+            th.start()
+            th.join(30)
+            got["alive"] = th.is_alive()
+        t._stream.close = stop_then_queue
+        before = t.device_exchanges
+        t.close()
+        assert got["alive"] is False and "the group is closed" in got["error"], got
+        assert t.device_exchanges == before  # nothing was queued
 
 
 # ---- a peer process that dies between replays ------------------------------------------------------
