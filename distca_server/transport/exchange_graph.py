@@ -242,8 +242,7 @@ class ExchangeGraph:
             entries = [_Entry(value, deadline, r, snap, marker, credits, arrivals,
                               label=(_REPLAY_LABEL, j, r.name, n, t.epoch))
                        for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
-            with t._lock:
-                t._inflight.extend(entries)
+            t._record(entries)
         self._last[v], self._next = entries, 1 - v
         self.replays += 1
         t._watch().poke()

@@ -135,11 +135,11 @@ class RoutedTransport(SymmetricTransport):
         self._routes: OrderedDict[int, _Route] = OrderedDict()
         self._inflight: list[_Entry] = []
         self._lock = threading.RLock()
-        # Held while an exchange checks the group, queues its work and records it in flight.
-        # close() sets _leaving under it before it stops the stream, so an exchange on another
-        # thread is either seen by close() (and ended) or refused: work queued on a stopped stream
-        # would never run and its wait would last the whole deadline. Not _lock: the stream's
-        # queue may block behind a stuck wait that only the watchdog, which needs _lock, can end.
+        # Held while an exchange checks the group, queues its work and records it in flight
+        # (_record). close() sets _leaving, then takes it, so an exchange on another thread is
+        # either ended by close() or refused: work queued on a stopped stream would never run and
+        # its wait would last the whole deadline. Not _lock: the stream's queue may block behind
+        # a stuck wait that only the watchdog, which needs _lock, can end.
         self._queueing = threading.Lock()
         self._leaving = False
         self._watchdog: Watchdog | None = None
@@ -208,6 +208,7 @@ class RoutedTransport(SymmetricTransport):
         if found is not None and found.growths == self._growths and self._pe_stream() is not None:
             self._routes.move_to_end(rid)
             return self._device_exchange(found, send, send_splits, recv, recv_splits, timeout_s, int(tag))
+        self._refuse_if_gone("all-to-all")  # closing on another thread: its words are left to it
         self._drain()  # the host-driven protocol reads and writes the words itself: the stream rests
         self._naming = route
         self._exchange(send, send_splits, recv, recv_splits, timeout_s,
@@ -309,12 +310,24 @@ class RoutedTransport(SymmetricTransport):
             entry = _Entry(seq, deadline, r, *queued,
                            label=("device-driven exchange {} of route {!r}, group epoch {}", self._seq, r.name,
                                   self.epoch), tag=tag)
-            with self._lock:
-                self._inflight.append(entry)
+            self._record([entry])
         self._watch().poke()
         self.bytes_sent += r.sent
         self.device_exchanges += 1
         return _Handle(self, entry)
+
+    def _record(self, entries: list[_Entry]) -> None:
+        """Put queued ``entries`` in flight. A failure that came while they were queued (the
+        watchdog's expiry or :meth:`abandon` set ``_broken`` and forced the waits in flight, not
+        yet these) ends them now, with its reason: the failure sets ``_broken`` and reads
+        ``_inflight`` under ``_lock``, so it either sees them or is seen here."""
+        with self._lock:
+            self._inflight.extend(entries)
+            late = self._broken
+            for e in entries if late is not None else ():
+                e.expired = late  # the failure told the peers already
+        if late is not None:
+            self._force_waits()
 
     # ---- completion and failure ------------------------------------------------------------------
     def _unresolved(self) -> list[_Entry]:
@@ -487,12 +500,17 @@ class RoutedTransport(SymmetricTransport):
         :meth:`.symmetric.SymmetricTransport.close`."""
         if self._closed:
             return
-        with self._queueing:  # from here no exchange queues work (the stream stops below)
-            self._leaving = True
-        for e in self._unresolved():
-            if not e.marker.done():
-                # CLOSED, not TIMED_OUT: only the peers waiting on this one fail, and say it left
-                self._expire(e, f"participant {self.rank} closed the transport during the exchange", code=CLOSED)
+        self._leaving = True  # an exchange that checks from now is refused (the stream stops below)
+
+        def end_in_flight():
+            for e in self._unresolved():
+                if not e.marker.done():
+                    # CLOSED, not TIMED_OUT: only the peers waiting on this one fail, and say it left
+                    self._expire(e, f"participant {self.rank} closed the transport during the exchange", code=CLOSED)
+        end_in_flight()  # first: an exchange being queued may wait on the stream these hold
+        with self._queueing:  # one that checked before the flag has recorded its entries now
+            pass
+        end_in_flight()
         if self._stream is not None:
             for e in self._unresolved():
                 e.marker.wait(GRACE_S)
@@ -505,11 +523,14 @@ class RoutedTransport(SymmetricTransport):
         """Give up on the group now (its member learned that the group failed elsewhere): every
         exchange in flight ends with ``DistCAError`` naming ``why``, the peers waiting on this PE
         are told (``PEER_FAILED``), and later exchanges fail at once. Returns at once."""
+        with self._lock:  # broken before the scan: an exchange recorded after it forces itself (_record)
+            first = self._broken is None
+            if first:
+                self._broken = why
         for e in self._unresolved():
             self._expire(e, why, code=PEER_FAILED)
-        with self._lock:
-            if self._broken is None:
-                self._abort(PEER_FAILED, why)
+        if first:
+            self._abort(PEER_FAILED, why)  # the peers learn it (again, if an expiry above told them)
 
     def graph(self, fn) -> "ExchangeGraph":
         """Capture the exchanges ``fn()`` makes, to replay them (:class:`.exchange_graph.ExchangeGraph`)."""

@@ -250,6 +250,33 @@ def test_work_queued_while_another_thread_closes_the_transport_is_refused_at_onc
         assert t.device_exchanges == before  # nothing was queued
 
 
+@pytest.mark.parametrize("failure", ["expiry", "abandon"])
+def test_a_failure_while_a_replay_is_queued_ends_that_replay_too(heap, failure):
+    """The watchdog's expiry of an earlier replay, or the member's ``abandon``, on another thread
+    after a replay has queued its work but before it is in flight: that replay ends at once with
+    the failure's reason (its own waits are forced when it is recorded), not at its deadline."""
+    P = 2
+    with routed_group(heap, P, SETUP_TIMEOUT_S) as ts:
+        statics, graphs = capture(ts, [("a", route_data(5, P))])
+        t, g = ts[1], graphs[1]
+        h0 = g.replay()  # participant 0 never replays: this one waits
+        e0, queue = g._last[0][0], t._stream.replay
+        why = "test: the group failed elsewhere"
+        fail = (lambda: t._expire(e0, why)) if failure == "expiry" else (lambda: t.abandon(why))
+
+        def queue_then_fail(recording):
+            queue(recording)
+            th = threading.Thread(target=fail)  # as the watchdog's (or the member's) thread would
+            th.start()
+            th.join(30)
+        t._stream.replay = queue_then_fail
+        h1 = g.replay(timeout_s=10)
+        t._stream.replay = queue
+        for h in (h0, h1):
+            with pytest.raises(DistCAError, match=why):
+                h.wait()
+
+
 # ---- a peer process that dies between replays ------------------------------------------------------
 def _worker(rank: int, P: int, handle: dict, timeout: float, results) -> None:
     with reporting(rank, results):  # a failure anywhere (setup included) reaches the parent
