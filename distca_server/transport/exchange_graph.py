@@ -243,9 +243,9 @@ class ExchangeGraph:
                               label=(_REPLAY_LABEL, j, r.name, n, t.epoch))
                        for j, (r, (snap, _, credits, arrivals)) in enumerate(self._records[v])]
             t._record(entries)
+            t._watch().poke()  # inside: close() then finds the watchdog to stop
         self._last[v], self._next = entries, 1 - v
         self.replays += 1
-        t._watch().poke()
         t.device_exchanges += len(entries)
         t.bytes_sent += self._sent[v]
         return _ReplayHandle(t, entries)

@@ -311,7 +311,7 @@ class RoutedTransport(SymmetricTransport):
                            label=("device-driven exchange {} of route {!r}, group epoch {}", self._seq, r.name,
                                   self.epoch), tag=tag)
             self._record([entry])
-        self._watch().poke()
+            self._watch().poke()  # inside: close() then finds the watchdog to stop
         self.bytes_sent += r.sent
         self.device_exchanges += 1
         return _Handle(self, entry)
@@ -325,7 +325,7 @@ class RoutedTransport(SymmetricTransport):
             self._inflight.extend(entries)
             late = self._broken
             for e in entries if late is not None else ():
-                e.expired = late  # the failure told the peers already
+                e.expired = late  # no signal of its own: as if refused, the peers learn it as of the failure
         if late is not None:
             self._force_waits()
 
@@ -508,8 +508,12 @@ class RoutedTransport(SymmetricTransport):
                     # CLOSED, not TIMED_OUT: only the peers waiting on this one fail, and say it left
                     self._expire(e, f"participant {self.rank} closed the transport during the exchange", code=CLOSED)
         end_in_flight()  # first: an exchange being queued may wait on the stream these hold
-        with self._queueing:  # one that checked before the flag has recorded its entries now
-            pass
+        if self._stream is not None and self._queueing.locked():
+            self._force_waits()  # an exchange is being queued: its own unrecorded waits too
+        # One that checked before the flag has recorded its entries once this is free; bounded,
+        # since a GPU enqueue stuck behind a wait nothing forced must not keep close() forever.
+        if self._queueing.acquire(timeout=self.timeout_s + GRACE_S):
+            self._queueing.release()
         end_in_flight()
         if self._stream is not None:
             for e in self._unresolved():

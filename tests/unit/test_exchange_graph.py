@@ -250,6 +250,34 @@ def test_work_queued_while_another_thread_closes_the_transport_is_refused_at_onc
         assert t.device_exchanges == before  # nothing was queued
 
 
+@pytest.mark.parametrize("earlier", [False, True], ids=["alone", "behind-another"])
+def test_a_replay_being_queued_when_close_starts_is_ended_by_close(heap, earlier):
+    """close() on another thread while a replay that passed its check is queueing (alone, or with
+    an earlier replay in flight): close() waits for it to be recorded and ends it, naming the
+    close; it neither runs behind the stopped stream nor waits out its deadline."""
+    P = 2
+    with routed_group(heap, P, SETUP_TIMEOUT_S) as ts:
+        statics, graphs = capture(ts, [("a", route_data(5, P))])
+        t, g = ts[1], graphs[1]
+        h0 = g.replay() if earlier else None  # participant 0 never replays: it waits
+        queue, closer = t._stream.replay, []
+
+        def queue_then_close(recording):
+            queue(recording)
+            closer.append(threading.Thread(target=t.close))
+            closer[0].start()
+            while not t._leaving and closer[0].is_alive():
+                time.sleep(0.001)
+            time.sleep(0.05)  # close() runs on: it reaches the wait for this replay
+        t._stream.replay = queue_then_close
+        h1 = g.replay(timeout_s=10)
+        for h in (h0, h1) if earlier else (h1,):
+            with pytest.raises(DistCAError, match="participant 1 closed the transport"):
+                h.wait()
+        closer[0].join(30)
+        assert not closer[0].is_alive()
+
+
 @pytest.mark.parametrize("failure", ["expiry", "abandon"])
 def test_a_failure_while_a_replay_is_queued_ends_that_replay_too(heap, failure):
     """The watchdog's expiry of an earlier replay, or the member's ``abandon``, on another thread
