@@ -141,7 +141,6 @@ class RoutedTransport(SymmetricTransport):
         # its wait would last the whole deadline. Not _lock: the stream's queue may block behind
         # a stuck wait that only the watchdog, which needs _lock, can end.
         self._queueing = threading.Lock()
-        self._leaving = False
         self._watchdog: Watchdog | None = None
         self._naming: Hashable | None = None  # the route of the host-driven exchange running now
         self._capture = None  # the exchange_graph._Capture recording exchanges now, if any
@@ -208,7 +207,6 @@ class RoutedTransport(SymmetricTransport):
         if found is not None and found.growths == self._growths and self._pe_stream() is not None:
             self._routes.move_to_end(rid)
             return self._device_exchange(found, send, send_splits, recv, recv_splits, timeout_s, int(tag))
-        self._refuse_if_gone("all-to-all")  # closing on another thread: its words are left to it
         self._drain()  # the host-driven protocol reads and writes the words itself: the stream rests
         self._naming = route
         self._exchange(send, send_splits, recv, recv_splits, timeout_s,
@@ -251,13 +249,6 @@ class RoutedTransport(SymmetricTransport):
             self._abort(MISMATCH, f"route {r.name!r} misused")
             raise ValueError(f"participant {me}: an exchange of route {r.name!r} has other {what} than the "
                              f"exchange that installed it")
-
-    def _refuse_if_gone(self, what: str) -> None:
-        """Raise ``DistCAError`` naming ``what`` if this PE closed (or is closing) the group, or the
-        group is aborted; under ``_queueing`` where work is queued next."""
-        if self._leaving or self._closed or self._broken is not None:
-            state = "closed" if self._leaving or self._closed else "aborted: " + self._broken
-            raise DistCAError(f"{what} on participant {self.rank} of group epoch {self.epoch}: the group is {state}")
 
     def _queue(self, r: _Route, send, recv, value: int, credit_slot, arrival_slot, tag: int | None = None):
         """Queue one exchange of route ``r`` on the stream: its words are ``credit_slot(src)`` and

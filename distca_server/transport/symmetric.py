@@ -113,6 +113,7 @@ class SymmetricTransport:
         self._growths = 0  # times any array grew (the same on every PE: growth is agreed)
         self._broken: str | None = None
         self._closed = False
+        self._leaving = False  # close() has begun (RoutedTransport sets it before it stops its stream)
 
     # ---- buffers ----------------------------------------------------------------------------------
     def buffer(self, key: str, nbytes: int) -> torch.Tensor:
@@ -225,6 +226,13 @@ class SymmetricTransport:
         # overrunning its bound would leave the host thread stuck for every later call. Queued,
         # the signals go out once the stream gets to them (the watchdog forces its waits first);
         # a direct heap (shared memory) has written them already; close() quiets, bounded.
+
+    def _refuse_if_gone(self, what: str) -> None:
+        """Raise ``DistCAError`` naming ``what`` if this PE closed (or is closing) the group, or the
+        group is aborted (a routed transport checks it under ``_queueing``, where work is queued next)."""
+        if self._leaving or self._closed or self._broken is not None:
+            state = "closed" if self._leaving or self._closed else "aborted: " + self._broken
+            raise DistCAError(f"{what} on participant {self.rank} of group epoch {self.epoch}: the group is {state}")
 
     @contextlib.contextmanager
     def _refusing(self):
@@ -348,9 +356,7 @@ class SymmetricTransport:
             check_exchange(send, send_splits, recv, recv_splits, P, me)
             if len(send) > MAX_SEGMENTS:
                 raise ValueError(f"an exchange moves at most {MAX_SEGMENTS} segments, got {len(send)}")
-        if self._closed or self._broken is not None:
-            raise DistCAError(f"all-to-all on participant {me} of group epoch {self.epoch}: the group is "
-                              f"{'closed' if self._closed else 'aborted: ' + self._broken}")
+        self._refuse_if_gone("all-to-all")
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
         ss = [[int(x) for x in sp] for sp in send_splits]
         rs = [[int(x) for x in sp] for sp in recv_splits]
