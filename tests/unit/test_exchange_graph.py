@@ -222,9 +222,10 @@ def test_work_queued_while_another_thread_closes_the_transport_is_refused_at_onc
     its transport (the local runtime closes a failed round's group from the caller's thread while
     a participant's round still runs) is refused with ``DistCAError`` at once. Before, work queued
     after close() had stopped the stream, but before it marked the transport closed, never ran:
-    its wait lasted the deadline plus twice GRACE_S (a 62 s failure of test_graphed_rounds)."""
+    its wait lasted the deadline plus twice GRACE_S (a 62 s failure of test_graphed_rounds; the
+    setup's deadline is the generous one, a regression costs it)."""
     P = 2
-    with routed_group(heap, P, 5) as ts:
+    with routed_group(heap, P, SETUP_TIMEOUT_S) as ts:
         statics, graphs = capture(ts, [("a", route_data(5, P))])
         t, got = ts[1], {}
         work = (lambda: statics[1].run()[0]) if how == "exchange" else graphs[1].replay
