@@ -66,14 +66,13 @@ from .heap_lease import HeapLease
 from .pe_stream import HostStream, PeStream
 from .route import _pointers, _Route, route_id
 from .symmetric import SymmetricTransport
-from .symmetric_words import (_LOW, _REPORT, ANNOUNCE, CLOSED, DATA, GRAPH_BLOCKS, MAX_SEGMENTS, MISMATCH,
-                              PEER_FAILED, TIMED_OUT)
+from .symmetric_words import (_LOW, _REPORT, ANNOUNCE, CLOSED, DATA, GRACE_S, GRAPH_BLOCKS, MAX_SEGMENTS,
+                              MISMATCH, PEER_FAILED, TIMED_OUT)
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .exchange_graph import ExchangeGraph
 
-GRACE_S = 1.0  # how long after its deadline a failed exchange may take to raise
 MAX_ROUTES = 64  # installed routes kept per transport (the least recently used go first)
 
 

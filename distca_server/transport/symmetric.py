@@ -53,6 +53,7 @@ raises :class:`DistCAError` naming the peers it did not hear from. A PE that clo
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Sequence
 
@@ -63,9 +64,9 @@ from ..errors import DistCAError
 from .base import ALIGN, DONE, ExchangeHandle, aligned, check_exchange
 from .symmetric_heap import SymmetricHeap, _FirstFit, key_id
 from .symmetric_words import (_DIRECT, _LOW, _NSEG, _NWISH, _REPORT, _ROUTE, _ROW, _SEGS, _WHY, _WISH, ABORT, ANNOUNCE,
-                              CLOSED, DATA, DIRECT, GEN_SHIFT, MAX_GENERATION, MAX_SEGMENTS, MAX_WISHES, MISMATCH,
-                              MOVED_ON, PEER_FAILED, SIGNAL_KINDS, STAGED, STAGING, TIMED_OUT, abort_low, abort_parts,
-                              table_bytes)
+                              CLOSED, DATA, DIRECT, GEN_SHIFT, GRACE_S, MAX_GENERATION, MAX_SEGMENTS, MAX_WISHES,
+                              MISMATCH, MOVED_ON, PEER_FAILED, SIGNAL_KINDS, STAGED, STAGING, TIMED_OUT, abort_low,
+                              abort_parts, table_bytes)
 
 
 
@@ -114,6 +115,9 @@ class SymmetricTransport:
         self._broken: str | None = None
         self._closed = False
         self._leaving = False  # close() has begun (RoutedTransport sets it before it stops its stream)
+        # Held by a host-driven exchange while it runs: close() on another thread waits for it to see
+        # the closed flag (its waits look at least every 50 ms) before the heap goes from under it.
+        self._hosting = threading.Lock()
 
     # ---- buffers ----------------------------------------------------------------------------------
     def buffer(self, key: str, nbytes: int) -> torch.Tensor:
@@ -227,11 +231,20 @@ class SymmetricTransport:
         # the signals go out once the stream gets to them (the watchdog forces its waits first);
         # a direct heap (shared memory) has written them already; close() quiets, bounded.
 
+    def _gone(self) -> str | None:
+        """Why this PE takes part in no more exchanges: "closed" once :meth:`close` has begun,
+        "aborted: <reason>" once the group broke here (a failed exchange, ``abandon``, the
+        watchdog), None while it is whole."""
+        if self._leaving or self._closed:
+            return "closed"
+        broken = self._broken
+        return None if broken is None else "aborted: " + broken
+
     def _refuse_if_gone(self, what: str) -> None:
         """Raise ``DistCAError`` naming ``what`` if this PE closed (or is closing) the group, or the
         group is aborted (a routed transport checks it under ``_queueing``, where work is queued next)."""
-        if self._leaving or self._closed or self._broken is not None:
-            state = "closed" if self._leaving or self._closed else "aborted: " + self._broken
+        state = self._gone()
+        if state is not None:
             raise DistCAError(f"{what} on participant {self.rank} of group epoch {self.epoch}: the group is {state}")
 
     @contextlib.contextmanager
@@ -319,6 +332,14 @@ class SymmetricTransport:
                 self._broken = self._reason(sig, hit)
                 raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}) aborted "
                                   f"on participant {self.rank}: {self._broken}")
+            # This PE gave up (close() or abandon on another thread, e.g. the runtime ending a failed
+            # round): nothing it still waits for may ever come, so it stops now, not at its deadline.
+            # Its peers learn it from the CLOSED or PEER_FAILED words close() and abandon write.
+            state = self._gone()
+            if state is not None:
+                raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}) on "
+                                  f"participant {self.rank} stopped waiting for participants {sorted(pending)}: "
+                                  f"the group is {state}")
             if time.monotonic() > deadline:
                 self._abort(TIMED_OUT, "timed out")
                 raise DistCAError(f"all-to-all {what} (exchange {seq & _LOW}, group epoch {self.epoch}): "
@@ -351,6 +372,10 @@ class SymmetricTransport:
         """The host-driven exchange. ``route`` (an id every PE passes for the same exchange, 0 for
         none): when every PE names the same one, receives straight into its arena and no array
         grows, :meth:`_install` is told the offsets it wrote to, for later exchanges of the route."""
+        with self._hosting:
+            self._exchange_held(send, send_splits, recv, recv_splits, timeout_s, route)
+
+    def _exchange_held(self, send, send_splits, recv, recv_splits, timeout_s, route: int) -> None:
         P, me, heap = self.world_size, self.rank, self.heap
         with self._refusing():
             check_exchange(send, send_splits, recv, recv_splits, P, me)
@@ -489,7 +514,10 @@ class SymmetricTransport:
         announcing (see :meth:`_exchange`): ``puts[pe]`` is, per segment, the arena offset at which
         this PE wrote its rows for ``pe`` and their bytes. The host-driven transport keeps nothing."""
     def close(self) -> None:
-        """Leave the group: peers waiting on this PE fail with ``DistCAError``."""
+        """Leave the group: peers waiting on this PE fail with ``DistCAError``, and so does a
+        host-driven exchange of this PE waiting on another thread (at its next look, within
+        50 ms). close() waits for that exchange at most ``GRACE_S`` (1 s) before it unmaps the
+        heap: one held longer inside a single heap call may then fail with another error."""
         if self._closed:
             return
         self._closed = True
@@ -499,6 +527,10 @@ class SymmetricTransport:
                 self.heap.signal(pe, self._slot(ABORT, self.rank), self._base | CLOSED)
             except Exception:  # noqa: BLE001 - a peer's memory may be gone already
                 pass
+        # An exchange on another thread sees the flag at its next look (every <= 50 ms of waiting);
+        # bounded, since one stuck in a heap call must not keep close() forever.
+        if self._hosting.acquire(timeout=GRACE_S):
+            self._hosting.release()
         try:
             self.heap.quiet()
         finally:

@@ -15,6 +15,8 @@ SIGNAL_KINDS = 3
 CLOSED, TIMED_OUT, MISMATCH = 1, 2, 3
 MOVED_ON = 4  # not written: a peer with a word of a newer generation has left for a later epoch
 PEER_FAILED = 5  # gave up its exchange because another peer failed (fails only those waiting on it)
+GRACE_S = 1.0  # seconds: how long after its deadline a failed exchange may take to raise, and how
+#               long close() waits for a host-driven exchange on another thread to stop
 _WHY = {CLOSED: "left the group", TIMED_OUT: "timed out waiting for its peers",
         PEER_FAILED: "gave up after another participant failed",
         MISMATCH: "found a mismatch (sizes, route or round)", MOVED_ON: "moved on to a later group epoch"}

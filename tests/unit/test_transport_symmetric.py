@@ -483,3 +483,53 @@ def test_strided_receive_views_and_many_growing_keys():
             t.close()
     finally:
         destroy_heap(handle)
+
+
+@pytest.mark.parametrize("kind, how", [("symmetric", "close"), ("routed", "close"), ("routed", "abandon")])
+def test_giving_up_on_another_thread_ends_a_host_driven_wait_at_once(kind, how):
+    """A host-driven exchange waiting for a peer that never comes ends with DistCAError once its own
+    PE gives up on another thread (what the local runtime does to a failed round, and a client's
+    watcher when the group failed elsewhere), not at its deadline; close() lets it stop before the
+    heap goes, so it raises DistCAError, not a read of an unmapped heap."""
+    from distca_server.transport.routed import RoutedTransport
+    from distca_server.transport.symmetric_words import ABORT, ANNOUNCE
+    handle = create_heap(2, heap_bytes=1 << 20)
+    try:
+        other = ShmHeap(handle, 1)  # participant 1 attaches, and never exchanges
+        cls = RoutedTransport if kind == "routed" else SymmetricTransport
+        t = cls(ShmHeap(handle, 0), timeout_s=TIMEOUT_S)
+        one = torch.arange(4, dtype=torch.uint8)
+        out = {}
+
+        def exchange():
+            start = time.monotonic()
+            try:
+                t.exchange([one], [[2, 2]], [torch.zeros(4, dtype=torch.uint8)], [[2, 2]])
+                out["outcome"] = "returned"
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                out["outcome"] = exc
+            out["elapsed"] = time.monotonic() - start
+        waiter = threading.Thread(target=exchange)
+        waiter.start()
+        until = time.monotonic() + TIMEOUT_S / 2
+        while not other.signals()[t._slot(ANNOUNCE, 0)] and time.monotonic() < until:
+            time.sleep(0.01)  # until participant 0 has announced: it waits for participant 1 now
+        assert other.signals()[t._slot(ANNOUNCE, 0)], "participant 0 never announced"
+        getattr(t, how)(*(["the round failed elsewhere"] if how == "abandon" else []))
+        waiter.join(TIMEOUT_S + SLACK_S)
+        assert not waiter.is_alive()
+        exc = out["outcome"]
+        assert isinstance(exc, DistCAError), exc
+        state = "closed" if how == "close" else "aborted: the round failed elsewhere"
+        assert f"stopped waiting for participants [1]: the group is {state}" in str(exc), exc
+        assert out["elapsed"] < TIMEOUT_S / 2  # at once, not at the deadline
+        if how == "abandon":  # participant 1 is told; a later exchange here is refused
+            assert other.signals()[t._slot(ABORT, 0)]  # ABORT word from participant 0
+            with pytest.raises(DistCAError, match="the group is aborted"):
+                t.exchange([one], [[2, 2]], [torch.zeros(4, dtype=torch.uint8)], [[2, 2]])
+            t.close()
+        else:
+            assert other.signals()[t._slot(ABORT, 0)]  # CLOSED word from participant 0
+        other.close()
+    finally:
+        destroy_heap(handle)
