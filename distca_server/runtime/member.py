@@ -21,8 +21,9 @@ the same way (:class:`SchedulerLost`).
 
 Why the header wait is abandoned rather than aborted: a gloo collective cannot be interrupted,
 and a timed-out one keeps its group's connections open, so peers do not see them close. The
-header exchange runs on a helper thread; an abandoned one stays blocked there until its own
-timeout or its peers leave, while the member moves on.
+header exchange runs on a helper thread; an abandoned one over gloo stays blocked there until its
+own timeout or its peers leave, while the member moves on. Over a symmetric heap (``shm``,
+``nvshmem``) the transport's ``abandon`` or ``close`` ends it at once.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ class Superseded(DistCAError):
     dedicated server): not a failure, the member just leaves the old group."""
 
 
+_LEFT = ("superseded", "closed")  # abandon reasons that mean this member left, not that the group failed
+
+
 class _Abandoned(Exception):
     """The epoch's arbitration opened (or the scheduler died, or a newer epoch was assigned)
     while this member waited."""
@@ -220,7 +224,8 @@ class GroupMember:
     def leave(self) -> None:
         """Drop the group (peers still in an exchange with it see their connection close, unless
         an exchange of this member is still pending in it). A group with an abandoned header
-        exchange pending is closed when that exchange ends: closing it now would wait for it."""
+        exchange pending (over gloo, which cannot end it) is closed when that exchange ends:
+        closing it now would wait for it."""
         self._live = None
         transport, self.transport, self._group = self.transport, None, None
         if transport is None:
@@ -233,26 +238,38 @@ class GroupMember:
 
     def close(self) -> None:
         """Leave the group and stop the helper threads."""
+        epoch = self.epoch
+        # Marked before leaving: the leaving ends a wait in the group at once (a routed
+        # transport's close), and that wait must read as closed, not as a failure to report.
+        self._mark_abandoned(epoch, "closed")
         self.leave()
-        self.abandon(self.epoch, "closed")
+        self.abandon(epoch, "closed")
         self._headers.shutdown(wait=False)
 
     def abandon(self, epoch: int | None, why: str) -> None:
         """Stop waiting for epoch ``epoch``'s next round header: its arbitration opened, or the
         scheduler died, or (``why="superseded"``, a server) a newer epoch was assigned. The next
-        round of the epoch fails at once, and so do the device-driven exchanges of a routed
-        transport in flight (``RoutedTransport.abandon``)."""
+        round of the epoch fails at once, and so does every exchange of a routed transport in
+        flight, the header's included (``RoutedTransport.abandon``)."""
         if epoch is None:
             return
+        # Marked first: an exchange the transport's abandon ends must find the epoch abandoned.
+        self._mark_abandoned(epoch, why)
         transport = self.transport
         if epoch == self.epoch and hasattr(transport, "abandon"):
             # a tagged round waits in device-driven exchanges, not in the header: end them too
             transport.abandon(f"{self.who} gave up on group epoch {epoch}: {why}")
         with self._cond:
+            self._cond.notify_all()
+
+    def _mark_abandoned(self, epoch: int | None, why: str) -> None:
+        """Record that epoch ``epoch``'s waits stop (the first reason stands)."""
+        if epoch is None:
+            return
+        with self._cond:
             self._abandoned.setdefault(epoch, why)
             for old in [e for e in self._abandoned if e < epoch - 2]:
                 del self._abandoned[old]
-            self._cond.notify_all()
 
     # ---- rounds ------------------------------------------------------------------------------------
     def run_round(self, header: RoundHeader | None, num_clients: int,
@@ -313,11 +330,18 @@ class GroupMember:
             self.rounds_done += 1
             return result
         except _Abandoned as exc:
-            if str(exc) in ("superseded", "closed"):
+            if str(exc) in _LEFT:
                 self.leave()
                 raise Superseded(f"{self.who}: group epoch {epoch} was {exc}") from None
             raise self.fail(step, what, None) from None
         except (DistCAError, ValueError, RuntimeError) as exc:
+            with self._cond:
+                why = self._abandoned.get(epoch)
+            if isinstance(exc, DistCAError) and why in _LEFT:
+                # this member left on another thread (stopped, or superseded), which ended the
+                # exchange: not a failure of the group's
+                self.leave()
+                raise Superseded(f"{self.who}: group epoch {epoch} was {why}") from None
             raise self.fail(step, what, str(exc), detected=isinstance(exc, ValueError)) from None
         finally:
             self.in_round = False
@@ -470,7 +494,8 @@ class GroupMember:
 
     @property
     def stuck(self) -> bool:
-        """In a round of an abandoned epoch: a data exchange that only its timeout ends."""
+        """In a round of an abandoned epoch: over gloo, a data exchange that only its timeout
+        ends (a routed transport's exchanges end when the epoch is abandoned)."""
         return self.in_round and self.epoch in self._abandoned
 
     def _lookup(self, epoch: int):

@@ -105,7 +105,7 @@ class AttentionServer:
     # ---- called by the scheduler and by tools ---------------------------------------------------
     def ping(self) -> bool:
         """True if the server can serve a new epoch now: not stopped, and its serving loop is
-        not stuck in a round of a failed epoch (which only the round's timeout ends)."""
+        not stuck in a round of a failed epoch (over gloo, only the round's timeout ends one)."""
         return not self._stop and not self.member.stuck
 
     def assign(self, epoch: int, world_rank: int, world_size: int, plan_index: int, device_type: str,

@@ -13,6 +13,7 @@ of real in-place participants equal the float64 reference, and a participant who
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -113,6 +114,47 @@ def test_abandoning_the_group_ends_device_driven_waits_at_once(heap):  # noqa: F
         assert "gave up" in got[1][1] or "arbitration opened" in got[1][1], got[1]
         with pytest.raises(DistCAError, match="aborted"):  # and the next exchange fails at once
             _exchange(ts[0], splits, 5, 0)
+
+
+@pytest.mark.parametrize("how", ["close", "superseded"])
+def test_leaving_during_a_header_wait_is_superseded_not_a_failure(heap, how):  # noqa: F811
+    """A server stopped (``close``) or given a newer epoch (``superseded``) while it waits for a
+    round header over a routed transport: leaving ends the header exchange at once, and the round
+    ends as ``Superseded``, not as a failure reported to the scheduler (there is none here: a
+    report would raise). The epoch is marked before the transport is told, so the ended exchange
+    always reads as the member leaving."""
+    from distca_server.runtime.member import Superseded
+    from distca_server.transport.symmetric_words import ANNOUNCE
+    with routed_group(heap, 2, 60) as ts:  # participant 1 never enters the round
+        member = GroupMember(None, "127.0.0.1", 60, "server 0", watch=False)
+        member.transport, member.epoch = ts[0], 3
+        marked = []
+        for name in ("close", "abandon"):
+            def told(*args, _call=getattr(ts[0], name)):
+                marked.append(member._abandoned.get(3))
+                return _call(*args)
+            setattr(ts[0], name, told)
+        out = {}
+
+        def serve():
+            try:
+                member.run_round(None, 1, lambda header: None, header_timeout_s=60)
+                out["outcome"] = "returned"
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                out["outcome"] = exc
+        waiter = threading.Thread(target=serve)
+        t0 = time.monotonic()
+        waiter.start()
+        while not ts[1].heap.signals()[ts[0]._slot(ANNOUNCE, 0)] and time.monotonic() < t0 + 30:
+            time.sleep(0.01)  # until the header exchange waits for participant 1
+        member.close() if how == "close" else member.abandon(3, "superseded")
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert time.monotonic() - t0 < 30  # not the header's 60 s deadline
+        assert isinstance(out["outcome"], Superseded), out["outcome"]
+        assert f"group epoch 3 was {how if how == 'superseded' else 'closed'}" in str(out["outcome"])
+        assert marked and all(m == (how if how == "superseded" else "closed") for m in marked), marked
+        assert member.transport is None  # the group is left
 
 
 @pytest.mark.parametrize("tag", [0, -3, 1 << 63])
