@@ -366,8 +366,11 @@ def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict,
     with their own splits (each exactly the plan ``plan_batch`` returns without a time model),
     the one with the fewest predicted seconds on its most loaded server (the first on ties: the
     unsplit time plan). So both guarantees of :func:`_time_plan` still hold with ``partial_kv``:
-    the plans they compare against are among the candidates. Under a held-bytes cap, a
-    candidate above it is kept only if every candidate is."""
+    the plans they compare against are among the candidates. Under a KV budget
+    (``max_kv_rows``), then under a held-bytes cap, a candidate above it is kept only if every
+    candidate is: the guarantees then hold against the FLOP plans that meet it (under a KV
+    budget ``flops`` holds the FLOP plan at ε too, so the FLOP planner's result is a candidate,
+    and the budget holds wherever that plan meets it)."""
     splits: dict = {}  # (task array, target) -> its split plan: the time plan is often the FLOP plan at 0
 
     def split(t, target):
@@ -377,11 +380,18 @@ def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict,
         return splits[key]
     candidates = [make(tasks), split(tasks, (1.0 + epsilon) * bound.mean), split(tasks, bound.mean)]
     candidates += [split(f, (1.0 + eps) * bound.mean) for eps, f in flops.items()]
-    cap = batch.held_cap
-    if cap is not None and any(max(p.held_bytes()) <= cap for p in candidates):
-        candidates = [p for p in candidates if max(p.held_bytes()) <= cap]
+    if max_kv_rows is not None:  # the unsplit plans never had the budget applied
+        candidates = _within(candidates, lambda p: int(p.row_matrix[1].sum(axis=0).max()), max_kv_rows)
+    if batch.held_cap is not None:
+        candidates = _within(candidates, lambda p: max(p.held_bytes()), batch.held_cap)
     seconds = [model.server_seconds(p.task_array, batch.S, window).max() for p in candidates]
     return candidates[int(np.argmin(seconds))]
+
+
+def _within(candidates: list, most, limit: int) -> list:
+    """The candidates whose ``most(plan)`` is at most ``limit``; all of them if none is."""
+    kept = [p for p in candidates if most(p) <= limit]
+    return kept or candidates
 
 
 def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, cost: CostModel,
@@ -512,6 +522,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     elif model is None:
         plan = _split_keys(batch, tasks, (1.0 + epsilon) * bound.mean, max_kv_rows_per_server, make)
     else:  # key splits balance pairs: the time planner keeps them only where seconds do not rise
+        if max_kv_rows_per_server is not None and epsilon not in flops:
+            flops[epsilon] = flop(epsilon)  # the FLOP planner's own result is a candidate under a budget
         plan = _split_keys_timed(batch, bound, tasks, flops, epsilon, max_kv_rows_per_server, model, window, make)
     if cap is not None:
         held = plan.held_bytes()
