@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import is_int
+from .checks import INT64_MAX, is_int
 from .cost import CostModel, causal_pairs
 
 __all__ = ["ProfileTable", "read_profile_dir"]
@@ -55,6 +55,9 @@ def _check_axis(name: str, values: Any) -> list[int]:
     nonpos = [v for v in vals if v <= 0]
     if nonpos:
         raise ValueError(f"{name} must be positive, got {nonpos[:5]}")
+    big = [v for v in vals if v > INT64_MAX]
+    if big:  # the grid is held as int64
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {big[:5]}")
     steps = [(i, vals[i], vals[i + 1]) for i in range(len(vals) - 1) if vals[i + 1] <= vals[i]]
     if steps:
         i, a, b = steps[0]
@@ -142,13 +145,16 @@ class ProfileTable:
                 if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
                     bad.append((q_lens[i], kv_lens[j], v))
                     continue
-                f = float(v)
+                try:
+                    f = float(v)
+                except OverflowError:  # an int past float64
+                    f = math.inf
                 if not math.isfinite(f) or f < 0:
                     bad.append((q_lens[i], kv_lens[j], v))
                 out_row.append(f)
             matrix.append(out_row)
         if bad:
-            shown = ", ".join(f"(q={q}, kv={k}): {v!r}" for q, k, v in bad[:5])
+            shown = ", ".join(f"(q={q}, kv={k}): {v!r:.40}" for q, k, v in bad[:5])
             raise ValueError(
                 f"latency_s must be finite numbers >= 0; {len(bad)} bad value(s): {shown}"
             )

@@ -179,6 +179,9 @@ def test_from_flops():
     (dict(q_lens=[128], kv_lens=[512], latency_s=[[math.nan]]), "nan"),
     (dict(q_lens=[128], kv_lens=[512], latency_s=[[math.inf]]), "inf"),
     (dict(q_lens=[128], kv_lens=[512], latency_s=[["1"]]), "'1'"),
+    (dict(q_lens=[2**63], kv_lens=[2**63 + 1], latency_s=[[1.0]]), r"q_lens must be at most 2\*\*63 - 1, got \[9223372036854775808\]"),
+    (dict(q_lens=[128], kv_lens=[2**64], latency_s=[[1.0]]), r"kv_lens must be at most 2\*\*63 - 1"),
+    (dict(q_lens=[128], kv_lens=[512], latency_s=[[10**400]]), r"q=128, kv=512\): 1000000000"),  # past float64
     (dict(q_lens=[128], kv_lens=[512], latency_s=[[1.0]], meta=[]), "meta"),
 ])
 def test_invalid_table_raises(kwargs, match):
