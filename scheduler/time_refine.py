@@ -275,13 +275,11 @@ def _choose(model, window, ms, target_s, q_move, kv_bytes, inplace, rank_of, cnt
     if len(sub):
         # first guess: the band's own seconds per position on both sides
         rate = ct / np.maximum(w, 1)
-        tries += price(np.ceil((s_src - s_dst) / (2 * rate)).astype(np.int64),
-                       np.ceil((s_src - target_s) / rate).astype(np.int64), sub=sub)
+        tries += price(_positions(s_src - s_dst, 2 * rate, w), _positions(s_src - target_s, rate, w), sub=sub)
         # secant step from the measured seconds per position at the balancing guess
         k1, _, _, ds, dd = tries[1]
         rs, rd = np.maximum(ds, 1e-15) / np.maximum(k1, 1), np.maximum(dd, 1e-15) / np.maximum(k1, 1)
-        tries += price(np.ceil((s_src - s_dst) / (rs + rd)).astype(np.int64),
-                       np.ceil((s_src - target_s) / rs).astype(np.int64), sub=sub)
+        tries += price(_positions(s_src - s_dst, rs + rd, w), _positions(s_src - target_s, rs, w), sub=sub)
     home = rank_of[cg] if inplace else np.full(n, -1)
     off_src, off_dst = (cs != home).astype(np.int64), (cd != home).astype(np.int64)
     centre = ((cl & 1) == 1) & (cb == cc)
@@ -317,6 +315,17 @@ def _choose(model, window, ms, target_s, q_move, kv_bytes, inplace, rank_of, cnt
         first[1:] = cs[good][1:] != cs[good][:-1]
         chosen[good[first]] = True
     return best_k, chosen
+
+
+def _positions(need_s: np.ndarray, rate: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """int64 guess of how many positions of each band to move: ``ceil(need_s / rate)`` (seconds
+    over seconds per position), limited to ``[0, w]`` (``price`` clips to ``[min_shard, w]``
+    anyway). A band whose rate is 0 (zero-second table cells) moves whole where seconds are
+    needed and not at all where none are, without numpy's divide or cast warnings."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        guess = np.ceil(need_s / rate)
+    guess = np.nan_to_num(guess, nan=0.0, posinf=np.inf, neginf=0.0)
+    return np.clip(guess, 0, w).astype(np.int64)
 
 
 def _scatter(full: np.ndarray, part: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -331,6 +331,30 @@ def test_bad_time_models_name_the_value(tmp_path):
         TimeModel.from_dir("/no/such/folder")
 
 
+def test_tables_with_zero_second_cells_plan_without_numpy_warnings():
+    """Valid tables whose cells are 0 s (or whose kv grid is one point, so every band saturates)
+    made the refinement's position guesses divide by zero and cast inf to int64 (numpy
+    RuntimeWarnings, errors under ``-W error``; found by a review); the guesses are now clipped
+    first, and the plans keep the guarantee."""
+    cost = CostModel(num_heads_q=4, num_heads_kv=1, head_dim=128, dtype_bytes=2)
+    cases = [
+        (TimeModel(ProfileTable([128], [8, 64, 512], [[0.0, 0.0007935923124103451, 0.0]]),
+                   ProfileTable([4096], [8192], [[0.0]])),
+         [[465, 1, 9483, 119, 64, 61, 13], [17, 28, 12945, 2429, 3, 75, 2], []], 9, "dedicated", 0.05, 1),
+        (TimeModel(ProfileTable([256, 4096, 20000], [64], [[0.001], [0.001], [0.001]]),
+                   ProfileTable([64, 128, 4096, 20000], [8], [[0.009481389064445], [0.0], [0.007576717537515791], [0.0]]),
+                   call_s=0.001),
+         [[38546], []], 2, "inplace", 1.0, 128)]
+    for model, lens, servers, mode, epsilon, min_shard in cases:
+        kw = dict(cost=cost, mode=mode, min_shard=min_shard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            timed = plan_batch(lens, servers, epsilon=epsilon, time_model=model, **kw)
+        revalidated(timed)
+        check_pairs(timed)
+        assert seconds(timed, model) <= seconds(plan_batch(lens, servers, epsilon=0.0, **kw), model)
+
+
 def test_bad_plan_settings_name_the_value():
     with pytest.raises(ConfigError, match="attn_profile='/no/such/folder'"):
         PlanConfig(attn_profile="/no/such/folder")
