@@ -44,7 +44,7 @@ from scheduler.cost import window_arg
 
 from . import autograd as _autograd
 from .autograd import Pending, Round
-from .validate import _doc_lens, check_lens_array, check_softmax_scale
+from .validate import _doc_lens, check_lens_array, check_qkv, check_softmax_scale
 
 _CLIENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # client_key -> DistCAClient
 _PENDING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Pending (attend_async)
@@ -152,8 +152,7 @@ def _forward_results(q, k, v, doc_lens, client, softmax_scale, window, counts, p
 
 @attend_fwd.register_fake
 def _attend_fwd_fake(q, k, v, doc_lens, client, softmax_scale, window, counts, pending, kept):
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    check_qkv(q, k, v)
     T, hq, d = q.shape
     return (q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=accumulation_dtype(q.dtype)),
             torch.empty((1,), dtype=torch.int64, device="cpu"))
@@ -242,9 +241,7 @@ def attend(client, q, k, v, doc_lens, softmax_scale, window, return_lse: bool):
         return client._handle(q, k, v, doc_lens, softmax_scale, window, return_lse, synchronous=True).wait()
     if type(return_lse) is not bool:
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_qkv(q, k, v)  # from shapes, while tracing: the backward's fake would misreport a mismatch
     counts = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = client_key(client)
     out, lse, _ = torch.ops.distca.attend_fwd(

@@ -23,16 +23,35 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[
         ``None`` scale becomes ``head_dim ** -0.5``.
 
     Raises:
-        ValueError: non-tensors, wrong ranks or shapes, heads not divisible (GQA), mixed dtypes
-            or devices, a non-float dtype, bad ``doc_lens`` (not an ordered sequence such as a set
+        ValueError: non-tensors, sparse tensors, wrong ranks or shapes, heads not divisible
+            (GQA), mixed dtypes or devices, a non-float dtype, bad ``doc_lens`` (not an ordered sequence such as a set
             or dict, non-integers, zero or negative lengths, a sum other than ``total_tokens``),
             a ``softmax_scale`` that is not a finite int or float (bool and str refused), or a
             ``window`` that is neither None nor a positive int.
     """
     window = window_arg(window)
+    check_qkv(q, k, v)
+    lens = _doc_lens(doc_lens)
+    if sum(lens) != q.shape[0]:
+        raise ValueError(f"sum(doc_lens)={sum(lens)} != total_tokens={q.shape[0]}")
+
+    scale = check_softmax_scale(softmax_scale)
+    return lens, q.shape[2] ** -0.5 if scale is None else scale, window
+
+
+def check_qkv(q, k, v) -> None:
+    """The tensor part of :func:`check_attend_inputs` (what a compiled graph checks while it is
+    traced, from shapes alone): q [T, Hq, D], k and v [T, Hkv, D], Hq a multiple of Hkv, one
+    float dtype, one device, dense (strided) tensors.
+
+    Raises:
+        ValueError: naming the offending shapes, dtypes, devices or layouts.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be [total_tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if k.shape != v.shape:
@@ -54,13 +73,6 @@ def check_attend_inputs(q, k, v, doc_lens, softmax_scale, window=None) -> tuple[
         raise ValueError(f"dtype {q.dtype} not supported; use one of {FLOAT_DTYPES}")
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-    lens = _doc_lens(doc_lens)
-    if sum(lens) != q.shape[0]:
-        raise ValueError(f"sum(doc_lens)={sum(lens)} != total_tokens={q.shape[0]}")
-
-    scale = check_softmax_scale(softmax_scale)
-    return lens, q.shape[2] ** -0.5 if scale is None else scale, window
 
 
 def check_softmax_scale(softmax_scale) -> float | None:

@@ -181,6 +181,34 @@ def test_compiled_attend_checks_doc_lens_when_it_runs():
             compiled(q, k, v, torch.tensor([0, 64]))
 
 
+@pytest.mark.parametrize("bad, match", [
+    ("v", r"k and v shapes differ: \(64, 2, 8\) vs \(63, 2, 8\)"),
+    ("head_dim", r"k and v shapes differ: \(64, 2, 8\) vs \(64, 2, 4\)"),
+    ("q", r"q \(63, 4, 8\) and k/v \(64, 2, 8\) disagree in total_tokens or head_dim")])
+def test_compiled_attend_checks_shapes_while_tracing(bad, match):
+    """q/k/v that disagree get eager's ValueError under torch.compile too, with gradients on:
+    the backward's fake used to build dk and dv from dout and fail while compiling, with a
+    BackendCompilerFailed about an invalid gradient (found by a review). Dynamo reports it as
+    Unsupported naming the ValueError (as every tracing-time argument error)."""
+    q = torch.randn(63 if bad == "q" else 64, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(64, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(63 if bad == "v" else 64, 2, 4 if bad == "head_dim" else 8, dtype=torch.float64,
+                    requires_grad=True)
+    lens = torch.tensor([40, 1, 23])
+    with _client() as client:
+        torch._dynamo.reset()
+        loose = torch.compile(lambda q, k, v, d: client.attend(q, k, v, d), backend="aot_eager")
+        with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match=match):
+            loose(q, k, v, lens)  # dynamo may report it as Unsupported without fullgraph too
+        torch._dynamo.reset()
+        strict = torch.compile(lambda q, k, v, d: client.attend(q, k, v, d), backend="aot_eager", fullgraph=True)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=match):
+            strict(q, k, v, lens)
+        good = [torch.randn(64, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+        strict(*good, lens).sum().backward()  # and the next call works
+        assert all(t.grad is not None for t in good)
+
+
 def test_lists_and_numpy_doc_lens_compile_too():
     (q, k, v), = _leaves(7, layers=1)
     counter = CompileCounterWithBackend("aot_eager")
