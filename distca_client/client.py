@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import functools
+import math
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from distca_server.kernels import check_backend_name
+from distca_server.kernels import check_backend_name, get_backend
 from distca_server.runtime.base import BATCHES_KEPT, PlannedBatch, Runtime, StepTraffic, Traffic
 from distca_server.runtime.graphed import RoundGraphs
 from distca_server.runtime.local import LocalRuntime
 from distca_server.transport.local_heap import HeapGroup
 from distca_server.wire import RowFormat
-from scheduler.checks import finite_positive, is_int, positive_int
+from scheduler.checks import finite_positive, is_int, is_number, positive_int
 from scheduler.config import ConfigError, JobConfig, PlanConfig, legacy_fields, render, warn_deprecated
 from scheduler.tasks import Plan
 
@@ -53,6 +54,7 @@ class DistCAClient:
 
     def __init__(self, runtime: Runtime):
         self._runtime = runtime
+        self._devices_checked: set[torch.device] = set()  # devices the job's backend runs on
         self._last_step: PlannedBatch | None = None
         self._step_traffic = StepTraffic()  # what the last step's batches sent (traffic())
         op.register(self)  # the operators' name for this client
@@ -247,6 +249,7 @@ class DistCAClient:
             if type(return_lse) is not bool:
                 raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
             lens, scale, window = check_attend_inputs(q, k, v, doc_lens, softmax_scale, window)
+            self._check_device(q.device)
         except ValueError as exc:  # peers must not wait for this rank's round until they time out
             self._runtime.fail_step(exc)
             raise
@@ -256,6 +259,18 @@ class DistCAClient:
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts, synchronous=synchronous)
         ticket = self._runtime.open_ticket(step, future) if counts else None
         return Pending(step, future, ticket=ticket, softmax_scale=scale, counts=counts)
+
+    def _check_device(self, device: torch.device) -> None:
+        """A ValueError before anything is planned or sent if the job's attention backend cannot
+        run on ``device`` (e.g. "torch_cpu" for CUDA tensors, or the meta device): the batch would
+        fail only once bound, after the scheduler report and the group join."""
+        if device not in self._devices_checked:
+            try:
+                get_backend(self._runtime.backend, device)
+            except ValueError as exc:
+                raise ValueError(f"q, k, v are on {device}, where the job's attention backend "
+                                 f"{self._runtime.backend!r} cannot run: {exc}") from None
+            self._devices_checked.add(device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens, *,
                softmax_scale: float | None = None, window: int | None = None,
@@ -378,14 +393,20 @@ class AttendHandle:
         returns it.
 
         Args:
-            timeout: the most seconds to wait (None: until the round ends, which the job's
-                ``timeout_s`` bounds anyway: a lost peer fails the round).
+            timeout: the most seconds to wait (None or inf: until the round ends, which the
+                job's ``timeout_s`` bounds anyway: a lost peer fails the round; 0 or less: not at
+                all).
 
         Raises:
+            ValueError: ``timeout`` is not an int or float (bool and str refused), or is NaN.
             TimeoutError: the round is still running after ``timeout`` seconds; it goes on, and a
                 later ``wait`` returns its result.
             DistCAError: the round failed (a participant was lost or timed out).
         """
+        if timeout is not None and (not is_number(timeout) or math.isnan(timeout)):
+            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None if timeout > 0 else 0.0
         if self._result is None:
             if timeout is not None:
                 try:  # wait without taking the result: the round may still be claimed later

@@ -164,6 +164,9 @@ def _bad_inputs():
     yield "finite", (q, k, v, lens), {"softmax_scale": float("inf")}
     yield "1-D integer", (q, k, v, torch.tensor([3.0, 4.0])), {}
     yield "not supported", (q.int(), k.int(), v.int(), lens), {}
+    yield r"q must be a dense \(strided\) tensor, got layout torch.sparse_coo", (q.to_sparse(), k, v, lens), {}
+    yield r"q, k, v are on meta, where the job's attention backend 'auto' cannot run", \
+        tuple(t.to("meta") for t in (q, k, v)) + (lens,), {}
 
 
 @pytest.mark.parametrize("fragment,args,kwargs", list(_bad_inputs()))

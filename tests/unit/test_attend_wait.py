@@ -34,6 +34,24 @@ def test_wait_with_a_timeout_raises_then_the_round_still_finishes_exactly():
         assert handle.wait() is out  # the result is kept
 
 
+def test_wait_checks_its_timeout_and_waits_out_an_infinite_one():
+    """A NaN, str or bool timeout is a ValueError (it was a wait of nan s, or accepted); inf
+    waits until the round ends (it was an OverflowError while the round ran)."""
+    lens = [5, 3]
+    q, k, v = torch.randn(8, 2, 8), torch.randn(8, 1, 8), torch.randn(8, 1, 8)
+    with DistCAClient.local(2) as client:
+        gate = threading.Event()
+        blocker = client._runtime._rounds.reserve().queued(gate.wait, (), 60)
+        handle = client.attend_async(q, k, v, lens)
+        for bad in (float("nan"), "1", True):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds or None"):
+                handle.wait(timeout=bad)
+        threading.Timer(0.2, gate.set).start()  # the round ends while wait(inf) waits
+        out = handle.wait(timeout=float("inf"))
+        blocker.result(timeout=60)
+        assert out.shape == q.shape and handle.wait(timeout=-1) is out
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_round_started_under_no_grad_stays_forward_only_when_waited_for_with_grad(keep):
     """A handle started under ``torch.no_grad`` and waited for outside it: the round was forward
