@@ -360,17 +360,18 @@ def _split_keys(batch: PlacedBatch, tasks: np.ndarray, target: float, max_kv_row
 
 
 def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict, epsilon: float,
-                      max_kv_rows, model: TimeModel, window, make):
+                      max_kv_rows, model: TimeModel, window, make, flop):
     """The time planner's partial-KV step: of the time plan, its key splits towards
     ``(1 + ε) · mean`` and towards the mean, and the FLOP plans :func:`_time_plan` computed
     with their own splits (each exactly the plan ``plan_batch`` returns without a time model),
     the one with the fewest predicted seconds on its most loaded server (the first on ties: the
     unsplit time plan). So both guarantees of :func:`_time_plan` still hold with ``partial_kv``:
-    the plans they compare against are among the candidates. Under a KV budget
-    (``max_kv_rows``), then under a held-bytes cap, a candidate above it is kept only if every
-    candidate is: the guarantees then hold against the FLOP plans that meet it (under a KV
-    budget ``flops`` holds the FLOP plan at ε too, so the FLOP planner's result is a candidate,
-    and the budget holds wherever that plan meets it)."""
+    the plans they compare against are among the candidates. Under a held-bytes cap (a hard
+    limit: ``plan_batch`` raises above it), then under a KV budget (``max_kv_rows``, best
+    effort), a candidate above it is kept only if every candidate is, and the guarantees hold
+    against the FLOP plans that meet them. If no candidate meets both, the FLOP plan at ε
+    (``flop(ε)``, the FLOP planner's own result once split) joins them, so the cap and the
+    budget hold wherever the FLOP planner keeps them."""
     splits: dict = {}  # (task array, target) -> its split plan: the time plan is often the FLOP plan at 0
 
     def split(t, target):
@@ -380,10 +381,20 @@ def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict,
         return splits[key]
     candidates = [make(tasks), split(tasks, (1.0 + epsilon) * bound.mean), split(tasks, bound.mean)]
     candidates += [split(f, (1.0 + eps) * bound.mean) for eps, f in flops.items()]
-    if max_kv_rows is not None:  # the unsplit plans never had the budget applied
-        candidates = _within(candidates, lambda p: int(p.row_matrix[1].sum(axis=0).max()), max_kv_rows)
+
+    def kv_most(p):
+        return int(p.row_matrix[1].sum(axis=0).max())
+
+    def fits(p):
+        return ((batch.held_cap is None or max(p.held_bytes()) <= batch.held_cap)
+                and (max_kv_rows is None or kv_most(p) <= max_kv_rows))
+    if epsilon not in flops and not any(fits(p) for p in candidates):
+        flops[epsilon] = flop(epsilon)  # the FLOP planner's own result, once split
+        candidates.append(split(flops[epsilon], (1.0 + epsilon) * bound.mean))
     if batch.held_cap is not None:
         candidates = _within(candidates, lambda p: max(p.held_bytes()), batch.held_cap)
+    if max_kv_rows is not None:  # the unsplit plans never had the budget applied
+        candidates = _within(candidates, kv_most, max_kv_rows)
     seconds = [model.server_seconds(p.task_array, batch.S, window).max() for p in candidates]
     return candidates[int(np.argmin(seconds))]
 
@@ -432,7 +443,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
         partial_kv: also split query shards on the key axis (:mod:`scheduler.partial`): a server
             still above ``(1 + ε) · mean`` after the greedy gives exact key blocks of its shards to
             the least-loaded servers (finer than ``min_shard`` positions of a band, so it can beat
-            the band lower bound), and ``max_kv_rows_per_server`` is enforced. Full causal only
+            the band lower bound), and ``max_kv_rows_per_server`` is sought (best effort; with
+            a time model it holds wherever the FLOP planner keeps it). Full causal only
             (with a window, shards are not split on the key axis). False gives full-window tasks.
             With ``keep_activations``, a kept backward round also sends the owner's merged O and
             LSE for the query rows of split tasks (a server's own are partial); with
@@ -522,9 +534,8 @@ def plan_batch(doc_lens_per_rank: Sequence[Sequence[int]], num_servers: int, *, 
     elif model is None:
         plan = _split_keys(batch, tasks, (1.0 + epsilon) * bound.mean, max_kv_rows_per_server, make)
     else:  # key splits balance pairs: the time planner keeps them only where seconds do not rise
-        if max_kv_rows_per_server is not None and epsilon not in flops:
-            flops[epsilon] = flop(epsilon)  # the FLOP planner's own result is a candidate under a budget
-        plan = _split_keys_timed(batch, bound, tasks, flops, epsilon, max_kv_rows_per_server, model, window, make)
+        plan = _split_keys_timed(batch, bound, tasks, flops, epsilon, max_kv_rows_per_server, model, window,
+                                 make, flop)
     if cap is not None:
         held = plan.held_bytes()
         worst = int(np.argmax(held))

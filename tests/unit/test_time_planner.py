@@ -3,7 +3,8 @@
 Seeded random batches (odd lengths, 1-token documents, empty ranks, both modes, windows): every
 plan is a valid Plan covering every pair exactly once, its predicted most loaded server is at or
 below the FLOP plan it refines (the FLOP planner's at ε = 0) and at or below ``max((1 + ε) · level_s,
-the FLOP plan's at ε)``, no time model gives today's plan; bad tables and settings raise ValueError
+the FLOP plan's at ε)`` (under a KV budget or held-bytes cap: against the FLOP plans that meet
+it; the budget and cap hold wherever the FLOP planner keeps them), no time model gives today's plan; bad tables and settings raise ValueError
 naming the value; the min_shard rule. Nothing here depends on timing.
 """
 
@@ -210,6 +211,21 @@ def test_partial_kv_keeps_the_kv_budget_the_flop_planner_meets():
         revalidated(timed)
         kept += 1
     assert kept >= 15  # the sweep tests something
+
+
+@pytest.mark.parametrize("lens, servers, budget, cap", [
+    ([[1820, 10650, 3407]], 5, 9058, 12823280), ([[6512, 12913, 18537, 18705]], 4, 22722, 41422265)])
+def test_a_held_cap_with_a_kv_budget_plans_wherever_the_flop_planner_does(lens, servers, budget, cap):
+    """The held-bytes cap is a hard limit and the KV budget best effort: the time planner filters
+    by the cap first, and adds the FLOP plan at ε when no candidate meets both, so it raises
+    only where the FLOP planner does (both batches raised: found by a review)."""
+    kw = dict(cost=COST, mode="dedicated", epsilon=0.2, min_shard=128, partial_kv=True, keep_activations=True,
+              max_kv_rows_per_server=budget, max_held_bytes_per_server=cap)
+    flop = plan_batch(lens, servers, **kw)
+    timed = plan_batch(lens, servers, time_model=MODEL, **kw)
+    assert max(timed.held_bytes()) <= cap
+    assert kv_most(timed) <= max(budget, kv_most(flop))
+    revalidated(timed)
 
 
 def test_no_time_model_is_todays_plan():
