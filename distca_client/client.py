@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import math
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -403,10 +403,11 @@ class AttendHandle:
                 later ``wait`` returns its result.
             DistCAError: the round failed (a participant was lost or timed out).
         """
-        if timeout is not None and (not is_number(timeout) or math.isnan(timeout)):
-            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
-        if timeout is not None and math.isinf(timeout):
-            timeout = None if timeout > 0 else 0.0
+        if timeout is not None:
+            if not is_number(timeout) or timeout != timeout:  # NaN (math.isnan overflows on huge ints)
+                raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+            if timeout > threading.TIMEOUT_MAX:  # inf, or past what a lock wait takes
+                timeout = None
         if self._result is None:
             if timeout is not None:
                 try:  # wait without taking the result: the round may still be claimed later

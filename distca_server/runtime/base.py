@@ -230,10 +230,12 @@ class Runtime(ABC):
     """Plans batches, binds them to participants and runs their rounds in call order.
 
     Subclasses keep their step bookkeeping in ``self._state`` (a :class:`StepState`), guarded by
-    ``self._lock``."""
+    ``self._lock``, and the job's attention backend name in ``self.backend`` ("auto" or a key of
+    :data:`~distca_server.kernels.BACKENDS`; the client checks a device against it)."""
 
     _state: "StepState"
     _lock: threading.RLock
+    backend: str
 
     @property
     def step(self) -> int:

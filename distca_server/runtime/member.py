@@ -121,7 +121,8 @@ class GroupFailure(DistCAError):
 
 class Superseded(DistCAError):
     """A newer group epoch was assigned while this member waited for a round of the old one (a
-    dedicated server): not a failure, the member just leaves the old group."""
+    dedicated server), or the member was closed during a round: not a failure, the member just
+    leaves the old group."""
 
 
 _LEFT = ("superseded", "closed")  # abandon reasons that mean this member left, not that the group failed
@@ -299,7 +300,8 @@ class GroupMember:
             GroupFailure: the round failed anywhere (clients disagreeing on the round, parts that
                 disagree, a lost, late or slow peer, the scheduler's death); the group is left
                 and the failure reported.
-            Superseded: a newer epoch was assigned while waiting (the group is left).
+            Superseded: a newer epoch was assigned while waiting for the header, or the member
+                was closed during the round (the group is left).
         """
         transport, epoch = self.transport, self.epoch
         if transport is None:
@@ -337,9 +339,10 @@ class GroupMember:
         except (DistCAError, ValueError, RuntimeError) as exc:
             with self._cond:
                 why = self._abandoned.get(epoch)
-            if isinstance(exc, DistCAError) and why in _LEFT:
-                # this member left on another thread (stopped, or superseded), which ended the
-                # exchange: not a failure of the group's
+            if isinstance(exc, DistCAError) and why == "closed":
+                # this member was stopped on another thread, which ended the exchange: not a
+                # failure of the group's. (A superseded one still checks in: its epoch's
+                # verdict must not wait for it and name it lost.)
                 self.leave()
                 raise Superseded(f"{self.who}: group epoch {epoch} was {why}") from None
             raise self.fail(step, what, str(exc), detected=isinstance(exc, ValueError)) from None

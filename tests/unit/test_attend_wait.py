@@ -34,9 +34,11 @@ def test_wait_with_a_timeout_raises_then_the_round_still_finishes_exactly():
         assert handle.wait() is out  # the result is kept
 
 
-def test_wait_checks_its_timeout_and_waits_out_an_infinite_one():
-    """A NaN, str or bool timeout is a ValueError (it was a wait of nan s, or accepted); inf
-    waits until the round ends (it was an OverflowError while the round ran)."""
+@pytest.mark.parametrize("huge", [float("inf"), 1e10, 10**400])
+def test_wait_checks_its_timeout_and_waits_out_a_huge_one(huge):
+    """A NaN, str or bool timeout is a ValueError (it was a wait of nan s, or accepted); inf, or
+    a timeout past what a lock wait takes, waits until the round ends (it was an OverflowError
+    while the round ran)."""
     lens = [5, 3]
     q, k, v = torch.randn(8, 2, 8), torch.randn(8, 1, 8), torch.randn(8, 1, 8)
     with DistCAClient.local(2) as client:
@@ -46,8 +48,8 @@ def test_wait_checks_its_timeout_and_waits_out_an_infinite_one():
         for bad in (float("nan"), "1", True):
             with pytest.raises(ValueError, match="timeout must be a number of seconds or None"):
                 handle.wait(timeout=bad)
-        threading.Timer(0.2, gate.set).start()  # the round ends while wait(inf) waits
-        out = handle.wait(timeout=float("inf"))
+        threading.Timer(0.2, gate.set).start()  # the round ends while the wait waits
+        out = handle.wait(timeout=huge)
         blocker.result(timeout=60)
         assert out.shape == q.shape and handle.wait(timeout=-1) is out
 
