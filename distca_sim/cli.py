@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler.checks import INT64_MAX
 from scheduler.time_cost import TimeModel
 
 from .hardware import load_attention_profile, measured_attention_profile
@@ -31,6 +32,13 @@ from .simulate import (GPUS, MODELS, SYSTEMS, ParallelConfig, Workload, format_t
 
 _MODEL_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "num_layers", "ffn_hidden_size",
                  "vocab_size")
+
+
+def _folder(text: str) -> Path:
+    """A non-empty path (``Path("")`` would name the current folder); argparse type."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a folder path, got ''")
+    return Path(text)
 
 
 def tokens(text: str) -> int:
@@ -43,6 +51,8 @@ def tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"token count must be positive: {text!r}")
+    if value > INT64_MAX:  # every run of a sweep is checked before the first starts
+        raise argparse.ArgumentTypeError(f"token count must be at most 2**63 - 1: {text!r}")
     return value
 
 
@@ -63,7 +73,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 2*pp with a pipeline, else 1)")
-    g.add_argument("--attn-profile", type=Path, default=None, metavar="DIR",
+    g.add_argument("--attn-profile", type=_folder, default=None, metavar="DIR",
                    help="measured attention latency: DIR/forward.json and DIR/backward.json "
                         "(ProfileTable JSON, bench/gpu_kernels.py), for this model's per-GPU shape "
                         "at --tp; default: the tables measured on that GPU shipped with distca "

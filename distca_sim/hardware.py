@@ -30,6 +30,7 @@ import math
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 
+from scheduler.checks import positive_int
 from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
 from scheduler.profile import ProfileTable, read_profile_dir
 
@@ -47,10 +48,13 @@ TILE = 128                 # FlashAttention's query/key tile (DistCA §3: shards
                            # keep full kernel efficiency); the profile grid starts here
 
 
+MAX_LAYERS = 1024  # the simulator builds each layer's rounds (a loop per layer); real models have <= ~128
+
+
 def _pos_int(name: str, x) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x <= 0:
+    if not isinstance(x, int) or isinstance(x, bool):  # Python ints only: the presets' and the CLI's
         raise ValueError(f"{name} must be a positive int, got {x!r}")
-    return x
+    return positive_int(name, x)  # and at most 2**63 - 1
 
 
 def _pos_float(name: str, x, *, allow_zero: bool = False) -> float:
@@ -76,7 +80,8 @@ class ModelConfig:
         vocab_size: vocabulary (embedding and LM head, untied).
 
     Raises:
-        ValueError: a non-positive size, ``hidden_size`` not divisible by ``num_heads`` or
+        ValueError: a size that is not a positive int up to 2**63 - 1, more than
+            :data:`MAX_LAYERS` layers, ``hidden_size`` not divisible by ``num_heads`` or
             ``num_heads`` not divisible by ``num_kv_heads``.
     """
 
@@ -92,6 +97,9 @@ class ModelConfig:
         for f in ("hidden_size", "num_heads", "num_kv_heads", "num_layers", "ffn_hidden_size",
                   "vocab_size"):
             _pos_int(f, getattr(self, f))
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers must be at most {MAX_LAYERS} (the simulator times each layer), "
+                             f"got {self.num_layers}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                              f"num_heads={self.num_heads}")

@@ -484,6 +484,26 @@ def test_cli_tp_above_the_head_count_is_the_layout_error(capsys):
         assert captured.out == "" and captured.err.splitlines() == [f"distca simulate: error: {words}"]
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--hidden-size", str(10**30)], f"hidden_size must be a positive int at most 2**63 - 1, got {10**30}"),
+    (["--vocab-size", str(10**30)], f"vocab_size must be a positive int at most 2**63 - 1, got {10**30}"),
+    (["--num-layers", "10000000"], "num_layers must be at most 1024 (the simulator times each layer), got 10000000"),
+    (["--sweep", "--contexts", "64K", str(10**30)], f"token count must be at most 2**63 - 1: '{10**30}'"),
+    (["--attn-profile", ""], "must be a folder path, got ''")])
+def test_cli_sizes_past_their_bounds_are_one_line_before_any_run(args, words, capsys):
+    """A model size past int64 was a traceback (OverflowError) or a table of 1e25 s, 10 M layers
+    ran for minutes (a loop per layer), a sweep's bad last context failed after the others ran,
+    and an empty --attn-profile named the current folder (found by a review)."""
+    from distca_cli import main
+    try:
+        code = main(["simulate", "--gpus", "8", *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "1/2" not in err, err
+
+
 def test_cli_attn_profile_folder_check_is_the_configs(tmp_path, capsys):
     from distca_cli import main
     from scheduler.config import ConfigError, PlanConfig
