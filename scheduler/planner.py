@@ -382,19 +382,15 @@ def _split_keys_timed(batch: PlacedBatch, bound, tasks: np.ndarray, flops: dict,
     candidates = [make(tasks), split(tasks, (1.0 + epsilon) * bound.mean), split(tasks, bound.mean)]
     candidates += [split(f, (1.0 + eps) * bound.mean) for eps, f in flops.items()]
 
-    def kv_most(p):
-        return int(p.row_matrix[1].sum(axis=0).max())
-
-    def fits(p):
-        return ((batch.held_cap is None or max(p.held_bytes()) <= batch.held_cap)
-                and (max_kv_rows is None or kv_most(p) <= max_kv_rows))
-    if epsilon not in flops and not any(fits(p) for p in candidates):
+    # (measure, limit), the hard cap first; the unsplit plans never had the KV budget applied
+    limits = [(most, limit) for most, limit in ((lambda p: max(p.held_bytes()), batch.held_cap),
+                                                 (lambda p: int(p.row_matrix[1].sum(axis=0).max()), max_kv_rows))
+              if limit is not None]
+    if limits and epsilon not in flops and not any(all(most(p) <= lim for most, lim in limits) for p in candidates):
         flops[epsilon] = flop(epsilon)  # the FLOP planner's own result, once split
         candidates.append(split(flops[epsilon], (1.0 + epsilon) * bound.mean))
-    if batch.held_cap is not None:
-        candidates = _within(candidates, lambda p: max(p.held_bytes()), batch.held_cap)
-    if max_kv_rows is not None:  # the unsplit plans never had the budget applied
-        candidates = _within(candidates, kv_most, max_kv_rows)
+    for most, limit in limits:
+        candidates = _within(candidates, most, limit)
     seconds = [model.server_seconds(p.task_array, batch.S, window).max() for p in candidates]
     return candidates[int(np.argmin(seconds))]
 

@@ -125,9 +125,6 @@ class Superseded(DistCAError):
     leaves the old group."""
 
 
-_LEFT = ("superseded", "closed")  # abandon reasons that mean this member left, not that the group failed
-
-
 class _Abandoned(Exception):
     """The epoch's arbitration opened (or the scheduler died, or a newer epoch was assigned)
     while this member waited."""
@@ -332,7 +329,7 @@ class GroupMember:
             self.rounds_done += 1
             return result
         except _Abandoned as exc:
-            if str(exc) in _LEFT:
+            if str(exc) in ("superseded", "closed"):
                 self.leave()
                 raise Superseded(f"{self.who}: group epoch {epoch} was {exc}") from None
             raise self.fail(step, what, None) from None
