@@ -257,7 +257,7 @@ class DistCAClient:
         step = self._runtime.step_for(lens, fmt, q.device, window)
         self._remember(step)
         future = step.forward_async(q.detach(), k.detach(), v.detach(), scale, counts, synchronous=synchronous)
-        ticket = self._runtime.open_ticket(step, future) if counts else None
+        ticket = future.take_ticket() if counts else None
         return Pending(step, future, ticket=ticket, softmax_scale=scale, counts=counts)
 
     def _check_device(self, device: torch.device) -> None:

@@ -10,6 +10,7 @@ client of a job on Ray). ``DistCAClient`` and its autograd function see only thi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -155,7 +156,8 @@ class PlannedBatch(ABC):
                 rows of the batch (detached), T its tokens.
             softmax_scale: multiplier of ``Q Kᵀ``.
             counts_for_step: whether a backward round may follow (the forward ran with grad);
-                the caller opens the round's ticket (:meth:`Runtime.open_ticket`).
+                the round's ticket (:class:`StepState`) is opened with it, and the caller takes
+                it from the future (``take_ticket()``).
             synchronous: run the round on this thread, after the earlier rounds, and return
                 once it is done (the caller waits for it anyway: no hand-off to another thread).
 
@@ -268,13 +270,6 @@ class Runtime(ABC):
         with self._lock:
             self._state.max_batches = n
 
-    def open_ticket(self, batch: PlannedBatch, future: Future) -> "Ticket | None":
-        """The ticket of ``batch``'s counted forward round whose future ``future``
-        :meth:`PlannedBatch.forward_async` returned; its autograd node holds it (see
-        :class:`StepState`)."""
-        with self._lock:
-            return self._state.open_ticket(batch, future)
-
     def new_step(self) -> None:
         """End the current step now (forward-only loops: nothing counts toward the step)."""
         with self._lock:
@@ -303,13 +298,20 @@ class Ticket:
     :meth:`resolve` when its backward round has run. A ticket that is freed while still open
     (the node was dropped without a backward) closes itself and releases its kept activations."""
 
-    __slots__ = ("_close", "id", "__weakref__")
+    __slots__ = ("_close", "id", "_round_done", "__weakref__")
 
-    def __init__(self, close, ticket_id: int):
-        self._close, self.id = close, ticket_id
+    def __init__(self, close, ticket_id: int, round_done):
+        self._close, self.id, self._round_done = close, ticket_id, round_done
 
     def resolve(self) -> None:
         self._close(self.id, False)
+
+    def watch(self, future) -> None:
+        """Tell the step when ``future``, this ticket's forward round, is done: only then do the
+        round's kept rows exist to be released, if the ticket was closed without a backward or
+        its step ended meanwhile."""
+        done = self._round_done  # not self: the future must not keep the ticket alive
+        future.add_done_callback(lambda _: done())
 
 
 class StepState:
@@ -367,7 +369,12 @@ class StepState:
 
     def advance(self, step: int | None = None) -> None:
         """Start step ``step`` (default: the next one) with no batches; the old batches' kept
-        activations are released and their open tickets forgotten."""
+        activations are released and their open tickets forgotten. A forward round still
+        queued or running keeps its rows only after this: its ticket is marked dropped, so
+        they go when it is done."""
+        with self._guard:
+            for entry in self._tickets.values():
+                entry.dropped = True
         for batch in self.batches.values():
             batch.release(f"step {self.step} ended")
         self.step = self.step + 1 if step is None else step
@@ -408,17 +415,17 @@ class StepState:
                 old.release(f"batch {old.batch} of step {self.step} was evicted "
                             f"({self.max_batches} idle batches kept)")
 
-    def open_ticket(self, batch: PlannedBatch, future: Future) -> Ticket | None:
-        """The ticket of ``batch``'s counted forward round, whose future is ``future`` (its
-        ``kept``: the key of the activations kept for it, or None). None if ``batch``'s step has
-        ended already: nothing of it is kept any more."""
+    def open_ticket(self, batch: PlannedBatch, kept: int | None) -> Ticket:
+        """The ticket of ``batch``'s counted forward round (``kept``: the key of the activations
+        kept for it, or None), opened by the runtime's ``submit`` together with
+        :meth:`count_round`, under the runtime's lock: no other thread can end the step between
+        the two (:meth:`count_round` refused a batch of an earlier step). The caller then
+        :meth:`Ticket.watch`-es the round's future."""
         with self._guard:
-            if batch.step != self.step:
-                return None
-            ticket = Ticket(self._close, next(self._ticket_ids))
-            entry = self._tickets[ticket.id] = _OpenTicket(batch, getattr(future, "kept", None))
+            entry = _OpenTicket(batch, kept)
+            ticket = Ticket(self._close, next(self._ticket_ids), functools.partial(self._round_done, entry))
+            self._tickets[ticket.id] = entry
             self._busy[id(batch)] = self._busy.get(id(batch), 0) + 1
-        future.add_done_callback(lambda _: self._round_done(entry))
         weakref.finalize(ticket, self._close, ticket.id, True).atexit = False
         return ticket
 
@@ -444,13 +451,17 @@ class StepState:
         if release:
             entry.release()
 
-    def claimable(self, batch: PlannedBatch, future: Future, kept: int | None = None) -> Future:
+    def claimable(self, batch: PlannedBatch, future: Future, kept: int | None = None,
+                  ticket: Ticket | None = None) -> Future:
         """``future`` (of ``batch``'s forward round, whose activations the servers keep under
         ``kept``) as a future whose first ``result()`` call claims the round: until then,
-        ``batch`` is not handed out for its key again."""
+        ``batch`` is not handed out for its key again. ``ticket``: the round's (counted), which
+        watches ``future`` and which the caller takes with :meth:`_ClaimedFuture.take_ticket`."""
         with self._guard:
             self._open[id(batch)] = self._open.get(id(batch), 0) + 1
-        return _ClaimedFuture(future, lambda: self._claim(batch), kept)
+        if ticket is not None:
+            ticket.watch(future)
+        return _ClaimedFuture(future, lambda: self._claim(batch), kept, ticket)
 
     def _claim(self, batch: PlannedBatch) -> None:
         with self._guard:
@@ -498,10 +509,16 @@ class _ClaimedFuture:
     round's :class:`~.order.RoundFuture` joins the taker's stream in its ``result``), rather than
     being a second ``Future`` fed by a callback."""
 
-    __slots__ = ("_on_claim", "kept", "_inner")
+    __slots__ = ("_on_claim", "kept", "_inner", "_ticket")
 
-    def __init__(self, inner, on_claim, kept: int | None = None):
-        self._on_claim, self.kept, self._inner = on_claim, kept, inner
+    def __init__(self, inner, on_claim, kept: int | None = None, ticket: Ticket | None = None):
+        self._on_claim, self.kept, self._inner, self._ticket = on_claim, kept, inner, ticket
+
+    def take_ticket(self) -> Ticket | None:
+        """The round's ticket (counted rounds), handed over once: the future must not keep it
+        alive, since autograd's node owns it (a node freed without a backward frees it)."""
+        ticket, self._ticket = self._ticket, None
+        return ticket
 
     def done(self) -> bool:
         return self._inner.done()

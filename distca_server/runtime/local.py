@@ -282,11 +282,14 @@ class LocalRuntime(Runtime):
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
             kept = seq if kind == RoundKind.FORWARD and batch.keep_activations and counts_for_step else None
+            ticket = None
             if kind == RoundKind.FORWARD:
                 args = args + (kept,)
+                # under the lock with the count: another thread must not end the step between
+                ticket = self._state.open_ticket(batch, kept) if counts_for_step else None
             slot = self._rounds.reserve()
         future = slot.here(fn, *args) if synchronous else slot.queued(fn, args, *args)
-        return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
+        return self._state.claimable(batch, future, kept, ticket) if kind == RoundKind.FORWARD else future
 
     def run(self, jobs, device: torch.device | str = "cpu"):
         """Run one round's job per participant; return their results in order.

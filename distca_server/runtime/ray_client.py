@@ -392,8 +392,11 @@ class RayClientRuntime(Runtime):
             if self.closed:
                 raise DistCAError("this DistCAClient is closed")
             seq = self._state.count_round(batch, kind, counts_for_step)
+            ticket = None
             if kind == RoundKind.FORWARD:
                 kept = seq if batch.keep_activations and counts_for_step else None
+                # under the lock with the count: another thread must not end the step between
+                ticket = self._state.open_ticket(batch, kept) if counts_for_step else None
             header = RoundHeader(batch.step, batch.batch, seq, kind, dtype, float(softmax_scale),
                                  batch.participants[0].part.plan_id, -1 if kept is None else kept)
             slot = self._rounds.reserve()  # in the order rounds are counted
@@ -401,7 +404,7 @@ class RayClientRuntime(Runtime):
             future = slot.here(self._run, batch, header, tensors)
         else:
             future = slot.queued(self._run, tensors, batch, header, tensors)
-        return self._state.claimable(batch, future, kept) if kind == RoundKind.FORWARD else future
+        return self._state.claimable(batch, future, kept, ticket) if kind == RoundKind.FORWARD else future
 
     def _run(self, batch: RayBatch, header: RoundHeader, tensors):
         participant = batch.participants[0]

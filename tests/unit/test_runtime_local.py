@@ -205,9 +205,11 @@ def test_step_state_counts_and_evicts():
     assert state.count_round(a, RoundKind.FORWARD, counts_for_step=False) == 0
     assert not state.ended
     assert state.count_round(a, RoundKind.FORWARD) == 1
-    first = state.open_ticket(a, _finished())  # counted rounds: the client opens their tickets
+    first = state.open_ticket(a, None)  # counted rounds: submit opens their tickets
+    first.watch(_finished())
     assert state.count_round(a, RoundKind.FORWARD) == 2
-    second = state.open_ticket(a, _finished())
+    second = state.open_ticket(a, None)
+    second.watch(_finished())
     state.count_round(a, RoundKind.BACKWARD)
     second.resolve()  # its backward ran
     assert not state.ended and state.lookup("a") is a

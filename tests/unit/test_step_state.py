@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
-from distca_client import DistCAClient
+from distca_client import DistCAClient, DistCAError
 from distca_server.refs import varlen_attention_ref
 from distca_server.runtime.base import StepState
 from scheduler.config import JobConfig, PlanConfig
@@ -107,8 +108,9 @@ def test_a_dropped_ticket_releases_its_round_once_the_round_is_done():
     a = _bind(state, "k")
     state.count_round(a, RoundKind.FORWARD)
     inner = Future()
-    future = state.claimable(a, inner, kept=0)
-    ticket = state.open_ticket(a, future)
+    future = state.claimable(a, inner, 0, state.open_ticket(a, 0))
+    ticket = future.take_ticket()
+    assert future.take_ticket() is None  # handed over once: the future does not keep it alive
     del ticket  # autograd freed the node while the round still runs: its rows do not exist yet
     assert a.released == []
     inner.set_result("out")
@@ -116,7 +118,7 @@ def test_a_dropped_ticket_releases_its_round_once_the_round_is_done():
     state.count_round(a, RoundKind.FORWARD)
     done = Future()
     done.set_result("out")
-    kept = state.open_ticket(a, state.claimable(a, done, kept=1))
+    kept = state.claimable(a, done, 1, state.open_ticket(a, 1)).take_ticket()
     kept.resolve()  # its backward ran: the backward round freed the rows itself
     del kept
     assert a.released == [0]
@@ -139,3 +141,54 @@ def test_a_step_does_not_end_inside_a_backward_pass():
             return g
     Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
     assert seen == [False] and state.ended
+
+
+def test_a_step_ended_while_a_counted_round_runs_releases_its_rows_once_it_is_done():
+    state = StepState()
+    a = _bind(state, "k")
+    state.count_round(a, RoundKind.FORWARD)
+    inner = Future()
+    ticket = state.claimable(a, inner, 0, state.open_ticket(a, 0)).take_ticket()
+    state.advance()  # new_step() while the round still runs: its rows do not exist yet
+    assert a.released == ["step 0 ended"]
+    inner.set_result("out")
+    assert a.released == ["step 0 ended", 0]  # the round had kept them after the step released the batch
+    ticket.resolve()  # a late backward's resolve (or the node's free) does nothing more
+    del ticket
+    assert a.released == ["step 0 ended", 0]
+
+
+def test_new_step_during_an_async_round_leaves_no_kept_rows_behind(monkeypatch):
+    import threading
+    import time
+
+    from distca_server import executor
+
+    started, go = threading.Event(), threading.Event()
+    forward = executor.ServerExecutor.forward
+
+    def held_forward(self, *args, **kwargs):  # hold the round until new_step() has run
+        started.set()
+        assert go.wait(60)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(executor.ServerExecutor, "forward", held_forward)
+    g = torch.Generator().manual_seed(0)
+    with DistCAClient.local(num_servers=3, config=PlanConfig(min_shard=4, keep_activations=True)) as client:
+        held = lambda: sum(p.held_bytes() for ps in client._runtime._bound.values() for p in ps)  # noqa: E731
+        for lens in ([43, 3, 25], [30, 30]):  # a new batch shape each step
+            q, k, v = (torch.randn(sum(lens), h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+                       for h in (4, 2, 2))
+            started.clear(), go.clear()
+            handle = client.attend_async(q, k, v, lens)
+            assert started.wait(60)
+            client.new_step()
+            go.set()
+            out = handle.wait(60)
+            assert (out - varlen_attention_ref(q.detach(), k.detach(), v.detach(), lens, 8 ** -0.5)).abs().max() < 1e-10
+            deadline = time.monotonic() + 60  # the release runs in the round's done callback
+            while held() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert held() == 0
+            with pytest.raises(DistCAError, match="step"):  # its step ended: the backward is refused
+                out.sum().backward()
