@@ -38,8 +38,11 @@ is over is answered with the step's error only when the reporting client took pa
 client of the step must raise); otherwise (a replacement that registered late, a client that was
 too slow to report before the step timed out, a client left behind by a scheduler restart) it is
 answered ``resync``: go on at the floor. So clients that disagree about the step meet again at
-their next report, in lock-step loops as in free-running ones. Steps are bounded (:data:`MAX_STEP`,
-:data:`STEPS_AHEAD`), so no report can move the job far ahead.
+their next report, in lock-step loops as in free-running ones. A replacement (a rank registering
+as a new process) took part in nothing: the reports of the process it replaces leave every open
+batch, and a batch already being planned with one fails its step
+(:meth:`~Coordinator._forget_client`). Steps are bounded (:data:`MAX_STEP`, :data:`STEPS_AHEAD`),
+so no report can move the job far ahead.
 
 Deadlines are computed from a ``now`` the caller passes (any monotonic clock). The only clock
 read here is ``timer`` (``time.perf_counter`` unless given), which measures how long planning
@@ -158,7 +161,9 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         disagreeing one resolves the batch with a ``ValueError`` answer for every client. A
         report of more than ``max_report_docs`` documents or ``max_report_tokens`` tokens does
         the same at once (and is not kept). A repeated identical report is the same report; a
-        different one gets a ``ValueError`` answer of its own (the batch goes on with the first).
+        different one gets a ``ValueError`` answer of its own (the batch goes on with the first);
+        a rank whose client registered again as a new process reports afresh (its old process's
+        reports left every open batch: :meth:`_forget_client`).
         An unregistered rank gets a ``DistCAError`` answer with ``"register": True``; a step that
         failed, that step's error; an unknown batch of a step that is over, a ``resync`` answer.
         Document lengths are checked by :meth:`plan`.
@@ -373,6 +378,28 @@ class Coordinator(MembershipMixin, GroupEpochsMixin):
         for key, state in list(self.batches.items()):  # resolving forgets old batches
             if key[0] < floor and state.answers is None:
                 self._resolve(key, state, self._resync(key[0]))
+
+    def _forget_client(self, rank: int) -> None:
+        """Client ``rank`` registered as another process than the one that reported under it (a
+        replacement): what the old process reported is not the new one's, which took part in no
+        step yet. Its reports leave every open batch, so the replacement reports afresh (its peers
+        go on waiting for it, under the batch's deadline) and a step that ends without it resyncs
+        it (:meth:`_over`). A batch every client had reported is being planned, and its peers wait
+        for that plan: the plan would hand them parts of a group whose rank ``rank`` never comes,
+        so its step fails for every client at once, as a timeout would later. Batches resolved
+        before keep their answers (and reports): registering is told a step past them."""
+        for ranks in self.took_part.values():
+            ranks.discard(rank)
+        held = [(key, state) for key, state in self.batches.items()
+                if state.answers is None and rank in state.reports]  # before failing a step resolves some
+        for key, state in held:
+            if state.answers is None and state.shape is not None:  # every client reported: the plan has begun
+                step, batch = key
+                self._fail_step(step, error_answer(
+                    "DistCAError", f"client rank {rank} registered again (a new process) while step {step} "
+                                   f"batch {batch} was being planned with its old process's report; every "
+                                   f"client fails step {step} and the job goes on at step {step + 1}"))
+            del state.reports[rank]
 
     def drain_resolved(self) -> list[tuple[int, int]]:
         """The ``(step, batch)`` keys resolved since the last call (the wrapper wakes their

@@ -28,12 +28,17 @@ class MembershipMixin:
     """Who is in the job: :class:`~scheduler.coordinator.Coordinator`'s registrations, tokens,
     server states and step checks. Works on the coordinator's state (``name``, ``world_size``,
     ``clients``, ``servers``, ``epoch``, ``members``, ``next_step``, ``floor``, the job's settings)
-    and calls its ``_raise_floor``."""
+    and calls its ``_raise_floor`` and ``_forget_client``."""
 
     # ---- membership --------------------------------------------------------------------------
     def register_client(self, rank: int, world_size: int, info: dict) -> dict:
         """Client ``rank`` of ``world_size`` joins (or rejoins after a restart with a new
         ``info["incarnation"]``, which makes the next batch form a new epoch).
+
+        A new incarnation (or a rank not registered now) is a new process: the reports the rank's
+        old one left in open batches are dropped, and a batch already being planned with one fails
+        its step (the coordinator's ``_forget_client``). The same incarnation again (a reconnect)
+        keeps them.
 
         ``info`` may carry ``"step"`` (the step the client goes on with) and ``"epoch"`` (the last
         group epoch it was in): a client re-registering with a restarted scheduler rebuilds the
@@ -56,6 +61,8 @@ class MembershipMixin:
         if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         self._check_claimed_step(info.get("step"), f"client rank {rank}")
+        if self.clients.get(rank, {}).get("incarnation") != info.get("incarnation"):
+            self._forget_client(int(rank))  # a replacement: its old process's reports are not its own
         self.clients[int(rank)] = dict(info, rank=int(rank))
         self._rebuild(info)
         return dict(self.settings(), next_step=max(self.next_step, self.floor))

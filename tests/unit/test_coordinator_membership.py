@@ -94,6 +94,81 @@ def test_no_live_server_is_a_distca_error_for_everyone():
     assert c.answer(1, 0, 0)["message"].endswith("(server 0 dead)")
 
 
+# ---- a restarted client's old reports ---------------------------------------------------------------
+@pytest.mark.parametrize("lens", [[64, 64], [100, 28]], ids=["other documents", "same documents"])
+def test_a_replacement_reports_in_place_of_its_dead_process(lens):
+    """Rank 1 reported step 4 batch 0 and died before rank 0 reported; its replacement (a new
+    incarnation) is told step 4 and reports the batch itself: its report takes the old one's place
+    (not refused as a second report of the rank), and the batch is planned with its documents."""
+    c = make("inplace", servers=0, step=4)
+    assert c.report(4, 0, 1, [100, 28], SHAPE).answer is None
+    assert c.register_client(1, 2, {"incarnation": "c1-new", "node": "node1"})["next_step"] == 4
+    assert c.took_part.get(4, set()) == set()  # the new process took part in nothing yet
+    out = c.report(4, 0, 1, lens, SHAPE)
+    assert out.answer is None and not out.plan  # waits for rank 0: the batch holds one report
+    assert c.report(4, 0, 0, [50, 7], SHAPE).plan
+    assert c.plan(4, 0).resolved
+    assert decode(c.answer(4, 0, 1)).doc_lens == lens and decode(c.answer(4, 0, 0)).doc_lens == [50, 7]
+    assert c.answer(4, 0, 0)["group"]["epoch"] == 0
+
+
+@pytest.mark.parametrize("lens", [[64, 64], [100, 28]], ids=["other documents", "same documents"])
+def test_a_replacement_reporting_after_the_timeout_resyncs(lens):
+    """The batch timed out (rank 0's wait) before the replacement of rank 1 reported it: the
+    replacement took no part in step 4 (its dead process did), so it resyncs to step 5, as the
+    step protocol promises a replacement, instead of the step's DistCAError or a ValueError."""
+    c = make("inplace", servers=0, step=4)
+    assert c.report(4, 0, 1, [100, 28], SHAPE).answer is None
+    assert c.register_client(1, 2, {"incarnation": "c1-new", "node": "node1"})["next_step"] == 4
+    assert c.report(4, 0, 0, [50, 7], SHAPE).answer is None
+    assert "ranks [1] did not report" in c.abort(4, 0, 0)["message"]
+    assert c.report(4, 0, 1, lens, SHAPE).answer == {
+        "error": "resync", "message": "step 4 is over for job 'job'; the job goes on at step 5", "next_step": 5}
+    assert c.report(4, 0, 0, [50, 7], SHAPE).answer["error"] == "DistCAError"  # rank 0 took part
+    out = run_step(c, 5)
+    assert out.resolved and decode(c.answer(5, 0, 1)).doc_lens == LENS[1]
+
+
+def test_a_reconnecting_client_keeps_its_report():
+    """The same process registering again (the same incarnation: a reconnect) is still the client
+    that reported: its report stays, the batch plans with it and a timeout is its error too."""
+    c = make("inplace", servers=0, step=4)
+    assert c.report(4, 0, 1, [100, 28], SHAPE).answer is None
+    assert c.register_client(1, 2, {"incarnation": "c1", "node": "node1"})["next_step"] == 4
+    assert c.report(4, 0, 1, [64, 64], SHAPE).answer["error"] == "ValueError"  # a second, different report
+    assert c.report(4, 0, 0, [50, 7], SHAPE).plan  # the kept report completes the batch
+    c.plan(4, 0)
+    assert decode(c.answer(4, 0, 1)).doc_lens == [100, 28]
+    assert c.report(4, 0, 1, [100, 28], SHAPE).answer is c.answer(4, 0, 1)
+
+    c.report(5, 0, 1, [100, 28], SHAPE)
+    c.register_client(1, 2, {"incarnation": "c1", "node": "node1"})
+    c.abort(5, 0, 1)
+    assert c.report(5, 1, 1, [10], SHAPE).answer["error"] == "DistCAError"  # it took part in step 5
+
+
+def test_a_replacement_while_its_dead_process_report_is_planned_fails_the_step():
+    """Every client had reported and the plan was being computed (its peers wait for it) when rank
+    1's replacement registered: the plan holds the dead process's part. Dropping that report would
+    wake the peers without an answer; planning it would hand them a part of a group whose rank 1
+    never comes. The step fails for every client at once and the replacement starts at the next."""
+    c = make("inplace", servers=0, step=4)
+    assert c.report(4, 1, 1, [9], SHAPE).answer is None  # the dead process's report of another batch
+    assert c.report(4, 0, 1, [100, 28], SHAPE).answer is None
+    assert c.report(4, 0, 0, [50, 7], SHAPE).plan
+    work = c.plan_work(4, 0)
+    assert c.register_client(1, 2, {"incarnation": "c1-new", "node": "node1"})["next_step"] == 5
+    assert sorted(c.drain_resolved()) == [(4, 0), (4, 1)]
+    answer = c.answer(4, 0, 0)
+    assert answer == c.answer(4, 0, 1) and answer["error"] == "DistCAError"
+    assert "client rank 1 registered again" in answer["message"] and "goes on at step 5" in answer["message"]
+    assert not c.plan(4, 0, cut=work()).resolved and c.epoch == -1  # the plan computed meanwhile is dropped
+    for batch, lens in ((0, [64, 64]), (1, [5, 4])):  # it took no part in step 4 (a protocol slip)
+        assert c.report(4, batch, 1, lens, SHAPE).answer["error"] == "resync"
+    out = run_step(c, 5)
+    assert out.resolved and c.epoch == 0
+
+
 # ---- step bounds ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [2**40, 2**63 - 2, 8])
 def test_steps_far_ahead_are_refused_and_move_nothing(step):
