@@ -23,6 +23,7 @@ rank 0 knows it (the others take rank 0's from the bootstrap value).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -38,9 +39,13 @@ from ..transport.torch_dist import join_group
 
 def heap_prefix(job: str, epoch: int | None = None) -> str:
     """The directory-name prefix of job ``job``'s shared-memory heaps (of ``epoch``, if given).
-    Characters that a file name cannot safely hold are replaced, so any job name works."""
-    safe = re.sub(r"[^A-Za-z0-9_.]", "_", job)
-    return f"{HEAP_PREFIX}{safe}-e" + ("" if epoch is None else f"{int(epoch)}-")
+    Characters that a file name cannot safely hold are replaced and a long name is cut, so any
+    job name works; a digest of the whole name follows, so that names which read the same once
+    replaced ("my-job", "my_job") never share heaps (nor sweep each other's,
+    :func:`remove_heaps`)."""
+    safe = re.sub(r"[^A-Za-z0-9_.]", "_", job)[:64]
+    digest = hashlib.sha1(job.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{HEAP_PREFIX}{safe}-{digest}-e" + ("" if epoch is None else f"{int(epoch)}-")
 
 
 def remove_heaps(job: str, below_epoch: int | None = None, root: str | None = None) -> list[str]:

@@ -89,6 +89,21 @@ def test_remove_heaps_sweeps_one_jobs_older_epochs_only():
             shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_job_names_that_read_the_same_once_replaced_keep_their_own_heaps():
+    long = "j" * 300  # longer than a file name may be
+    jobs = ("my-job", "my_job", "my/job", long)
+    assert len({heap_prefix(j) for j in jobs}) == len(jobs)
+    made = {j: create_heap(1, 1 << 16, prefix=heap_prefix(j, 2))["path"] for j in jobs}
+    try:
+        assert remove_heaps("my-job") == [made["my-job"]]  # distca down --name my-job
+        assert all(os.path.isdir(made[j]) for j in jobs[1:])
+        assert remove_heaps(long) == [made[long]]
+    finally:
+        for path in made.values():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def test_transports_refuse_other_devices_and_unknown_names():
     def never():
         raise AssertionError("not reached")
