@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 
-from scheduler.checks import positive_int
+from scheduler.checks import finite_nonnegative, finite_positive, positive_int
 from scheduler.cost import BACKWARD_FLOPS_FACTOR, CostModel
 from scheduler.profile import ProfileTable, read_profile_dir
 
@@ -58,11 +57,7 @@ def _pos_int(name: str, x) -> int:
 
 
 def _pos_float(name: str, x, *, allow_zero: bool = False) -> float:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if not ok or x < 0 or (x == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {x!r}")
-    return float(x)
+    return (finite_nonnegative if allow_zero else finite_positive)(name, x)
 
 
 # ---- models ------------------------------------------------------------------------------------

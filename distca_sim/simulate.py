@@ -48,7 +48,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from scheduler.baselines import capped_lpt
-from scheduler.checks import at_least, boolean
+from scheduler.checks import at_least, boolean, is_finite_number
 
 from .hardware import GPUS, MEMORY_HEADROOM, MODELS, GPUConfig, ModelConfig, get_gpu, get_model
 from .systems import Context, RunResult, run_distca, run_packing, run_per_doc_cp, run_wlb_ideal
@@ -285,8 +285,7 @@ def _check_epsilons(epsilons) -> tuple[float, ...]:
     if isinstance(epsilons, str) or not isinstance(epsilons, Iterable):  # a str's characters are no ε
         raise ValueError(f"epsilons must be a sequence of numbers, got {epsilons!r}")
     eps = tuple(epsilons)
-    bad = [e for e in eps if isinstance(e, bool) or not isinstance(e, (int, float))
-           or not math.isfinite(e) or e < 0]
+    bad = [e for e in eps if not is_finite_number(e) or e < 0]
     if not eps or bad:
         raise ValueError(f"epsilons must be finite numbers >= 0, got {list(eps)}")
     return tuple(float(e) for e in eps)

@@ -82,7 +82,7 @@ def finite_nonnegative(name: str, value) -> float:
     Raises:
         ValueError: ``"<name> must be a finite number >= 0, got <value>"``.
     """
-    if not is_number(value) or not (value >= 0 and math.isfinite(value)):
+    if not is_number(value) or not (value >= 0 and is_finite_number(value)):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -93,9 +93,18 @@ def finite_positive(name: str, value) -> float:
     Raises:
         ValueError: ``"<name> must be a finite number > 0, got <value>"``.
     """
-    if not is_number(value) or not (value > 0 and math.isfinite(value)):
+    if not is_number(value) or not (value > 0 and is_finite_number(value)):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def is_finite_number(value) -> bool:
+    """Whether ``value`` is a number (:func:`is_number`) that is finite as a float: an int past
+    float's range (10**400) is not, rather than an OverflowError."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def boolean(name: str, value) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import INT64_MAX, is_int
+from .checks import INT64_MAX, finite_nonnegative, finite_positive, is_int
 from .cost import CostModel, causal_pairs
 
 __all__ = ["ProfileTable", "read_profile_dir"]
@@ -340,12 +340,8 @@ class ProfileTable:
         Raises:
             ValueError: a bad rate, overhead, grid or cost.
         """
-        if (isinstance(rate_flops_per_s, bool) or not isinstance(rate_flops_per_s, (int, float))
-                or not math.isfinite(rate_flops_per_s) or rate_flops_per_s <= 0):
-            raise ValueError(f"rate_flops_per_s must be a finite number > 0, got {rate_flops_per_s!r}")
-        if (isinstance(overhead_s, bool) or not isinstance(overhead_s, (int, float))
-                or not math.isfinite(overhead_s) or overhead_s < 0):
-            raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+        finite_positive("rate_flops_per_s", rate_flops_per_s)
+        finite_nonnegative("overhead_s", overhead_s)
         if not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a scheduler.cost.CostModel, got {type(cost).__name__}")
         qs = _check_axis("q_lens", q_lens)

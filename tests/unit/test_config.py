@@ -351,6 +351,31 @@ def test_durations_stop_at_a_week():
     assert job.timeout_s == MAX_SECONDS
 
 
+def test_ints_past_floats_range_are_named_with_the_other_bad_fields():
+    with pytest.raises(ConfigError) as info:
+        JobConfig(timeout_s=10 ** 400, servers=0, failure_grace_s=2 ** 1024)
+    assert [p.split(" ")[0] for p in info.value.problems] == ["servers", "timeout_s", "failure_grace_s"]
+    assert "timeout_s must be a finite number > 0, got 1000" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        PlanConfig(epsilon=10 ** 400, mode="x")
+    assert [p.split(" ")[0] for p in info.value.problems] == ["epsilon", "mode"]
+    with pytest.raises(ValueError, match="epsilon must be a finite number >= 0"):
+        plan_batch([[10]], 1, cost=CostModel(2, 2, 8, 2), epsilon=10 ** 400)
+
+
+def test_other_finite_number_checks_refuse_huge_ints_too():
+    from distca_sim.hardware import get_gpu
+    from distca_sim.simulate import _check_epsilons
+    from scheduler.profile import ProfileTable
+    import dataclasses as dc
+    with pytest.raises(ValueError, match="peak_flops must be a finite number > 0"):
+        dc.replace(get_gpu("h200"), peak_flops=10 ** 400)
+    with pytest.raises(ValueError, match="epsilons must be finite numbers >= 0"):
+        _check_epsilons([0.0, 10 ** 400])
+    with pytest.raises(ValueError, match="rate_flops_per_s must be a finite number > 0"):
+        ProfileTable.from_flops(10 ** 400, 0.0, [1, 2], [1, 2], CostModel(2, 2, 8, 2))
+
+
 def test_relative_and_home_attn_profiles_are_stored_absolute(tmp_path, monkeypatch):
     import shutil
     shipped = ROOT / "distca_sim" / "data" / "profiles" / "h200" / "llama3-8b-tp8"
