@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptor
-from .checks import INT64_MAX, MODES, bad_lengths, boolean, int_in_range
+from .checks import INT64_MAX, MAX_SERVERS, MODES, bad_lengths, boolean, int_in_range
 from .cost import CostModel, window_arg, window_kv_start
 from .cover import cover_problems
 from .tasks import (Plan, participant_count, participant_roles,
@@ -84,6 +84,8 @@ class PlanPart:
             raise ValueError(f"cost must be a CostModel, got {type(self.cost).__name__}")
         for name in ("step", "batch", "num_ranks", "num_servers", "participant"):
             setattr(self, name, int_in_range(name, getattr(self, name), 1 if name.startswith("num") else 0, _MAX))
+        # as a plan's descriptor: a receiver builds per-server layouts, which must stay small
+        int_in_range("num_servers", self.num_servers, 1, MAX_SERVERS)
         self.plan_id = int_in_range("plan_id", self.plan_id, 0, PLAN_ID_MAX)
         if self.mode == "inplace" and self.num_ranks != self.num_servers:
             raise ValueError(f"inplace part with {self.num_ranks} ranks but {self.num_servers} servers")
@@ -185,7 +187,7 @@ class PlanPart:
             ValueError: (only) malformed bytes or a part that is not valid.
         """
         obj = descriptor.unpack(data, FORMAT, VERSION, _KEYS, "part")
-        fields = {key: descriptor.int_field(obj, key, 0, _MAX)
+        fields = {key: descriptor.int_field(obj, key, 0, MAX_SERVERS if key == "num_servers" else _MAX)
                   for key in ("step", "batch", "num_ranks", "num_servers", "participant")}
         fields["plan_id"] = descriptor.int_field(obj, "plan_id", 0, PLAN_ID_MAX)
         fields["window"] = descriptor.int_field(obj, "window", 1, INT64_MAX, optional=True)

@@ -84,6 +84,17 @@ def test_malformed_parts_raise_value_error(fragment, data):
         PlanPart.from_msgpack(data)
 
 
+def test_a_part_names_at_most_as_many_servers_as_a_plan_may_have():
+    from scheduler.checks import MAX_SERVERS
+    part = plan_part(plan_batch([[300, 40], [7]], 2, cost=COST, mode="dedicated", min_shard=8), 0)
+    obj = msgpack.unpackb(part.to_msgpack(), raw=False)
+    for servers in (MAX_SERVERS + 1, (1 << 40) - 1):  # a receiver would build layouts of that many
+        with pytest.raises(ValueError, match="num_servers"):
+            PlanPart.from_msgpack(msgpack.packb(dict(obj, num_servers=servers), use_bin_type=True))
+        with pytest.raises(ValueError, match="num_servers"):
+            PlanPart(**dict(part.__dict__, num_servers=servers))
+
+
 def test_bit_flips_never_raise_anything_but_value_error():
     rng = random.Random(0)
     good = plan_part(plan_batch([[300, 40, 3], [700]], 3, cost=COST, mode="dedicated", min_shard=8), 4).to_msgpack()
