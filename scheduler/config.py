@@ -373,14 +373,19 @@ JOB_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig
 
 def differences(want, have) -> list[str]:
     """``"<field>: <want> != <have>"`` for every field where two configs of the same
-    class differ (a :class:`JobConfig`'s plan fields as ``plan.<field>``)."""
+    class differ (a :class:`JobConfig`'s plan fields as ``plan.<field>``). Either may be given as
+    its :meth:`~JobConfig.to_dict` dict: a job's settings compare without being rebuilt here
+    (rebuilding checks that ``attn_profile`` loads on this node, where only the scheduler needs
+    it)."""
+    want = want if isinstance(want, dict) else want.to_dict()
+    have = have if isinstance(have, dict) else have.to_dict()
     out = []
-    for f in dataclasses.fields(want):
-        a, b = getattr(want, f.name), getattr(have, f.name)
-        if isinstance(a, PlanConfig) and isinstance(b, PlanConfig):
-            out += [f"plan.{d}" for d in differences(a, b)]
+    for name, a in want.items():
+        b = have.get(name)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{name}.{d}" for d in differences(a, b)]
         elif a != b or type(a) is not type(b):
-            out.append(f"{f.name}: {a!r} != {b!r}")
+            out.append(f"{name}: {a!r} != {b!r}")
     return out
 
 

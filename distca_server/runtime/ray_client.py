@@ -62,8 +62,8 @@ def _check_settings(name: str, cfg: dict, keep_activations: bool | None,
         raise ValueError(f"job {name!r} runs with keep_activations={cfg['keep_activations']}, not "
                          f"{keep_activations} (it is set once per job, at launch)")
     if config is not None:
-        job = JobConfig.from_dict(cfg["config"])
-        differ = differences(config, job if isinstance(config, JobConfig) else job.plan)
+        job = cfg["config"]  # as a dict: see differences
+        differ = differences(config, job if isinstance(config, JobConfig) else job["plan"])
         if differ:
             raise ValueError(f"job {name!r} runs with another config than the one given to connect "
                              f"(given != the job's, set once at launch): {'; '.join(differ)}")

@@ -137,6 +137,17 @@ def test_differences_name_the_fields():
     assert differences(a, JobConfig(servers=2)) == []
 
 
+def test_connect_compares_the_jobs_settings_without_loading_its_tables_here():
+    from distca_server.runtime.ray_client import _check_settings
+    job = JobConfig().to_dict()
+    job["plan"]["attn_profile"] = "/nonexistent/distca-tables"  # a folder on the scheduler's node only
+    cfg = {"keep_activations": False, "config": msgpack.unpackb(msgpack.packb(job))}
+    for given, field in ((JobConfig(), "plan.attn_profile"), (JobConfig().plan, "attn_profile")):
+        with pytest.raises(ValueError, match=f"another config .*{field}: None != '/nonexistent/distca-tables'"):
+            _check_settings("j", cfg, None, given)
+    _check_settings("j", {"keep_activations": False, "config": JobConfig().to_dict()}, None, JobConfig())  # equal
+
+
 def test_errors_survive_pickling():
     import pickle
     err = pickle.loads(pickle.dumps(ConfigError("JobConfig", ["a", "b"])))
